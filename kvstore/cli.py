@@ -1,0 +1,174 @@
+"""``kvstore`` command line: serve, router, demo, stats, events."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+
+from . import __version__
+
+SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", re.I)
+UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512MiB', '4G', '1048576' -> bytes (binary units)."""
+    m = SIZE_RE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GiB, 512MiB or 1048576")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * UNITS[unit if unit != "B" else ""])
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log verbosity (info)")
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run a store server (with an embedded router)",
+        description="Run one store server: workers of this node register their KV-cache "
+        "layers with it, save finished prompt blocks into its slot pool and load them back. "
+        "By default it embeds a KV-aware router on the same port, a whole single-node "
+        "deployment in one command.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (127.0.0.1; use 0.0.0.0 only on a trusted network)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 picks a free one)")
+    p.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"),
+                   help="slot pool bytes per device, e.g. 64GiB (1GiB)")
+    p.add_argument("--device", default="auto",
+                   help="where the pool lives: auto (every GPU if present, else host), cpu, "
+                   "cuda, cuda:N (auto)")
+    p.add_argument("--node-id", default="", help="name of this node in events (host:port)")
+    p.add_argument("--no-router", action="store_true", help="do not embed the router")
+    add_common(p)
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="run the end-to-end demo: server, two TP workers, save, load, check",
+        description="Start a store server and two tensor-parallel worker processes with "
+        "KV caches in shared memory (or GPU memory), save prompts that share a long prefix, "
+        "load them into a fresh instance and compare every byte, then show that the same "
+        "model with MTP on lands in another namespace. Prints a summary table.")
+    p.add_argument("--layers", type=int, default=32, help="model layers (32)")
+    p.add_argument("--heads", type=int, default=8, help="KV heads in total (8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (128)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts sharing a prefix (4)")
+    p.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix tokens (512)")
+    p.add_argument("--suffix-tokens", type=int, default=128, help="tokens per prompt suffix (128)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto)")
+    p.add_argument("--pool-size", type=parse_size, default=parse_size("2GiB"),
+                   help="server pool size (2GiB)")
+    add_common(p)
+
+
+def add_stats(sub) -> None:
+    p = sub.add_parser("stats", help="print a store server's counters")
+    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+
+
+def add_events(sub) -> None:
+    p = sub.add_parser("events", help="print a store server's events as they happen")
+    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="kvstore: a GPU KV-cache block store and KV-aware router for LLM serving. "
+        "Workers register their paged KV caches with the store server of their node, save "
+        "prompt blocks and load them back; the router sends each request to the compatible "
+        "worker that can reuse the most KV.")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve(sub)
+    add_router(sub)
+    add_demo(sub)
+    add_stats(sub)
+    add_events(sub)
+    return parser
+
+
+def add_router(sub) -> None:
+    from .router.cli import add_router_arguments
+
+    p = sub.add_parser(
+        "router", help="run a standalone KV-aware router for several store servers",
+        description="Run the KV-aware router on its own: workers register cards, store "
+        "servers and vLLM publishers feed its prefix index, requests are routed to the best "
+        "compatible worker.")
+    add_router_arguments(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        setup_logging(args.log_level)
+        return asyncio.run(_serve(args)) or 0
+    if args.command == "router":
+        from .router.cli import run_router
+
+        setup_logging(args.log_level)
+        asyncio.run(run_router(args))
+        return 0
+    if args.command == "demo":
+        from .demo import run_demo
+
+        setup_logging(args.log_level)
+        return run_demo(args)
+    if args.command == "stats":
+        from .client import StoreClient
+
+        print(StoreClient(args.address).stats())
+        return 0
+    if args.command == "events":
+        return _print_events(args.address)
+    return 2
+
+
+async def _serve(args) -> None:
+    from .service.server import ServerConfig, StoreServer, serve_until_signal
+
+    config = ServerConfig(host=args.host, port=args.port, pool_size=args.pool_size,
+                          device=args.device, node_id=args.node_id)
+    try:
+        server = StoreServer(config)
+    except ValueError as exc:
+        logging.getLogger("kvstore").error("%s", exc)
+        return 2
+    if not args.no_router:
+        from .router.cli import embed_router
+
+        embed_router(server, args)
+    await serve_until_signal(server)
+
+
+def _print_events(address: str) -> int:
+    import grpc
+
+    from ._proto import store_pb2 as pb
+    from ._proto import store_pb2_grpc as pb_grpc
+    from .events import StoreEvent
+
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(address))
+    try:
+        for event in stub.Events(pb.EventsRequest()):
+            print(StoreEvent.decode(event.payload), flush=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The slot pool: one big allocation per device, carved into slots.
+
+Slot sizes differ by namespace and layer, so the pool is split into equal
+*slabs*; a slab serves one slot size (rounded up to ``ALIGN``) while it holds
+any slot, and goes back to the shared free list the moment its last slot is
+freed. Churn between sizes therefore never strands memory in a size class:
+the worst case is one partly used slab per size class, and only empty slabs
+move between classes. Allocation and free are O(1) per slab touched; free
+slots are kept as integer stacks in numpy arrays, never as Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN = 256  # bytes; keeps every slot 16-byte aligned for the copy kernels
+DEFAULT_SLAB_BYTES = 8 << 20
+
+
+def round_size(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass
+class _Slab:
+    """A slab serving one slot size: a stack of its free slot indices."""
+
+    slot_bytes: int
+    free: np.ndarray  # int32 stack of free slot indices
+    top: int          # number of free entries in ``free``
+
+    @property
+    def capacity(self) -> int:
+        return len(self.free)
+
+
+class SlotPool:
+    """Slots of any size up to ``slab_bytes`` out of one allocation on ``device``."""
+
+    def __init__(self, pool_bytes: int, device: str = "cpu",
+                 slab_bytes: int = DEFAULT_SLAB_BYTES):
+        if slab_bytes % ALIGN or slab_bytes <= 0:
+            raise ValueError(f"slab_bytes {slab_bytes} must be a positive multiple of {ALIGN}")
+        num_slabs = pool_bytes // slab_bytes
+        if num_slabs < 1:
+            raise ValueError(f"pool of {pool_bytes} bytes is smaller than one slab "
+                             f"({slab_bytes} bytes)")
+        self.device = device
+        self.slab_bytes = slab_bytes
+        self.num_slabs = num_slabs
+        self.buffer = torch.empty(num_slabs * slab_bytes, dtype=torch.uint8, device=device)
+        self.base = self.buffer.data_ptr()
+        self._free_slabs = list(range(num_slabs - 1, -1, -1))
+        self._slabs: dict[int, _Slab] = {}
+        self._partial: dict[int, dict[int, None]] = {}  # size -> ordered set of slab ids
+        self._class_free: dict[int, int] = {}           # size -> free slots in its slabs
+        self.used_bytes = 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slabs * self.slab_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.pool_bytes - self.used_bytes
+
+    def slots_per_slab(self, nbytes: int) -> int:
+        return self.slab_bytes // round_size(nbytes)
+
+    def can_alloc(self, nbytes: int, count: int) -> bool:
+        size = round_size(nbytes)
+        if size > self.slab_bytes:
+            return False
+        have = self._class_free.get(size, 0) + len(self._free_slabs) * (self.slab_bytes // size)
+        return have >= count
+
+    def alloc(self, nbytes: int, count: int) -> np.ndarray | None:
+        """``count`` slot offsets of at least ``nbytes`` each, or None (nothing taken)."""
+        if not self.can_alloc(nbytes, count):
+            return None
+        size = round_size(nbytes)
+        out = np.empty(count, dtype=np.int64)
+        got = 0
+        while got < count:
+            slab_id = self._partial_slab(size)
+            slab = self._slabs[slab_id]
+            take = min(slab.top, count - got)
+            idx = slab.free[slab.top - take:slab.top]
+            out[got:got + take] = slab_id * self.slab_bytes + idx.astype(np.int64) * size
+            slab.top -= take
+            got += take
+            if slab.top == 0:
+                del self._partial[size][slab_id]
+        self._class_free[size] -= count
+        self.used_bytes += count * size
+        return out
+
+    def free(self, nbytes: int, offsets: np.ndarray) -> None:
+        """Return slots allocated with ``alloc(nbytes, ...)``."""
+        size = round_size(nbytes)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        slab_ids = offsets // self.slab_bytes
+        for slab_id in np.unique(slab_ids).tolist():
+            slab = self._slabs[slab_id]
+            if slab.slot_bytes != size:
+                raise ValueError(f"slot of slab {slab_id} freed as {size} bytes, "
+                                 f"allocated as {slab.slot_bytes}")
+            idx = (offsets[slab_ids == slab_id] % self.slab_bytes) // size
+            slab.free[slab.top:slab.top + len(idx)] = idx
+            slab.top += len(idx)
+            self._partial[size][slab_id] = None
+            if slab.top == slab.capacity:
+                self._release_slab(slab_id, size)
+        self._class_free[size] += len(offsets)
+        self.used_bytes -= len(offsets) * size
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The bytes of one slot, as a uint8 tensor view into the pool."""
+        return self.buffer[offset:offset + nbytes]
+
+    def _partial_slab(self, size: int) -> int:
+        partial = self._partial.setdefault(size, {})
+        if partial:
+            return next(iter(partial))
+        slab_id = self._free_slabs.pop()
+        capacity = self.slab_bytes // size
+        self._slabs[slab_id] = _Slab(size, np.arange(capacity - 1, -1, -1, dtype=np.int32),
+                                     capacity)
+        partial[slab_id] = None
+        self._class_free[size] = self._class_free.get(size, 0) + capacity
+        return slab_id
+
+    def _release_slab(self, slab_id: int, size: int) -> None:
+        slab = self._slabs.pop(slab_id)
+        del self._partial[size][slab_id]
+        self._class_free[size] -= slab.capacity
+        self._free_slabs.append(slab_id)
+
+    def check(self) -> None:
+        """Invariants, for tests: byte accounting and no slot both free and used."""
+        total_free = sum(self._class_free.values())
+        assert total_free == sum(s.top for s in self._slabs.values())
+        used = sum((s.capacity - s.top) * s.slot_bytes for s in self._slabs.values())
+        assert used == self.used_bytes, (used, self.used_bytes)
+        assert len(self._free_slabs) + len(self._slabs) == self.num_slabs
+        for slab in self._slabs.values():
+            assert len(set(slab.free[:slab.top].tolist())) == slab.top

@@ -1,0 +1,1 @@
+"""gRPC service layer: thin handlers that decode, call the core, encode."""

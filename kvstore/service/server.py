@@ -1,0 +1,136 @@
+"""Assemble and run a store server: pools, copy engines, registry, store, gRPC.
+
+``kvstore serve`` calls :func:`run`; tests and the demo use
+:class:`StoreServer` directly to start one on a loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .._proto import store_pb2_grpc as pb_grpc
+from ..attach import attach
+from ..copy import copier_for
+from ..pool import DEFAULT_SLAB_BYTES, SlotPool
+from ..registry import Registry
+from ..store import BlockStore
+from .store_service import KVStoreService
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "kvstore.v1.KVStore"
+EXPIRE_EVERY_S = 1.0
+
+# Liveness: a rank's registration is its open RegisterLayers call. A killed
+# process closes its socket at once; a hung host stops answering keepalive
+# pings and its calls are cancelled after about keepalive_time + timeout.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 16 << 20),
+]
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    pool_size: int = 1 << 30
+    device: str = "auto"
+    slab_bytes: int = DEFAULT_SLAB_BYTES
+    node_id: str = ""
+
+
+def resolve_devices(device: str) -> list[str]:
+    """``auto``: every GPU when present, else the host. Also cpu, cuda, cuda:N."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return ["cpu"]
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible")
+    if device == "cuda":
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if device.startswith("cuda:") and device[5:].isdigit():
+        if int(device[5:]) >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} devices")
+        return [device]
+    raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+
+
+class StoreServer:
+    """One store server: start it, read ``.port``, stop it."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.devices = resolve_devices(config.device)
+        self.node_id = config.node_id or f"{socket.gethostname()}:{config.port}"
+        self.pools = {d: SlotPool(config.pool_size, d, config.slab_bytes) for d in self.devices}
+        self.registry = Registry(mapper=attach)
+        self.store = BlockStore(self.pools, {d: copier_for(d) for d in self.devices},
+                                node_id=self.node_id, on_event=self._on_event)
+        self.service = KVStoreService(self.registry, self.store, ",".join(self.devices))
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._event_sinks = [self.service.publish]
+        self._expirer: asyncio.Task | None = None
+
+    def add_event_sink(self, sink) -> None:
+        """Also hand every store event to ``sink`` (the embedded router)."""
+        self._event_sinks.append(sink)
+
+    def _on_event(self, event) -> None:
+        for sink in self._event_sinks:
+            sink(event)
+
+    async def start(self) -> int:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._expirer = asyncio.create_task(self._expire_loop())
+        log.info("kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
+                 self.config.host, self.port, ",".join(self.devices),
+                 self.config.pool_size / 2**30)
+        return self.port
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY_S)
+            self.store.expire()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self._expirer:
+            self._expirer.cancel()
+        await self.health.enter_graceful_shutdown()
+        if self.server:
+            await self.server.stop(grace)
+        log.info("kvstore store server stopped")
+
+
+async def serve_until_signal(server: StoreServer) -> None:
+    """Run until SIGINT/SIGTERM, then drain in-flight calls and exit."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await stop.wait()
+    log.info("signal received; shutting down")
+    await server.stop()
