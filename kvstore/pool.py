@@ -52,6 +52,8 @@ class SlotPool:
         self.slab_bytes = slab_bytes
         self.num_slabs = num_slabs
         self.buffer = torch.empty(num_slabs * slab_bytes, dtype=torch.uint8, device=device)
+        if device == "cpu":
+            self.buffer.zero_()  # fault every page in now, not inside the first saves
         self.base = self.buffer.data_ptr()
         self._free_slabs = list(range(num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}

@@ -1,0 +1,223 @@
+"""Every bad registration gets a precise status, changes nothing, and a
+corrected registration still seals."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvstore._proto import store_pb2 as pb
+from kvstore.client import KVLayer, StoreClient, _call, kv_cache_shm
+from kvstore.errors import KVError
+
+LAYERS = 2
+
+
+@pytest.fixture
+def kit(server):
+    """Shared-memory KV caches for two ranks plus a request builder."""
+    caches = {r: [kv_cache_shm("kv_first", 8, 4, 2, 16, torch.float16) for _ in range(LAYERS)]
+              for r in range(2)}
+    client = StoreClient(server.address)
+
+    def request(rank=0, tp_rank=None, instance="inst", **fields) -> pb.RegisterLayersRequest:
+        layers = [KVLayer(f"layer.{i}", shm.tensor, "kv_first", "NHD", shm)
+                  for i, shm in enumerate(caches[rank])]
+        req = pb.RegisterLayersRequest(
+            instance_id=instance, client_namespace="llama", rank=rank,
+            tp_rank=rank if tp_rank is None else tp_rank, tp_size=2, world_size=2,
+            block_size=4, hash_format="kvstore-blake3-v1", layers=[x.spec() for x in layers])
+        for key, value in fields.items():
+            setattr(req, key, value)
+        return req
+
+    sessions = []
+
+    def register(req):
+        sess = client.register_raw(req)
+        sessions.append(sess)
+        return sess
+
+    yield request, register, server
+    for sess in sessions:
+        sess.close()
+    for shms in caches.values():
+        for shm in shms:
+            shm.close()
+
+
+def refused(register, req, code, *words):
+    with pytest.raises(KVError) as info:
+        register(req)
+    assert info.value.code == code, info.value
+    for word in words:
+        assert word in info.value.message, info.value.message
+    return info.value
+
+
+def still_waiting_then_seals(register, request, server, fix=None):
+    inst = server.call(lambda: server.server.registry.instances.get("inst"))
+    assert inst is None or inst.seal is None
+    sess = register(fix or request(rank=1))
+    assert sess.wait_sealed(10).final_namespace.startswith("llama.")
+
+
+def test_two_owners_for_one_cell(kit):
+    request, register, server = kit
+    register(request(rank=0))
+    refused(register, request(rank=1, tp_rank=0), grpc.StatusCode.ALREADY_EXISTS,
+            "layer.0", "tp_rank 0", "rank 1")
+    still_waiting_then_seals(register, request, server)
+
+
+def test_same_rank_twice(kit):
+    request, register, server = kit
+    register(request(rank=0))
+    refused(register, request(rank=0), grpc.StatusCode.ALREADY_EXISTS, "rank 0")
+    still_waiting_then_seals(register, request, server)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "bfloat16"), ("bytes_per_block", 1024), ("kv_layout", "HND"),
+])
+def test_geometry_disagreeing_across_ranks(kit, field, value):
+    request, register, server = kit
+    register(request(rank=0))
+    bad = request(rank=1)
+    setattr(bad.layers[1], field, value)
+    if field == "bytes_per_block":
+        bad.layers[1].block_stride = 1024
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.1", field, "rank 1")
+    still_waiting_then_seals(register, request, server)
+
+
+def test_segments_disagreeing_across_ranks(kit):
+    request, register, server = kit
+    register(request(rank=0))
+    bad = request(rank=1)
+    bad.layers[0].segments = 1
+    bad.layers[0].layout_kind = pb.BLOCKS_FIRST
+    bad.layers[0].block_stride = bad.layers[0].bytes_per_block
+    bad.layers[0].segment_stride = 0
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.0", "segments", "rank 1")
+    still_waiting_then_seals(register, request, server)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_size", 8), ("hash_format", "vllm-sha256"), ("world_size", 4),
+    ("client_namespace", "other"),
+])
+def test_instance_fields_disagreeing(kit, field, value):
+    request, register, server = kit
+    register(request(rank=0))
+    refused(register, request(rank=1, **{field: value}), grpc.StatusCode.INVALID_ARGUMENT,
+            field, "rank 1")
+    still_waiting_then_seals(register, request, server)
+
+
+def test_tp_rank_outside_tp_size(kit):
+    request, register, server = kit
+    register(request(rank=0))
+    refused(register, request(rank=1, tp_rank=2), grpc.StatusCode.INVALID_ARGUMENT,
+            "tp_rank 2", "tp_size=2")
+    still_waiting_then_seals(register, request, server)
+
+
+def test_world_size_not_multiple_of_tp(kit):
+    request, register, server = kit
+    refused(register, request(rank=0, world_size=3), grpc.StatusCode.INVALID_ARGUMENT,
+            "world_size 3")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+@pytest.mark.parametrize("ns", ["llama.v2", "", "a" * 129, "sp ace"])
+def test_bad_client_namespace(kit, ns):
+    request, register, server = kit
+    refused(register, request(rank=0, client_namespace=ns), grpc.StatusCode.INVALID_ARGUMENT,
+            "client_namespace")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_empty_layer_list(kit):
+    request, register, server = kit
+    bad = request(rank=0)
+    del bad.layers[:]
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layers is empty", "rank 0")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_missing_layer_would_fail_the_seal(kit):
+    request, register, server = kit
+    register(request(rank=0))
+    bad = request(rank=1)
+    del bad.layers[1]
+    refused(register, bad, grpc.StatusCode.FAILED_PRECONDITION, "layer.1", "tp_rank 1")
+    still_waiting_then_seals(register, request, server)
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda r: r.layers.extend([r.layers[0]] * 1100), ["layers has", "1024"]),
+    (lambda r: setattr(r.layers[0], "name", "x" * 300), ["layers.name"]),
+    (lambda r: setattr(r, "instance_id", "i" * 300), ["instance_id"]),
+    (lambda r: setattr(r.layers[0], "num_blocks", 1 << 30), ["num_blocks"]),
+    (lambda r: setattr(r.layers[0], "bytes_per_block", 1 << 40), ["bytes_per_block"]),
+    (lambda r: setattr(r, "tp_size", 1000), ["tp_size 1000"]),
+    (lambda r: setattr(r, "block_size", 0), ["block_size 0"]),
+    (lambda r: setattr(r.layers[0], "segments", 3), ["segments 3"]),
+    (lambda r: setattr(r.layers[0], "kv_layout", "XYZ"), ["kv_layout"]),
+    (lambda r: setattr(r.layers[1], "name", "layer.0"), ["appears twice"]),
+])
+def test_out_of_bounds_fields(kit, mutate, words):
+    request, register, server = kit
+    bad = request(rank=0)
+    mutate(bad)
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, *words)
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_unmappable_shared_memory(kit):
+    request, register, server = kit
+    bad = request(rank=0)
+    bad.layers[0].memory.host.name = "kvstore-no-such-object"
+    refused(register, bad, grpc.StatusCode.FAILED_PRECONDITION, "layer.0",
+            "cannot open shared memory")
+    bad = request(rank=0)
+    bad.layers[1].memory.host.name = "../etc/passwd"
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "not a valid shared-memory name")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_layer_larger_than_its_memory(kit):
+    request, register, server = kit
+    bad = request(rank=0)
+    bad.layers[0].memory.host.offset = 4096
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.0", "exceed")
+    bad = request(rank=0)
+    bad.layers[0].memory.host.size = 1 << 40
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "size")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_missing_memory_handle(kit):
+    request, register, server = kit
+    bad = request(rank=0)
+    bad.layers[0].ClearField("memory")
+    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layers[0].memory")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
+def test_unknown_instance(kit):
+    request, register, server = kit
+    client = StoreClient(server.address)
+    with pytest.raises(KVError) as info:
+        _call(client.stub.Save, pb.SaveRequest(instance_id="ghost", rank=0, session="x",
+                                               blocks=[pb.BlockRef(block_hash=1, block_id=0)]), 5)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,75 @@
+"""Slot pool: accounting, no overlaps, and no fragmentation under churn."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.pool import ALIGN, SlotPool, round_size
+
+SLAB = 64 << 10
+SIZES = [100, 4096, 5000, 16384, 40000, SLAB]
+
+
+def overlaps(live: dict[int, int]) -> bool:
+    spans = sorted(live.items())
+    return any(a + sa > b for (a, sa), (b, _) in zip(spans, spans[1:]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(SIZES), st.integers(1, 40)),
+                max_size=60))
+def test_random_alloc_free_keeps_invariants(ops):
+    pool = SlotPool(16 * SLAB, slab_bytes=SLAB)
+    live: dict[int, int] = {}      # offset -> rounded size
+    batches: list[tuple[int, np.ndarray]] = []
+    for do_alloc, size, count in ops:
+        if do_alloc or not batches:
+            could = pool.can_alloc(size, count)
+            got = pool.alloc(size, count)
+            assert (got is not None) == could
+            if got is None:
+                continue
+            assert len(set(got.tolist())) == count
+            for off in got.tolist():
+                assert off % ALIGN == 0
+                assert off not in live
+                live[off] = round_size(size)
+            batches.append((size, got))
+        else:
+            size, got = batches.pop(count % len(batches))
+            pool.free(size, got)
+            for off in got.tolist():
+                del live[off]
+        pool.check()
+        assert not overlaps(live)
+        assert pool.used_bytes == sum(live.values())
+        assert all(off // SLAB == (off + s - 1) // SLAB for off, s in live.items())
+    for size, got in batches:
+        pool.free(size, got)
+    pool.check()
+    assert pool.used_bytes == 0
+    assert pool.can_alloc(SLAB, 16)  # every slab came back: nothing stranded
+
+
+def test_churn_between_sizes_does_not_fragment():
+    pool = SlotPool(32 * SLAB, slab_bytes=SLAB)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        small = pool.alloc(4096, 8 * 16)  # 8 slabs of small slots
+        big = pool.alloc(SLAB // 2, 16)  # 8 slabs of big ones
+        assert small is not None and big is not None
+        keep = rng.permutation(len(small))
+        pool.free(4096, small[keep])  # free in random order
+        pool.free(SLAB // 2, big)
+        pool.check()
+    assert pool.used_bytes == 0
+    assert pool.alloc(SLAB, 32) is not None  # the whole pool as one size class again
+
+
+def test_all_or_nothing():
+    pool = SlotPool(2 * SLAB, slab_bytes=SLAB)
+    assert pool.alloc(SLAB // 2, 5) is None
+    assert pool.used_bytes == 0
+    assert pool.alloc(SLAB + 1, 1) is None  # larger than a slab
