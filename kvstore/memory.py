@@ -26,7 +26,7 @@ from .errors import invalid, precondition
 from .limits import MAX_SHM_NAME_LEN
 
 SHM_DIR = "/dev/shm"
-SHM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_SHM_NAME_LEN)
+SHM_NAME_RE = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_SHM_NAME_LEN}}}")
 
 
 @dataclass

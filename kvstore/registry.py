@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,%d}" % MAX_NAME_LEN)
+INSTANCE_ID_RE = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_NAME_LEN}}}")
 LAYOUT_KINDS = {"kv_first": 2, "blocks_first": 1, "mla": 1}  # kind -> segments
 
 

@@ -1,0 +1,790 @@
+"""Peer transfer: pull sealed blocks' slot bytes from another store server over UCX.
+
+A store server runs a :class:`PeerServer` next to its gRPC service; another
+node that misses a prefix calls :func:`fetch` with the peer's address. The
+bytes go straight from the peer's pool views into slots the fetching store
+reserved (UCX tag messages, zero-copy rendezvous above 8 KiB; GPU to GPU where
+UCX is CUDA-aware). This module knows nothing about the store: the serving
+side sees a :class:`SlotSource`, the fetching side a :class:`SlotSink`.
+
+Wire protocol (one fetch at a time per endpoint; endpoints are pooled)::
+
+    fetcher                                      peer
+    REQUEST [version, namespace, hashes u64le] ─▶  lease the longest sealed prefix
+                          ◀─ REPLY [layouts, block_layout]  (or ERROR [code, msg])
+    reserve local slots, post every receive
+    GO(n)  (n = 0 cancels)                    ─▶
+                          ◀─ slot bytes, one tag message per slot, windowed
+    all receives done: commit                     all sends done: release lease
+
+Every control frame is a fixed 16-byte preamble (magic, version, kind, arg)
+then, for REQUEST/REPLY/ERROR, a msgpack body of ``arg`` bytes; GO carries
+its count in ``arg``. Slot ``i`` of the flattened (block, slot) order travels
+on its own tag, so matching never depends on posting order. Counts, sizes and
+string lengths are bounded on both sides, msgpack is decoded with explicit
+limits, nothing is unpickled. A UCX receive never writes past the view it was
+posted with (a longer message fails as truncated), and every slot size the
+peer announces must equal what the sink reserved.
+
+Failure rules: every wait is bounded by the fetch deadline; on any failure the
+endpoint is aborted (which cancels its UCX requests), the reservation is
+aborted only once no request can still write into it, and the error surfaces
+as :class:`PeerUnavailable` or :class:`PeerTimeout`. The serving side bounds
+its own waits the same way and releases a lease only once no send can still
+read from it, including when the fetcher dies mid-transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import struct
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import msgpack
+import numpy as np
+
+from kvstore import limits
+from kvstore.errors import KVError
+
+log = logging.getLogger(__name__)
+
+# ---- bounds -----------------------------------------------------------------
+
+PROTOCOL_VERSION = 1
+MAX_NAMESPACE_LEN = limits.MAX_NAMESPACE_LEN + 1 + 16  # client namespace "." fingerprint
+MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
+MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
+MAX_SLOTS_PER_FETCH = 1 << 20  # a peer trims its prefix to stay under this
+MAX_SLOT_BYTES = limits.MAX_BYTES_PER_BLOCK
+MAX_REQUEST_BYTES = 128 << 10
+MAX_REPLY_BYTES = 16 << 20
+MAX_ERROR_BYTES = 8 << 10
+MAX_HASH = (1 << 64) - 1
+
+# Outstanding slot messages per fetch. Receives run ahead of sends so data
+# lands in posted receives (the expected, zero-copy path) rather than UCX's
+# unexpected-message queue.
+SEND_WINDOW = 64
+RECV_WINDOW = 256
+# How long to wait, after aborting an endpoint, for its requests to settle.
+ABORT_GRACE_S = 5.0
+
+# Tags are hashed by ucxx with the endpoint's own tag; ints hash identically
+# in every process, which is why tags are ints and never strings.
+CONTROL_TAG = 1
+DATA_TAG_BASE = 2
+
+# UCX settings applied (unless already set) before this process first starts
+# UCX. Without MM_ERROR_HANDLING, endpoints with peer-failure handling (which
+# we need to notice a dead peer) cannot use the shared-memory transports and
+# intra-node traffic falls back to tcp over loopback at a fraction of the speed.
+UCX_DEFAULTS = {
+    "UCX_MM_ERROR_HANDLING": "y",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+# ---- errors -----------------------------------------------------------------
+
+
+class PeerUnavailable(KVError):
+    """The peer refused, broke the connection, died, or spoke nonsense."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class PeerTimeout(KVError):
+    """The peer did not finish within the fetch deadline."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the wire protocol (bad magic, kind, size or body)."""
+
+
+# ---- the store's side of the contract -------------------------------------------
+
+
+class Lease(Protocol):
+    """Pinned sealed blocks on the serving peer, valid until release()."""
+
+    hashes: list[int]  # the leased prefix of the requested hashes
+    buffers: list[list[Any]]  # per block, its slots: 1-D uint8 views into the pool
+
+    def release(self) -> None: ...
+
+
+class Reservation(Protocol):
+    """Local slots allocated for incoming blocks, invisible until commit()."""
+
+    buffers: list[list[Any]]  # per block, writable 1-D uint8 views, sized as asked
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class SlotSource(Protocol):
+    """Implemented by the block store on the serving peer."""
+
+    def lease(self, namespace: str, hashes: list[int]) -> Lease | None: ...
+
+
+class SlotSink(Protocol):
+    """Implemented by the block store on the fetching node."""
+
+    def reserve(self, namespace: str, hashes: list[int],
+                slot_sizes: list[list[int]]) -> Reservation: ...
+
+
+# ---- framing ----------------------------------------------------------------
+
+MAGIC = b"KVTP"
+_PREAMBLE = struct.Struct("<4sBBHQ")  # magic, version, kind, reserved, arg
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 1
+    REPLY = 2
+    ERROR = 3
+    GO = 4
+
+
+_BODY_LIMITS = {Kind.REQUEST: MAX_REQUEST_BYTES, Kind.REPLY: MAX_REPLY_BYTES,
+                Kind.ERROR: MAX_ERROR_BYTES}
+
+
+def encode_preamble(kind: Kind, arg: int) -> bytes:
+    return _PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, kind, 0, arg)
+
+
+def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> tuple[Kind, int]:
+    """Check a preamble and return (kind, arg); arg is a body length or GO's count."""
+    magic, version, kind, _reserved, arg = _PREAMBLE.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    if kind not in [int(k) for k in expect]:
+        raise ProtocolError(f"frame kind {kind}, expected one of {[k.name for k in expect]}")
+    kind = Kind(kind)
+    limit = _BODY_LIMITS.get(kind)
+    if limit is not None and not 0 < arg <= limit:
+        raise ProtocolError(f"{kind.name} body of {arg} bytes, limit {limit}")
+    return kind, arg
+
+
+def _unpack(body: bytes, max_len: int) -> Any:
+    """msgpack with every container and string bounded; no extension types."""
+    try:
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=max_len, max_bin_len=max_len, max_array_len=MAX_BLOCKS_PER_FETCH,
+            max_map_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"malformed msgpack body: {e}") from None
+
+
+def encode_request(namespace: str, hashes: Sequence[int]) -> bytes:
+    packed = np.asarray(hashes, dtype="<u8").tobytes()
+    return msgpack.packb([PROTOCOL_VERSION, namespace, packed], use_bin_type=True)
+
+
+def decode_request(body: bytes) -> tuple[str, list[int]]:
+    req = _unpack(body, MAX_REQUEST_BYTES)
+    if not (isinstance(req, list) and len(req) == 3):
+        raise ProtocolError("request is not [version, namespace, hashes]")
+    version, namespace, packed = req
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"request version {version!r}")
+    check_namespace(namespace, ProtocolError)
+    if not isinstance(packed, bytes) or len(packed) % 8:
+        raise ProtocolError("hashes must be packed little-endian u64")
+    count = len(packed) // 8
+    if not 0 < count <= MAX_BLOCKS_PER_FETCH:
+        raise ProtocolError(f"{count} hashes, limit 1..{MAX_BLOCKS_PER_FETCH}")
+    return namespace, np.frombuffer(packed, dtype="<u8").tolist()
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the peer will send: per block, its slot sizes (a prefix of the request)."""
+
+    slot_sizes: list[list[int]]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(len(s) for s in self.slot_sizes)
+
+
+def encode_offer(slot_sizes: list[list[int]]) -> bytes:
+    """Blocks of one namespace nearly always share one layout: send each distinct
+    layout once and an index per block, so a 64-slot x 8k-block reply stays small."""
+    layouts: dict[tuple[int, ...], int] = {}
+    index = [layouts.setdefault(tuple(s), len(layouts)) for s in slot_sizes]
+    packed = [np.asarray(k, dtype="<u8").tobytes() for k in layouts]
+    return msgpack.packb([packed, np.asarray(index, dtype="<u4").tobytes()], use_bin_type=True)
+
+
+def decode_offer(body: bytes, requested: int) -> Offer:
+    """Validate everything a (possibly malicious) peer says before acting on it."""
+    reply = _unpack(body, MAX_REPLY_BYTES)
+    if not (isinstance(reply, list) and len(reply) == 2):
+        raise ProtocolError("reply is not [layouts, block_layout]")
+    packed_layouts, packed_index = reply
+    if not isinstance(packed_index, bytes) or len(packed_index) % 4:
+        raise ProtocolError("block_layout must be packed u32")
+    index = np.frombuffer(packed_index, dtype="<u4")
+    if len(index) > requested:
+        raise ProtocolError(f"peer offers {len(index)} blocks, {requested} were asked")
+    if not isinstance(packed_layouts, list) or len(packed_layouts) > max(len(index), 1):
+        raise ProtocolError("layouts must be a list, at most one per block")
+    layouts = [_decode_layout(p) for p in packed_layouts]
+    if len(index) and int(index.max()) >= len(layouts):
+        raise ProtocolError("block_layout points past the layouts")
+    slot_sizes = [layouts[i] for i in index.tolist()]
+    offer = Offer(slot_sizes)
+    if offer.num_slots > MAX_SLOTS_PER_FETCH:
+        raise ProtocolError(f"{offer.num_slots} slots, limit {MAX_SLOTS_PER_FETCH}")
+    return offer
+
+
+def _decode_layout(packed: Any) -> list[int]:
+    if not isinstance(packed, bytes) or len(packed) % 8:
+        raise ProtocolError("a layout must be packed u64 slot sizes")
+    sizes = np.frombuffer(packed, dtype="<u8")
+    if not 0 < len(sizes) <= MAX_SLOTS_PER_BLOCK:
+        raise ProtocolError(f"{len(sizes)} slots per block, limit 1..{MAX_SLOTS_PER_BLOCK}")
+    if int(sizes.min()) < 1 or int(sizes.max()) > MAX_SLOT_BYTES:
+        raise ProtocolError(f"slot size outside 1..{MAX_SLOT_BYTES}")
+    return sizes.tolist()
+
+
+def encode_error(code: grpc.StatusCode, message: str) -> bytes:
+    return msgpack.packb([code.name, message[:1024]], use_bin_type=True)
+
+
+def decode_error(body: bytes, peer: str) -> KVError:
+    """A peer's refusal: our own bad request stays INVALID_ARGUMENT, the rest is UNAVAILABLE."""
+    err = _unpack(body, MAX_ERROR_BYTES)
+    if not (isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err)):
+        return PeerUnavailable(f"peer {peer} sent a malformed error")
+    code, message = err
+    if code == grpc.StatusCode.INVALID_ARGUMENT.name:
+        return KVError(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {message}")
+    return PeerUnavailable(f"peer {peer} refused ({code}): {message}")
+
+
+def check_namespace(namespace: Any, error: Callable[[str], Exception]) -> None:
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_NAMESPACE_LEN:
+        raise error(f"namespace must be a string of 1..{MAX_NAMESPACE_LEN} characters")
+
+
+# ---- buffers ----------------------------------------------------------------
+
+
+def _as_array(buf: Any, writable: bool) -> Any:
+    """Wrap a slot view for UCX once (numpy, cupy, or torch CPU/CUDA tensors)."""
+    from ucxx._lib.arr import Array
+
+    if type(buf).__module__.startswith("torch") and not hasattr(buf, "__cuda_array_interface__"):
+        buf = buf.detach().numpy()  # zero-copy view of a CPU tensor
+    arr = Array(buf)
+    if not arr.c_contiguous:
+        raise ValueError("slot views must be contiguous")
+    if writable and arr.readonly:
+        raise ValueError("reserved slot views must be writable")
+    return arr
+
+
+def flat_views(buffers: list[list[Any]], slot_sizes: list[list[int]], writable: bool) -> list[Any]:
+    """Flatten per-block views, checking each one has exactly the announced size."""
+    if len(buffers) != len(slot_sizes):
+        raise ValueError(f"{len(buffers)} blocks of views for {len(slot_sizes)} blocks")
+    flat = []
+    for b, (views, sizes) in enumerate(zip(buffers, slot_sizes, strict=True)):
+        if len(views) != len(sizes):
+            raise ValueError(f"block {b}: {len(views)} views for {len(sizes)} slots")
+        for s, (view, size) in enumerate(zip(views, sizes, strict=True)):
+            arr = _as_array(view, writable)
+            if arr.nbytes != size:
+                raise ValueError(f"block {b} slot {s}: view of {arr.nbytes} bytes, expected {size}")
+            flat.append(arr)
+    return flat
+
+
+# ---- UCX plumbing -------------------------------------------------------------
+
+
+def _ucxx() -> Any:
+    """Import ucxx late, after our UCX defaults are in the environment."""
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    import ucxx
+
+    return ucxx
+
+
+def _is_ucx_error(exc: BaseException) -> bool:
+    from ucxx.exceptions import UCXError
+
+    return isinstance(exc, UCXError)
+
+
+@dataclass(eq=False)
+class Conn:
+    """One UCX endpoint and whether it may still carry another fetch."""
+
+    ep: Any
+    peer: str
+    broken: bool = False
+    # Requests that were still in flight when we gave up on them.
+    unsettled: list[asyncio.Task] = field(default_factory=list)
+
+    def abort(self) -> None:
+        """Close abruptly: UCX cancels every request still posted on the endpoint."""
+        if not self.broken:
+            self.broken = True
+            try:
+                self.ep.abort()
+            except Exception:  # already closed by the peer's failure
+                log.debug("abort of endpoint to %s failed", self.peer, exc_info=True)
+
+    @property
+    def usable(self) -> bool:
+        return not self.broken and not self.ep.closed
+
+
+async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what: str) -> list:
+    """Await UCX operations without ever abandoning one that may still touch memory.
+
+    Cancelling a ucxx coroutine does not cancel its UCX request, which could then
+    write into a buffer we freed. So operations run as tasks that are never
+    cancelled: on failure, timeout or outer cancellation the endpoint is aborted
+    (UCX then cancels its requests) and we wait for them to settle. Tasks that
+    do not settle within the grace period are left in ``conn.unsettled``.
+    """
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.ensure_future(op) for op in ops]
+    timeout = None if deadline is None else max(0.0, deadline - loop.time())
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=timeout,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled from outside
+        await _abort_and_settle(conn, tasks)
+        raise
+    failed = [t for t in done if t.exception() is not None]
+    if not failed and not pending:
+        return [t.result() for t in tasks]
+    await _abort_and_settle(conn, tasks)
+    if failed:
+        raise _peer_error(failed[0].exception(), conn.peer, what)
+    raise PeerTimeout(f"peer {conn.peer}: {what} did not finish within the deadline")
+
+
+async def _abort_and_settle(conn: Conn, tasks: list[asyncio.Task]) -> None:
+    conn.abort()
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=ABORT_GRACE_S)
+        if still:
+            log.error("%d UCX requests to %s did not settle after abort", len(still), conn.peer)
+            conn.unsettled.extend(still)
+    for t in tasks:  # mark exceptions as retrieved: the first one is reported
+        if t.done() and not t.cancelled():
+            t.exception()
+
+
+def _peer_error(exc: BaseException, peer: str, what: str) -> Exception:
+    if isinstance(exc, KVError):
+        return exc
+    if isinstance(exc, ProtocolError):
+        return PeerUnavailable(f"peer {peer}: protocol error during {what}: {exc}")
+    if _is_ucx_error(exc):
+        return PeerUnavailable(f"peer {peer}: {what} failed: {type(exc).__name__}: {exc}")
+    return exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+
+
+def when_settled(conn: Conn, fn: Callable[[], None]) -> None:
+    """Run ``fn`` (free slots, drop a lease) once no request of ``conn`` can touch them."""
+    pending = [t for t in conn.unsettled if not t.done()]
+    if not pending:
+        fn()
+        return
+    remaining = len(pending)
+
+    def one_done(_task: asyncio.Task) -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0:
+            fn()
+
+    for t in pending:
+        t.add_done_callback(one_done)
+
+
+async def send_frame(conn: Conn, kind: Kind, deadline: float | None, *,
+                     body: bytes = b"", arg: int = 0) -> None:
+    pre = np.frombuffer(encode_preamble(kind, len(body) if body else arg), dtype=np.uint8)
+    ops = [conn.ep.send(pre, tag=CONTROL_TAG)]
+    if body:
+        ops.append(conn.ep.send(np.frombuffer(body, dtype=np.uint8), tag=CONTROL_TAG))
+    await run_ops(conn, ops, deadline, f"sending {kind.name}")
+
+
+async def recv_frame(conn: Conn, expect: Sequence[Kind],
+                     deadline: float | None) -> tuple[Kind, int, bytes]:
+    """Receive one frame; the body buffer is sized by the (bounded) preamble."""
+    pre = np.empty(_PREAMBLE.size, dtype=np.uint8)
+    await run_ops(conn, [conn.ep.recv(pre, tag=CONTROL_TAG)], deadline, "waiting for a frame")
+    kind, arg = decode_preamble(pre.tobytes(), expect)
+    if kind not in _BODY_LIMITS:
+        return kind, arg, b""
+    body = np.empty(arg, dtype=np.uint8)
+    await run_ops(conn, [conn.ep.recv(body, tag=CONTROL_TAG)], deadline, f"receiving {kind.name}")
+    return kind, arg, body.tobytes()
+
+
+def pump(op: Callable[[int, Any], Awaitable[Any]], views: list[Any], window: int) -> list[Coroutine]:
+    """At most ``window`` operations in flight, issued in slot order."""
+    items = iter(enumerate(views))
+
+    async def worker() -> None:
+        for i, view in items:
+            await op(i, view)
+
+    return [worker() for _ in range(min(window, len(views)))]
+
+
+# ---- serving side -------------------------------------------------------------
+
+
+class PeerServer:
+    """UCX listener on a store server that serves fetch requests from a SlotSource.
+
+    One connection serves its fetches one after another; a fetcher that wants
+    parallelism opens more endpoints. ``timeout_s`` bounds how long a lease may
+    wait on a fetcher (for GO, then for all slot sends).
+    """
+
+    def __init__(self, source: SlotSource, host: str = "127.0.0.1", port: int = 0, *,
+                 timeout_s: float = 30.0, send_window: int = SEND_WINDOW):
+        self.source = source
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.send_window = send_window
+        self._listener: Any = None
+        self._conns: set[Conn] = set()
+        self._handlers: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to advertise to the router."""
+        if self._listener is None:
+            raise RuntimeError("PeerServer is not started")
+        return f"{self.host}:{self._listener.port}"
+
+    async def start(self) -> None:
+        ucxx = _ucxx()
+        self._listener = ucxx.create_listener(self._on_connect, port=self.port)
+        self.port = self._listener.port
+
+    async def stop(self) -> None:
+        """Stop listening, cut every connection, and wait for leases to be released."""
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._conns):
+            conn.abort()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=ABORT_GRACE_S)
+        self._listener = None
+
+    async def _on_connect(self, ep: Any) -> None:
+        conn = Conn(ep, peer="fetcher")
+        task = asyncio.current_task()
+        self._conns.add(conn)
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            while conn.usable:
+                _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline=None)
+                await self._serve(conn, body)
+        except (KVError, ProtocolError) as e:
+            log.debug("connection from a fetcher ended: %s", e)
+        except Exception:
+            log.exception("peer transfer connection failed")
+        finally:
+            conn.abort()
+            self._conns.discard(conn)
+            if task is not None:
+                self._handlers.discard(task)
+
+    async def _serve(self, conn: Conn, body: bytes) -> None:
+        """One fetch: refuse, or lease, offer, await GO, send, release."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            namespace, hashes = decode_request(body)
+        except ProtocolError as e:
+            await self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, str(e), deadline)
+            return
+        try:
+            lease = self.source.lease(namespace, hashes)
+        except KVError as e:
+            await self._refuse(conn, e.code, e.message, deadline)
+            return
+        except Exception as e:
+            log.exception("SlotSource.lease failed")
+            await self._refuse(conn, grpc.StatusCode.INTERNAL, f"lease failed: {e}", deadline)
+            return
+        if lease is None:
+            await send_frame(conn, Kind.REPLY, deadline, body=encode_offer([]))
+            return
+        try:
+            await self._send_lease(conn, lease, hashes, deadline)
+        finally:
+            when_settled(conn, lease.release)
+
+    async def _send_lease(self, conn: Conn, lease: Lease, hashes: list[int],
+                          deadline: float) -> None:
+        try:
+            blocks = _offerable(lease, hashes)
+        except (KVError, ValueError) as e:
+            log.error("SlotSource returned a bad lease: %s", e)
+            await self._refuse(conn, grpc.StatusCode.INTERNAL, f"bad lease: {e}", deadline)
+            return
+        sizes = [[a.nbytes for a in block] for block in blocks]
+        await send_frame(conn, Kind.REPLY, deadline, body=encode_offer(sizes))
+        if not sizes:
+            return
+        _, accepted, _ = await recv_frame(conn, [Kind.GO], deadline)
+        if accepted > len(sizes):
+            raise ProtocolError(f"GO for {accepted} blocks, {len(sizes)} were offered")
+        if accepted:
+            views = [a for block in blocks[:accepted] for a in block]
+            await self._send_slots(conn, views, deadline)
+
+    async def _send_slots(self, conn: Conn, views: list[Any], deadline: float) -> None:
+        """Send every slot on its own tag (tests override this to fail mid-way)."""
+        async def send(i: int, view: Any) -> None:
+            await conn.ep.send(view, tag=DATA_TAG_BASE + i)
+
+        await run_ops(conn, pump(send, views, self.send_window), deadline, "sending slots")
+
+    async def _refuse(self, conn: Conn, code: grpc.StatusCode, message: str,
+                      deadline: float) -> None:
+        await send_frame(conn, Kind.ERROR, deadline, body=encode_error(code, message))
+
+
+def _offerable(lease: Lease, hashes: list[int]) -> list[list[Any]]:
+    """UCX-wrapped views of the leased prefix, trimmed to the per-fetch slot bound."""
+    n = len(lease.hashes)
+    if n > len(hashes) or list(lease.hashes) != hashes[:n] or len(lease.buffers) != n:
+        raise ValueError("lease is not a prefix of the request")
+    blocks, total = [], 0
+    for views in lease.buffers:
+        total += len(views)
+        if total > MAX_SLOTS_PER_FETCH or not 0 < len(views) <= MAX_SLOTS_PER_BLOCK:
+            break
+        block = [_as_array(v, writable=False) for v in views]
+        if any(not 0 < a.nbytes <= MAX_SLOT_BYTES for a in block):
+            raise ValueError("slot size out of bounds")
+        blocks.append(block)
+    return blocks
+
+
+# ---- fetching side ------------------------------------------------------------
+
+
+class EndpointPool:
+    """Idle endpoints per peer address: creating one costs a connection handshake."""
+
+    def __init__(self, max_idle_per_peer: int = 4):
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: dict[str, list[Conn]] = {}
+
+    async def acquire(self, address: str, deadline: float) -> Conn:
+        idle = self._idle.get(address, [])
+        while idle:
+            conn = idle.pop()
+            if conn.usable:
+                return conn
+            conn.abort()
+        return await connect(address, deadline)
+
+    def release(self, conn: Conn, reusable: bool) -> None:
+        idle = self._idle.setdefault(conn.peer, [])
+        if reusable and conn.usable and len(idle) < self.max_idle_per_peer:
+            idle.append(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abort()
+        self._idle.clear()
+
+
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EndpointPool] = (
+    weakref.WeakKeyDictionary())
+
+
+def endpoint_pool() -> EndpointPool:
+    """The running event loop's pool (ucxx endpoints belong to one loop)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _POOLS:
+        _POOLS[loop] = EndpointPool()
+    return _POOLS[loop]
+
+
+async def close_endpoints() -> None:
+    """Drop every pooled endpoint of the running loop (shutdown, tests)."""
+    endpoint_pool().close()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise KVError(grpc.StatusCode.INVALID_ARGUMENT, f"bad peer address {address!r}")
+    return host.strip("[]"), int(port)
+
+
+async def connect(address: str, deadline: float) -> Conn:
+    host, port = parse_address(address)
+    ucxx = _ucxx()
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        raise PeerTimeout(f"peer {address}: no time left to connect")
+    try:
+        ep = await asyncio.wait_for(
+            ucxx.create_endpoint(host, port, connect_timeout=remaining), remaining)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise PeerTimeout(f"peer {address}: connect did not finish in {remaining:.1f}s") from None
+    except Exception as e:
+        if _is_ucx_error(e) or isinstance(e, OSError | RuntimeError):
+            raise PeerUnavailable(f"peer {address}: connect failed: {e}") from None
+        raise
+    return Conn(ep, peer=address)
+
+
+def _check_fetch_args(namespace: str, hashes: Sequence[int], timeout_s: float) -> list[int]:
+    def invalid(msg: str) -> KVError:
+        return KVError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+    check_namespace(namespace, invalid)
+    hashes = [int(h) for h in hashes]
+    if len(hashes) > MAX_BLOCKS_PER_FETCH:
+        raise invalid(f"{len(hashes)} hashes, limit {MAX_BLOCKS_PER_FETCH}")
+    if any(not 0 <= h <= MAX_HASH for h in hashes):
+        raise invalid("block hashes must be unsigned 64-bit")
+    if not timeout_s > 0:
+        raise invalid("timeout_s must be positive")
+    return hashes
+
+
+async def fetch(peer_address: str, namespace: str, hashes: Sequence[int], sink: SlotSink,
+                timeout_s: float = 10.0) -> int:
+    """Pull the longest prefix of ``hashes`` the peer holds into slots of ``sink``.
+
+    Returns how many blocks were fetched and committed (a prefix of ``hashes``,
+    0 when the peer has none). Raises PeerUnavailable / PeerTimeout when the
+    peer fails or is too slow; then, as on any failure, the reservation is
+    aborted and nothing becomes visible. Errors raised by the sink propagate.
+    """
+    hashes = _check_fetch_args(namespace, hashes, timeout_s)
+    if not hashes:
+        return 0
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    pool = endpoint_pool()
+    conn = await pool.acquire(peer_address, deadline)
+    reusable = False
+    try:
+        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline)
+        reusable = True
+        return fetched
+    finally:
+        pool.release(conn, reusable)
+
+
+async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSink,
+                    deadline: float) -> int:
+    await send_frame(conn, Kind.REQUEST, deadline, body=encode_request(namespace, hashes))
+    kind, _, body = await _recv_reply(conn, deadline)
+    if kind is Kind.ERROR:
+        raise decode_error(body, conn.peer)
+    offer = _decode_offer(conn, body, len(hashes))
+    if not offer.slot_sizes:
+        return 0
+    try:
+        reservation = sink.reserve(namespace, hashes[:len(offer.slot_sizes)], offer.slot_sizes)
+    except BaseException:
+        await _cancel_offer(conn, deadline)
+        raise
+    try:
+        views = _reserved_views(reservation, offer)
+        await _receive_slots(conn, views, len(offer.slot_sizes), deadline)
+    except BaseException:
+        conn.abort()  # a half-finished exchange: this endpoint cannot be reused
+        when_settled(conn, reservation.abort)
+        raise
+    reservation.commit()
+    return len(offer.slot_sizes)
+
+
+async def _cancel_offer(conn: Conn, deadline: float) -> None:
+    """GO(0): the peer releases its lease and the endpoint stays reusable."""
+    try:
+        await send_frame(conn, Kind.GO, deadline, arg=0)
+    except KVError:
+        conn.abort()  # the caller reports the sink's error, not this one
+
+
+def _reserved_views(reservation: Reservation, offer: Offer) -> list[Any]:
+    try:
+        return flat_views(reservation.buffers, offer.slot_sizes, writable=True)
+    except ValueError as e:
+        raise KVError(grpc.StatusCode.INTERNAL, f"sink reservation does not match: {e}") from None
+
+
+async def _recv_reply(conn: Conn, deadline: float) -> tuple[Kind, int, bytes]:
+    try:
+        return await recv_frame(conn, [Kind.REPLY, Kind.ERROR], deadline)
+    except ProtocolError as e:
+        conn.abort()
+        raise PeerUnavailable(f"peer {conn.peer}: bad reply: {e}") from None
+
+
+def _decode_offer(conn: Conn, body: bytes, requested: int) -> Offer:
+    try:
+        return decode_offer(body, requested)
+    except ProtocolError as e:
+        conn.abort()
+        raise PeerUnavailable(f"peer {conn.peer}: bad offer: {e}") from None
+
+
+async def _receive_slots(conn: Conn, views: list[Any], num_blocks: int,
+                         deadline: float) -> None:
+    """Post receives (a window ahead), then say GO, then wait for every slot."""
+    async def recv(i: int, view: Any) -> None:
+        await conn.ep.recv(view, tag=DATA_TAG_BASE + i)
+
+    receivers = [asyncio.ensure_future(c) for c in pump(recv, views, RECV_WINDOW)]
+    try:
+        await asyncio.sleep(0)  # let the first window of receives be posted
+    except BaseException:
+        await _abort_and_settle(conn, receivers)
+        raise
+    go = np.frombuffer(encode_preamble(Kind.GO, num_blocks), dtype=np.uint8)
+    await run_ops(conn, [*receivers, conn.ep.send(go, tag=CONTROL_TAG)], deadline,
+                  "receiving slots")

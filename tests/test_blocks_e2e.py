@@ -1,0 +1,148 @@
+"""Save / query / load through a real server with real worker processes."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from kvstore._proto import store_pb2 as pb
+from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.client import StoreClient, _call
+from kvstore.errors import KVError
+from kvstore.events import StoreEvent
+from kvstore.worker import WorkerProcess, WorkerSpec
+
+from .conftest import wait_for
+
+
+def instance(server, name, tp_size=2, **kw):
+    base = dict(layers=4, heads=4, head_dim=32, block_size=4, num_blocks=32)
+    workers = [WorkerProcess(WorkerSpec(server.address, name, "llama", r, tp_size,
+                                        **{**base, **kw})) for r in range(tp_size)]
+    ns = [w.call("wait_sealed", 30)["final_namespace"] for w in workers][0]
+    return workers, ns
+
+
+def each(workers, op, arg):
+    for w in workers:
+        w.conn.send((op, arg))
+    return [w._reply() for w in workers]
+
+
+def close(workers):
+    for w in workers:
+        w.close()
+
+
+def collect_events(server, out: list, stop: threading.Event):
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(server.address))
+    call = stub.Events(pb.EventsRequest())
+
+    def reader():
+        try:
+            for ev in call:
+                out.append(StoreEvent.decode(ev.payload))
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=reader, daemon=True).start()
+    return call
+
+
+def test_save_in_one_instance_load_in_another_every_byte(server):
+    events: list[StoreEvent] = []
+    sub = collect_events(server, events, threading.Event())
+    a, ns = instance(server, "a")
+    b, ns_b = instance(server, "b")
+    try:
+        assert ns == ns_b
+        each(a, "fill", [(1000 + i, i) for i in range(8)])
+        saved = each(a, "save", [(500 + i, i) for i in range(8)])
+        assert [r["written"] for r in saved] == [8, 8]
+        assert sum(r["sealed"] for r in saved) == 8
+        client = StoreClient(server.address)
+        hit = client.query(ns, [500 + i for i in range(10)], lease=True)
+        assert hit.prefix_blocks == 8 and hit.lease_id
+        each(b, "load", [(500 + i, 16 + i) for i in range(8)])
+        assert each(b, "digest", list(range(16, 24))) == each(a, "digest", list(range(8)))
+        assert client.release(hit.lease_id) == 8
+        stats = client.stats()
+        assert stats.sealed_blocks == 8 and stats.hits == 8 and stats.misses == 2
+        assert stats.bytes_saved == stats.bytes_loaded > 0
+        assert wait_for(lambda: len(events) == 8)
+        assert {e.type for e in events} == {"stored"} and events[0].namespace == ns
+        assert sorted(h for e in events for h in e.block_hashes) == [500 + i for i in range(8)]
+    finally:
+        sub.cancel()
+        close(a + b)
+
+
+def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
+    a, ns = instance(server, "a")
+    try:
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*block_id 99"):
+            a[0].call("save", [(1, 99)])
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*twice"):
+            a[0].call("save", [(1, 0), (1, 1)])
+        client = StoreClient(server.address)
+        session = a[0].session
+        with pytest.raises(KVError, match="not the caller's"):
+            _call(client.stub.Save, pb.SaveRequest(instance_id="a", rank=1, session=session,
+                                                   blocks=[pb.BlockRef(block_hash=1)]), 5)
+        assert client.stats().used_bytes == 0
+    finally:
+        close(a)
+
+
+def test_killed_writer_leaves_nothing_visible(server):
+    a, ns = instance(server, "a")
+    try:
+        a[0].call("save", [(7, 0), (8, 1)])
+        client = StoreClient(server.address)
+        assert client.stats().inflight_blocks == 2
+        a[0].kill()
+        assert wait_for(lambda: client.stats().inflight_blocks == 0)
+        assert client.stats().used_bytes == 0
+        assert client.query(ns, [7, 8]).prefix_blocks == 0
+    finally:
+        close(a)
+
+
+def test_concurrent_instances_save_and_load_every_byte(server):
+    insts = [instance(server, f"i{k}", num_blocks=48) for k in range(3)]
+    try:
+        # every instance saves its own blocks and one shared run of blocks at once
+        for k, (ws, _) in enumerate(insts):
+            for w in ws:
+                w.conn.send(("fill", [(9000 + j, j) for j in range(8)]
+                             + [(k * 100 + j, 8 + j) for j in range(8)]))
+        for ws, _ in insts:
+            [w._reply() for w in ws]
+        for k, (ws, _) in enumerate(insts):
+            for w in ws:
+                w.conn.send(("save", [(9000 + j, j) for j in range(8)]
+                             + [(k * 100 + j, 8 + j) for j in range(8)]))
+        for ws, _ in insts:
+            [w._reply() for w in ws]
+        ns = insts[0][1]
+        client = StoreClient(server.address)
+        assert client.stats().sealed_blocks == 8 + 3 * 8
+        # now every instance loads every other instance's blocks at once
+        for k, (ws, _) in enumerate(insts):
+            other = (k + 1) % 3
+            for w in ws:
+                w.conn.send(("load", [(other * 100 + j, 24 + j) for j in range(8)]
+                             + [(9000 + j, 32 + j) for j in range(8)]))
+        for ws, _ in insts:
+            [w._reply() for w in ws]
+        for k, (ws, _) in enumerate(insts):
+            other = insts[(k + 1) % 3][0]
+            assert each(ws, "digest", list(range(24, 32))) == each(other, "digest",
+                                                                    list(range(8, 16)))
+            assert each(ws, "digest", list(range(32, 40))) == each(ws, "digest", list(range(8)))
+        assert client.query(ns, [9000 + j for j in range(8)]).prefix_blocks == 8
+    finally:
+        for ws, _ in insts:
+            close(ws)
