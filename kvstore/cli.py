@@ -48,9 +48,16 @@ def add_serve(sub) -> None:
     p.add_argument("--device", default="auto",
                    help="where the pool lives: auto (every GPU if present, else host), cpu, "
                    "cuda, cuda:N (auto)")
-    p.add_argument("--node-id", default="", help="name of this node in events (host:port)")
-    p.add_argument("--no-router", action="store_true", help="do not embed the router")
+    p.add_argument("--node-id", default="",
+                   help="name of this store in events and peer lookups (hostname:port)")
+    p.add_argument("--router", default="", metavar="ADDRESS",
+                   help="advertise to a standalone `kvstore router` at ADDRESS instead of "
+                   "embedding one")
     add_common(p)
+    from .router.cli import add_router_arguments
+
+    group = p.add_argument_group("embedded router (ignored with --router)")
+    add_router_arguments(group, embedded=True)
 
 
 def add_demo(sub) -> None:
@@ -141,16 +148,18 @@ async def _serve(args) -> None:
     from .service.server import ServerConfig, StoreServer, serve_until_signal
 
     config = ServerConfig(host=args.host, port=args.port, pool_size=args.pool_size,
-                          device=args.device, node_id=args.node_id)
+                          device=args.device, node_id=args.node_id,
+                          router_address=args.router)
     try:
-        server = StoreServer(config)
+        router = None
+        if not args.no_router and not args.router:
+            from .router.cli import build_router
+
+            router = build_router(args)
+        server = StoreServer(config, router)
     except ValueError as exc:
         logging.getLogger("kvstore").error("%s", exc)
         return 2
-    if not args.no_router:
-        from .router.cli import embed_router
-
-        embed_router(server, args)
     await serve_until_signal(server)
 
 

@@ -19,8 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .._proto import store_pb2_grpc as pb_grpc
 from ..attach import attach
 from ..copy import copier_for
+from ..peering import LocalRouterLink, RemoteRouterLink, snapshot_events
 from ..pool import DEFAULT_SLAB_BYTES, SlotPool
 from ..registry import Registry
+from ..router.cli import add_router_to_server, close_router
 from ..store import BlockStore
 from .store_service import KVStoreService
 
@@ -49,6 +51,7 @@ class ServerConfig:
     device: str = "auto"
     slab_bytes: int = DEFAULT_SLAB_BYTES
     node_id: str = ""
+    router_address: str = ""  # a standalone router to advertise to; "" = none/embedded
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -71,8 +74,10 @@ def resolve_devices(device: str) -> list[str]:
 class StoreServer:
     """One store server: start it, read ``.port``, stop it."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, router=None):
+        """``router``: a router core to embed and serve on this server's port."""
         self.config = config
+        self.router = router
         self.devices = resolve_devices(config.device)
         self.node_id = config.node_id or f"{socket.gethostname()}:{config.port}"
         self.pools = {d: SlotPool(config.pool_size, d, config.slab_bytes) for d in self.devices}
@@ -85,6 +90,7 @@ class StoreServer:
         self.port = 0
         self._event_sinks = [self.service.publish]
         self._expirer: asyncio.Task | None = None
+        self.link = None
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
@@ -98,10 +104,15 @@ class StoreServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.router is not None:
+            add_router_to_server(self.server, self.router)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        if not self.config.node_id:
+            self.node_id = self.store.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()
+        await self._link_router()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expirer = asyncio.create_task(self._expire_loop())
@@ -109,6 +120,17 @@ class StoreServer:
                  self.config.host, self.port, ",".join(self.devices),
                  self.config.pool_size / 2**30)
         return self.port
+
+    async def _link_router(self) -> None:
+        if self.router is not None:
+            self.link = LocalRouterLink(self.router, self.node_id)
+        elif self.config.router_address:
+            self.link = RemoteRouterLink(self.config.router_address, self.node_id)
+        if self.link is None:
+            return
+        await self.link.start(f"{self.config.host}:{self.port}", "",
+                              lambda: snapshot_events(self.store, self.node_id))
+        self.add_event_sink(self.link.publish)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -119,8 +141,12 @@ class StoreServer:
         if self._expirer:
             self._expirer.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.link is not None:
+            await self.link.stop()
         if self.server:
             await self.server.stop(grace)
+        if self.router is not None:
+            await close_router(self.router)
         log.info("kvstore store server stopped")
 
 

@@ -1,0 +1,121 @@
+"""A store server's link to the router: advertise, forward events, find peers.
+
+The router may run inside the same process (``kvstore serve`` embeds it) or
+stand alone (``kvstore serve --router HOST:PORT``). Both links offer the same
+three operations to the server; the remote one batches events onto a
+background task, keeps its advertisement alive with a lease, and replays
+every sealed block after the router restarts so its index is whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from .events import STORED, StoreEvent
+from .router.peers import PeerPrefix
+
+log = logging.getLogger(__name__)
+
+LEASE_MS = 10_000
+REFRESH_S = 3.0
+MAX_BATCH = 1024
+
+
+class LocalRouterLink:
+    """The router lives in this process: calls go straight to its core."""
+
+    def __init__(self, router, node_id: str):
+        self.router = router
+        self.node_id = node_id
+        self.generation = 0
+
+    async def start(self, store_address: str, ucx_address: str,
+                    snapshot: Callable[[], list[StoreEvent]]) -> None:
+        peer = self.router.advertise_peer(self.node_id, store_address, ucx_address, [])
+        self.generation = peer.generation
+        self.router.apply_store_events(self.node_id, self.generation, snapshot())
+
+    def publish(self, event: StoreEvent) -> None:
+        self.router.apply_store_events(self.node_id, self.generation, [event])
+
+    async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
+        return self.router.query_prefix(namespace, hashes, exclude_node_id=self.node_id)
+
+    async def stop(self) -> None:
+        self.router.remove_peer(self.node_id, self.generation)
+
+
+class RemoteRouterLink:
+    """The router is another process: gRPC through RouterClient, off the loop."""
+
+    def __init__(self, address: str, node_id: str):
+        from .router.client import RouterClient
+
+        self.client = RouterClient(address, timeout_s=5.0)
+        self.node_id = node_id
+        self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._args: tuple = ()
+        self._snapshot: Callable[[], list[StoreEvent]] = list
+
+    async def start(self, store_address: str, ucx_address: str,
+                    snapshot: Callable[[], list[StoreEvent]]) -> None:
+        self._args = (store_address, ucx_address)
+        self._snapshot = snapshot
+        await self._advertise(refresh=False)
+        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._keepalive())]
+
+    async def _advertise(self, refresh: bool) -> None:
+        await asyncio.to_thread(self.client.advertise_peer, self.node_id, *self._args, [],
+                                lease_ms=LEASE_MS, refresh=refresh)
+        if not refresh:  # a new generation: the router knows none of our blocks yet
+            for event in self._snapshot():
+                self._queue.put_nowait(event)
+        log.info("advertised to router %s as %s (generation %d)", self.client.address,
+                 self.node_id, self.client.generation)
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self._advertise(refresh=True)
+            except Exception as exc:  # router restarted or unreachable: start over
+                log.warning("router %s refresh failed (%s); re-advertising",
+                            self.client.address, exc)
+                try:
+                    await self._advertise(refresh=False)
+                except Exception as again:
+                    log.warning("router %s unreachable: %s", self.client.address, again)
+
+    def publish(self, event: StoreEvent) -> None:
+        self._queue.put_nowait(event)
+
+    async def _pump(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < MAX_BATCH:
+                batch.append(self._queue.get_nowait())
+            try:
+                await asyncio.to_thread(self.client.publish, batch)
+            except Exception as exc:
+                log.warning("could not forward %d events to router %s: %s", len(batch),
+                            self.client.address, exc)
+
+    async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
+        return await asyncio.to_thread(self.client.query_prefix, namespace, hashes, self.node_id)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.client.close()
+
+
+def snapshot_events(store, node_id: str) -> list[StoreEvent]:
+    """Every sealed block of ``store`` as STORED events, one per namespace."""
+    by_ns: dict[str, list[int]] = {}
+    for ns, block_hash in store.lru:
+        by_ns.setdefault(ns, []).append(block_hash)
+    return [StoreEvent(STORED, ns, hashes[i:i + MAX_BATCH], node_id)
+            for ns, hashes in by_ns.items() for i in range(0, len(hashes), MAX_BATCH)]

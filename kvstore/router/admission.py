@@ -1,0 +1,180 @@
+"""Worker admission: first-wins per WorkerSet, as one atomic decision.
+
+A WorkerSet is keyed by ``(model, namespace, role)`` with model = the card's
+display name and role = its worker type. Its first admitted card fixes the
+checksum (and hash format); a later card with another checksum is refused
+with FAILED_PRECONDITION naming the fields that differ. A refusal changes
+nothing: no member is evicted, blocked or re-checked.
+
+Registration compatibility, the relation admission enforces, is
+
+    c ~ d  <=>  key(c) == key(d) and checksum(c) == checksum(d)
+                and hash_format(c) == hash_format(d)
+
+Equality of a function of the card, hence an equivalence relation (reflexive,
+symmetric, transitive). Cards with different keys never constrain each other:
+source paths are not identity, and name sharing is settled when a name is
+*resolved*, not when a worker registers (see :meth:`Admission.resolve`). So
+the admitted set is a function of the arrivals and, per key, of which class
+arrived first; among compatible workers it never depends on arrival order,
+and there is no check-register-recheck-rollback step that two concurrent
+newcomers could both fail (the decision is made under the router's lock).
+
+Each admission gets a new generation from one router-wide counter. A
+re-registration under a known worker name replaces the old generation in the
+same step (or, if refused, leaves it untouched); anything still arriving for
+the old generation is dropped by the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import not_found, precondition
+from .card import WorkerCard, card_checksum, describe_difference, differences
+from .identity import Domain, IdentityAlgorithm, domain_of
+
+
+@dataclass(frozen=True, order=True)
+class WorkerSetKey:
+    model: str
+    namespace: str
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.namespace}/{self.role}"
+
+
+class WorkerRef(NamedTuple):
+    """One generation of one named worker: what events and loads refer to.
+    (A NamedTuple: it keys hot dicts, and tuples hash in C.)"""
+
+    name: str
+    generation: int
+
+
+@dataclass
+class Worker:
+    """An admitted worker."""
+
+    ref: WorkerRef
+    card: WorkerCard
+    checksum: str
+    key: WorkerSetKey
+    domain: Domain
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+
+@dataclass
+class WorkerSet:
+    key: WorkerSetKey
+    checksum: str
+    reference: WorkerCard  # the first admitted card: names what a misfit differs in
+    members: dict[str, Worker] = field(default_factory=dict)
+
+    @property
+    def aliases(self) -> list[str]:
+        return self.reference.aliases
+
+
+def key_of(card: WorkerCard) -> WorkerSetKey:
+    return WorkerSetKey(card.display_name, card.namespace, card.worker_type)
+
+
+class Admission:
+    """The admitted workers and their WorkerSets. Not thread-safe on its own:
+    the router calls it under its lock so each decision is atomic."""
+
+    def __init__(self, algorithm: IdentityAlgorithm = IdentityAlgorithm.R2):
+        self.algorithm = algorithm
+        self.sets: dict[WorkerSetKey, WorkerSet] = {}
+        self.workers: dict[str, Worker] = {}
+        self.rejected = 0
+        self._next_generation = 1
+
+    def admit(self, name: str, card: WorkerCard) -> tuple[Worker, Worker | None]:
+        """Admit ``card`` as worker ``name``; return (new worker, replaced one).
+
+        ``card`` must be validated already. Raises FAILED_PRECONDITION, with
+        nothing changed, when the WorkerSet holds another checksum.
+        """
+        checksum = card_checksum(card)
+        key = key_of(card)
+        old = self.workers.get(name)
+        wset = self.sets.get(key)
+        # Judge against the set as it would be without the generation we replace.
+        others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
+        if wset is not None and others > 0 and (
+                wset.checksum != checksum or wset.reference.hash_format != card.hash_format):
+            self.rejected += 1
+            diffs = differences(wset.reference, card) or ["card_checksum"]
+            detail = "; ".join(describe_difference(wset.reference, card, d) if d != "card_checksum"
+                               else d for d in diffs)
+            raise precondition(
+                f"worker {name!r} rejected from WorkerSet {key}: card differs from the admitted "
+                f"card ({wset.checksum[:12]}) in {detail}; the {others} admitted member(s) are "
+                "unaffected")
+        # Decision made: apply it.
+        if old is not None:
+            self._drop(old)
+        worker = Worker(WorkerRef(name, self._next_generation), card, checksum, key,
+                        domain_of(card, checksum, self.algorithm))
+        self._next_generation += 1
+        wset = self.sets.get(key)
+        if wset is None:
+            wset = self.sets[key] = WorkerSet(key, checksum, card)
+        wset.members[name] = worker
+        self.workers[name] = worker
+        return worker, old
+
+    def remove(self, name: str, generation: int = 0) -> Worker:
+        """Remove worker ``name`` (that generation only, when given)."""
+        worker = self.workers.get(name)
+        if worker is None or (generation and worker.ref.generation != generation):
+            raise not_found(f"worker {name!r} generation {generation or 'any'} is not admitted")
+        self._drop(worker)
+        return worker
+
+    def current(self, ref: WorkerRef) -> Worker | None:
+        """The admitted worker for ``ref``, or None when it is stale or gone."""
+        worker = self.workers.get(ref.name)
+        if worker is None or worker.ref.generation != ref.generation:
+            return None
+        return worker
+
+    def _drop(self, worker: Worker) -> None:
+        del self.workers[worker.name]
+        wset = self.sets[worker.key]
+        del wset.members[worker.name]
+        if not wset.members:  # an empty set forgets its checksum: next card fixes it anew
+            del self.sets[worker.key]
+
+    def resolve(self, model: str, namespace: str = "", role: str = "") -> list[WorkerSet]:
+        """WorkerSets that serve the name ``model``, in key order.
+
+        A name resolves to the sets whose display name it is; failing that,
+        to the sets that list it as an alias, provided they are all one model.
+        An alias shared by different models is ambiguous and refused (nothing
+        is blocked: each model keeps serving its own name). The answer is a
+        function of the admitted set alone, never of arrival order.
+        """
+        def wanted(k: WorkerSetKey) -> bool:
+            return (not namespace or k.namespace == namespace) and (not role or k.role == role)
+
+        primary = [s for k, s in sorted(self.sets.items()) if k.model == model and wanted(k)]
+        if primary:
+            return primary
+        by_alias = [s for k, s in sorted(self.sets.items()) if model in s.aliases and wanted(k)]
+        models = sorted({s.key.model for s in by_alias})
+        if len(models) > 1:
+            raise precondition(f"model name {model!r} is an alias of several models {models}; "
+                               "ask for one of them by its display name")
+        if not by_alias:
+            raise not_found(f"no admitted worker serves model {model!r}"
+                            + (f" in namespace {namespace!r}" if namespace else "")
+                            + (f" with role {role!r}" if role else ""))
+        return by_alias

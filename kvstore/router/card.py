@@ -1,0 +1,215 @@
+"""Worker cards and the card checksum (DESIGN.md section 5).
+
+A worker describes what it serves in a :class:`WorkerCard`. Two kinds of
+fields live on it:
+
+* checksum inputs: everything that changes which prompts a worker accepts,
+  how it renders and tokenises them, or how its KV blocks are cut (names,
+  config / tokenizer / template checksums, context length, block size, role,
+  LoRA and multimodal contracts, explicit indexer identity);
+* per-worker facts that replicas legitimately differ in: ``source_path`` (one
+  model served from ``/models/x`` and ``/mnt/x`` is one model; a directory
+  never proved weight identity), address, capacity, node, store namespace
+  (TP degree is topology), events endpoint. These are never inputs.
+
+``card_checksum`` is BLAKE3 over the length-framed encoding of the inputs in
+a fixed order, extra files sorted by basename so directory traversal order
+cannot change it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field, fields
+
+import blake3
+
+from ..errors import invalid
+from . import limits
+from .framing import frame
+
+CARD_MARKER = "kvstore/card/v1"
+NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}")
+TOKEN_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # roles, hash formats, needs
+FINAL_NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}\.[0-9a-f]{{16}}")
+
+
+@dataclass
+class WorkerCard:
+    """What one worker serves, as it registers it with the router."""
+
+    display_name: str
+    kv_block_size: int
+    hash_format: str = "kvstore-blake3-v1"
+    aliases: list[str] = field(default_factory=list)
+    source_path: str = ""
+    model_config_checksum: str = ""
+    tokenizer_checksum: str = ""
+    prompt_formatter_checksum: str = ""
+    chat_template_checksum: str = ""
+    generation_config_checksum: str = ""
+    extra_files: dict[str, str] = field(default_factory=dict)  # name or path -> checksum
+    prompt_context: str = ""
+    context_length: int = 0
+    worker_type: str = "aggregated"
+    needs: list[str] = field(default_factory=list)
+    router_config: str = ""
+    indexer_semantics_override: str = ""
+    indexer_scope_override: str = ""
+    lora: bool = False
+    lora_base: str = ""
+    multimodal: list[str] = field(default_factory=list)
+    # Per-worker facts: never checksum inputs.
+    namespace: str = "default"
+    component: str = "backend"
+    endpoint: str = "generate"
+    address: str = ""
+    capacity_blocks: int = 0
+    node_id: str = ""
+    final_namespace: str = ""
+    kv_events_endpoint: str = ""
+
+
+# Fields that are NOT checksum inputs, and why (kept next to the list above so
+# a new field has to be sorted into one side or the other).
+NON_INPUTS = frozenset({
+    "source_path",        # one model may live in several directories
+    "hash_format",        # an admission field of its own (see admission.py)
+    "namespace", "component", "endpoint",  # WorkerSet key and routing scope
+    "address", "capacity_blocks", "node_id", "final_namespace", "kv_events_endpoint",
+})
+
+
+def extra_file_pairs(extra_files: dict[str, str]) -> list[list[str]]:
+    """``[[basename, checksum], ...]`` sorted by basename: path and order free."""
+    return sorted([posixpath.basename(k.replace("\\", "/")), v] for k, v in extra_files.items())
+
+
+def checksum_inputs(card: WorkerCard) -> list[tuple[str, object]]:
+    """The checksum inputs of ``card`` in their fixed order, normalised."""
+    return [
+        ("display_name", card.display_name),
+        ("aliases", list(card.aliases)),
+        ("model_config_checksum", card.model_config_checksum),
+        ("tokenizer_checksum", card.tokenizer_checksum),
+        ("prompt_formatter_checksum", card.prompt_formatter_checksum),
+        ("chat_template_checksum", card.chat_template_checksum),
+        ("generation_config_checksum", card.generation_config_checksum),
+        ("extra_files", extra_file_pairs(card.extra_files)),
+        ("prompt_context", card.prompt_context),
+        ("context_length", card.context_length),
+        ("kv_block_size", card.kv_block_size),
+        ("worker_type", card.worker_type),
+        ("needs", sorted(card.needs)),
+        ("router_config", card.router_config),
+        ("indexer_identity", [card.indexer_semantics_override, card.indexer_scope_override]),
+        ("lora", [card.lora, card.lora_base]),
+        ("multimodal", sorted(card.multimodal)),
+    ]
+
+
+def card_checksum(card: WorkerCard) -> str:
+    """BLAKE3 hex of the framed, ordered checksum inputs (source_path excluded)."""
+    material = [CARD_MARKER, *[value for _, value in checksum_inputs(card)]]
+    return blake3.blake3(frame(material)).hexdigest()
+
+
+def differences(admitted: WorkerCard, other: WorkerCard) -> list[str]:
+    """Names of the checksum inputs (and hash_format) on which two cards differ."""
+    diffs = [name for (name, a), (_, b) in zip(checksum_inputs(admitted), checksum_inputs(other), strict=True)
+             if a != b]
+    if admitted.hash_format != other.hash_format:
+        diffs.append("hash_format")
+    return diffs
+
+
+def describe_difference(admitted: WorkerCard, other: WorkerCard, name: str) -> str:
+    """``name: admitted X, got Y`` with long values cut short."""
+    if name == "hash_format":
+        a, b = admitted.hash_format, other.hash_format
+    else:
+        a = dict(checksum_inputs(admitted))[name]
+        b = dict(checksum_inputs(other))[name]
+    return f"{name} (admitted {_short(a)}, got {_short(b)})"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
+def validate_card(card: WorkerCard) -> None:
+    """Raise INVALID_ARGUMENT naming the first bad field; change nothing."""
+    _name("card.display_name", card.display_name)
+    if len(card.aliases) > limits.MAX_ALIASES:
+        raise invalid(f"card.aliases: {len(card.aliases)} aliases, at most {limits.MAX_ALIASES}")
+    for i, alias in enumerate(card.aliases):
+        _name(f"card.aliases[{i}]", alias)
+    if len(set(card.aliases)) != len(card.aliases):
+        raise invalid("card.aliases: duplicate alias")
+    if card.display_name in card.aliases:
+        raise invalid(f"card.aliases: contains the display name {card.display_name!r}")
+    if not 1 <= card.kv_block_size <= limits.MAX_BLOCK_SIZE:
+        raise invalid(f"card.kv_block_size: {card.kv_block_size} not in [1, {limits.MAX_BLOCK_SIZE}]")
+    if not 0 <= card.context_length <= limits.MAX_CONTEXT_LENGTH:
+        raise invalid(f"card.context_length: {card.context_length} out of range")
+    _token("card.hash_format", card.hash_format)
+    _token("card.worker_type", card.worker_type)
+    for list_field in ("needs", "multimodal"):
+        items = getattr(card, list_field)
+        if len(items) > limits.MAX_LIST_ITEMS:
+            raise invalid(f"card.{list_field}: {len(items)} items, at most {limits.MAX_LIST_ITEMS}")
+        for i, item in enumerate(items):
+            _token(f"card.{list_field}[{i}]", item)
+    for cs in ("model_config_checksum", "tokenizer_checksum", "prompt_formatter_checksum",
+               "chat_template_checksum", "generation_config_checksum"):
+        if len(getattr(card, cs)) > limits.MAX_CHECKSUM_LEN:
+            raise invalid(f"card.{cs}: longer than {limits.MAX_CHECKSUM_LEN}")
+    if len(card.extra_files) > limits.MAX_EXTRA_FILES:
+        raise invalid(f"card.extra_files: {len(card.extra_files)} files, at most {limits.MAX_EXTRA_FILES}")
+    basenames = [pair[0] for pair in extra_file_pairs(card.extra_files)]
+    for name, checksum in card.extra_files.items():
+        if len(name) > limits.MAX_ADDRESS_LEN or len(checksum) > limits.MAX_CHECKSUM_LEN:
+            raise invalid(f"card.extra_files[{name[:64]!r}]: name or checksum too long")
+    if any(not b for b in basenames):
+        raise invalid("card.extra_files: a file name has an empty basename")
+    if len(set(basenames)) != len(basenames):
+        raise invalid("card.extra_files: two files share a basename")
+    for text_field in ("prompt_context", "router_config", "indexer_semantics_override",
+                       "indexer_scope_override", "source_path"):
+        if len(getattr(card, text_field)) > limits.MAX_TEXT_LEN:
+            raise invalid(f"card.{text_field}: longer than {limits.MAX_TEXT_LEN}")
+    if card.lora and not card.lora_base:
+        raise invalid("card.lora_base: a LoRA card must name its base model")
+    if card.lora_base and not card.lora:
+        raise invalid("card.lora_base: set on a card that is not a LoRA")
+    if card.lora_base:
+        _name("card.lora_base", card.lora_base)
+    if not NAMESPACE_RE.fullmatch(card.namespace):
+        raise invalid(f"card.namespace: {card.namespace[:64]!r} does not match [A-Za-z0-9_-]{{1,128}}")
+    _token("card.component", card.component)
+    _token("card.endpoint", card.endpoint)
+    for addr in ("address", "node_id", "kv_events_endpoint"):
+        if len(getattr(card, addr)) > limits.MAX_ADDRESS_LEN:
+            raise invalid(f"card.{addr}: longer than {limits.MAX_ADDRESS_LEN}")
+    if card.final_namespace and not FINAL_NAMESPACE_RE.fullmatch(card.final_namespace):
+        raise invalid(f"card.final_namespace: {card.final_namespace[:64]!r} is not "
+                      "'<client namespace>.<16 hex fingerprint>'")
+    if not 0 <= card.capacity_blocks < 1 << 63:
+        raise invalid("card.capacity_blocks: out of range")
+
+
+def _name(where: str, value: str) -> None:
+    if not value or len(value) > limits.MAX_NAME_LEN or not value.isprintable():
+        raise invalid(f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}")
+
+
+def _token(where: str, value: str) -> None:
+    if not TOKEN_RE.fullmatch(value):
+        raise invalid(f"{where}: {value[:64]!r} does not match [A-Za-z0-9_.:-]{{1,64}}")
+
+
+def card_field_names() -> list[str]:
+    """All card fields (used by the proto conversion and its test)."""
+    return [f.name for f in fields(WorkerCard)]

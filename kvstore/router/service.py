@@ -1,0 +1,144 @@
+"""Thin gRPC handlers: proto in, core call, proto out, KVError -> status.
+
+No decisions are made here; every check lives in the core so it is tested
+without a network. ``WorkerSession`` is the one handler with a lifetime: the
+worker stays admitted while its call is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from .._proto import router_pb2, router_pb2_grpc
+from ..errors import KVError
+from .admission import Worker
+from .card import WorkerCard
+from .router import Router
+
+log = logging.getLogger(__name__)
+
+_SCALARS = [
+    "display_name", "source_path", "model_config_checksum", "tokenizer_checksum",
+    "prompt_formatter_checksum", "chat_template_checksum", "generation_config_checksum",
+    "prompt_context", "context_length", "kv_block_size", "worker_type", "router_config",
+    "indexer_semantics_override", "indexer_scope_override", "lora", "lora_base", "hash_format",
+    "namespace", "component", "endpoint", "address", "capacity_blocks", "node_id",
+    "final_namespace", "kv_events_endpoint",
+]
+_LISTS = ["aliases", "needs", "multimodal"]
+# Proto3 cannot tell "unset" from "": these take the card's defaults when empty.
+_DEFAULTED = {"hash_format", "worker_type", "namespace", "component", "endpoint"}
+
+
+def card_from_proto(msg: router_pb2.WorkerCard) -> WorkerCard:
+    defaults = WorkerCard("x", 1)
+    kwargs = {}
+    for name in _SCALARS:
+        value = getattr(msg, name)
+        kwargs[name] = value if (value or name not in _DEFAULTED) else getattr(defaults, name)
+    for name in _LISTS:
+        kwargs[name] = list(getattr(msg, name))
+    kwargs["extra_files"] = dict(msg.extra_files)
+    return WorkerCard(**kwargs)
+
+
+def card_to_proto(card: WorkerCard) -> router_pb2.WorkerCard:
+    msg = router_pb2.WorkerCard(**{name: getattr(card, name) for name in _SCALARS})
+    for name in _LISTS:
+        getattr(msg, name).extend(getattr(card, name))
+    msg.extra_files.update(card.extra_files)
+    return msg
+
+
+def _admitted(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse:
+    return router_pb2.RegisterWorkerResponse(
+        name=worker.name, generation=worker.ref.generation, card_checksum=worker.checksum,
+        model=worker.key.model, namespace=worker.key.namespace, role=worker.key.role,
+        semantics_id=worker.domain.semantics_id, scope_id=worker.domain.scope_id, members=members)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KVError as exc:
+            await context.abort(exc.code, exc.message)
+
+    def _members(self, worker: Worker) -> int:
+        wset = self.router.admission.sets.get(worker.key)
+        return len(wset.members) if wset else 0
+
+    async def RegisterWorker(self, request, context):
+        worker = await self._call(context, self.router.register_worker, request.name,
+                                  card_from_proto(request.card))
+        return _admitted(worker, self._members(worker))
+
+    async def WorkerSession(self, request, context):
+        worker = await self._call(context, self.router.register_worker, request.name,
+                                  card_from_proto(request.card))
+        try:
+            yield _admitted(worker, self._members(worker))
+            while not context.done():  # hold the session; cancellation ends it
+                await asyncio.sleep(3600)
+        finally:
+            if self.router.worker(worker.ref) is not None:
+                self.router.remove_worker(worker.name, worker.ref.generation)
+
+    async def RemoveWorker(self, request, context):
+        await self._call(context, self.router.remove_worker, request.name, request.generation)
+        return router_pb2.RemoveWorkerResponse(removed=True)
+
+    async def Route(self, request, context):
+        result = await self._call(
+            context, self.router.route, request.model, namespace=request.namespace,
+            role=request.role, token_ids=list(request.token_ids) or None,
+            hashes=list(request.block_hashes) or None, request_id=request.request_id,
+            track=request.track, decode_tokens=request.decode_tokens)
+        w = result.worker
+        return router_pb2.RouteResponse(
+            worker=w.name, generation=w.ref.generation, address=w.card.address,
+            request_id=result.request_id, total_blocks=result.total_blocks,
+            overlap_blocks=result.overlap_blocks, gpu_blocks=result.gpu_blocks,
+            store_blocks=result.store_blocks, remote_blocks=result.remote_blocks,
+            cost=result.cost, reason=result.reason, worker_set=str(result.worker_set),
+            worker_sets=result.worker_sets)
+
+    async def RequestDone(self, request, context):
+        found = await self._call(context, self.router.request_done, request.request_id,
+                                 request.prefill_only)
+        return router_pb2.RequestDoneResponse(found=found)
+
+    async def AdvertisePeer(self, request, context):
+        peer = await self._call(context, self.router.advertise_peer, request.node_id,
+                                request.store_address, request.ucx_address,
+                                list(request.final_namespaces), request.generation,
+                                request.lease_ms)
+        return router_pb2.AdvertisePeerResponse(generation=peer.generation)
+
+    async def QueryPrefix(self, request, context):
+        peers = await self._call(context, self.router.query_prefix, request.final_namespace,
+                                 list(request.block_hashes), request.exclude_node_id)
+        return router_pb2.QueryPrefixResponse(peers=[
+            router_pb2.PeerPrefix(node_id=p.node_id, store_address=p.store_address,
+                                  ucx_address=p.ucx_address, prefix_blocks=p.prefix_blocks)
+            for p in peers])
+
+    async def PublishEvents(self, request, context):
+        applied, dropped = await self._call(context, self.router.publish_store_events,
+                                            request.node_id, request.generation,
+                                            list(request.events))
+        return router_pb2.PublishEventsResponse(applied=applied, dropped=dropped)
+
+    async def RouterStats(self, request, context):
+        s = self.router.stats()
+        return router_pb2.RouterStatsResponse(
+            workers=s.workers, worker_sets=s.worker_sets, domains=s.domains, peers=s.peers,
+            indexed_blocks=s.indexed_blocks, events_applied=s.events_applied,
+            events_dropped=s.events_dropped, blocks_ingested=s.blocks_ingested,
+            active_requests=s.active_requests, rejected_registrations=s.rejected_registrations)

@@ -1,0 +1,174 @@
+"""vLLM's KV event stream, decoded without vLLM or msgspec.
+
+vLLM's ``ZmqEventPublisher`` sends each batch as a three-frame ZMQ message:
+``topic`` (UTF-8, often empty), ``seq`` (u64 big-endian, per publisher),
+``payload`` (msgpack of a ``KVEventBatch``). The batch and its events are
+msgspec structs; the event union is tagged with the class name. Depending on
+the vLLM version the structs are ``array_like`` (positional arrays) or maps:
+
+    batch  [ts, [event, ...], data_parallel_rank?]   or {"ts", "events", ...}
+    event  ["BlockStored", block_hashes, parent_block_hash, token_ids,
+            block_size, lora_id, medium?, lora_name?, extra_keys?, group_idx?, ...]
+           ["BlockRemoved", block_hashes, medium?, group_idx?]
+           ["AllBlocksCleared"]
+           or maps with the tag under "type"
+
+Trailing fields that hold their default are omitted (``omit_defaults``), so
+optional positions may be missing. Block hashes are ints, or bytes when
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is off; bytes become the same u64
+vLLM would publish (big-endian, low 64 bits), and negative ints from old
+versions wrap to u64, so one block has one key however it was published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+from . import limits
+
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+_U64 = (1 << 64) - 1
+_TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEARED}
+
+
+@dataclass
+class BlockEvent:
+    """One decoded event: what happened to which hashes, in which tier."""
+
+    kind: str                 # stored | removed | cleared
+    hashes: list[int]
+    tier: str = "gpu"         # "gpu" for vLLM's device cache, "store" for offloaded media
+    parent_hash: int | None = None
+
+
+@dataclass
+class VllmBatch:
+    seq: int
+    ts: float
+    data_parallel_rank: int | None
+    events: list[BlockEvent]
+    skipped: int = 0          # events of other KV-cache groups (hybrid models)
+
+
+def decode_message(frames: list[bytes]) -> VllmBatch:
+    """Decode one multipart message (topic, seq, payload); ValueError if malformed."""
+    if len(frames) != 3:
+        raise ValueError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    _, seq_bytes, payload = frames
+    if len(seq_bytes) != 8:
+        raise ValueError(f"seq frame must be 8 bytes, got {len(seq_bytes)}")
+    return decode_batch(payload, int.from_bytes(seq_bytes, "big"))
+
+
+def decode_batch(payload: bytes, seq: int = 0) -> VllmBatch:
+    if len(payload) > limits.MAX_EVENT_BYTES:
+        raise ValueError(f"batch is {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}")
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types
+        raise ValueError(f"batch is not valid msgpack: {exc}") from exc
+    if isinstance(raw, list) and len(raw) >= 2:
+        ts, events, dp_rank = raw[0], raw[1], (raw[2] if len(raw) > 2 else None)
+    elif isinstance(raw, dict) and "events" in raw:
+        ts, events, dp_rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise ValueError("batch must be [ts, events, ...] or a map with 'events'")
+    if not isinstance(events, list):
+        raise ValueError("batch events must be an array")
+    if not isinstance(ts, (int, float)):
+        raise ValueError("batch ts must be a number")
+    out: list[BlockEvent] = []
+    skipped = 0
+    for i, raw_event in enumerate(events):
+        event = _decode_event(raw_event, i)
+        if event is None:
+            skipped += 1
+        else:
+            out.append(event)
+    return VllmBatch(seq, float(ts), dp_rank if isinstance(dp_rank, int) else None, out, skipped)
+
+
+def _decode_event(raw: object, i: int) -> BlockEvent | None:
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag, f = raw[0], raw[1:]
+        kind = _TAGS.get(tag)
+        if kind == STORED:
+            if len(f) < 5:
+                raise ValueError(f"events[{i}]: BlockStored needs at least 5 fields, got {len(f)}")
+            hashes, parent, medium = f[0], f[1], _at(f, 5)
+            group = _at(f, 8)
+        elif kind == REMOVED:
+            if len(f) < 1:
+                raise ValueError(f"events[{i}]: BlockRemoved needs block_hashes")
+            hashes, parent, medium, group = f[0], None, _at(f, 1), _at(f, 2)
+        elif kind == CLEARED:
+            return BlockEvent(CLEARED, [])
+        else:
+            raise ValueError(f"events[{i}]: unknown event tag {tag!r}")
+    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        kind = _TAGS.get(raw["type"])
+        if kind is None:
+            raise ValueError(f"events[{i}]: unknown event tag {raw['type']!r}")
+        if kind == CLEARED:
+            return BlockEvent(CLEARED, [])
+        if "block_hashes" not in raw:
+            raise ValueError(f"events[{i}]: missing block_hashes")
+        hashes, parent = raw["block_hashes"], raw.get("parent_block_hash")
+        medium, group = raw.get("medium"), raw.get("group_idx")
+    else:
+        raise ValueError(f"events[{i}]: not a tagged event")
+    if group not in (None, 0):
+        return None  # another KV-cache group of a hybrid model: same hashes, other layers
+    return BlockEvent(kind, normalize_hashes(hashes, f"events[{i}].block_hashes"),
+                      _tier(medium), None if parent is None else _one_hash(parent, f"events[{i}].parent"))
+
+
+def _at(fields: list, index: int) -> object:
+    return fields[index] if len(fields) > index else None
+
+
+def _tier(medium: object) -> str:
+    if medium is None or medium == "GPU":
+        return "gpu"
+    return "store"  # CPU / disk offload on the worker's own host
+
+
+def normalize_hashes(hashes: object, where: str) -> list[int]:
+    """Validate and convert a hash list to u64 ints (fast path: all ints)."""
+    if not isinstance(hashes, list):
+        raise ValueError(f"{where} must be an array")
+    if len(hashes) > limits.MAX_HASHES_PER_EVENT:
+        raise ValueError(f"{where}: {len(hashes)} hashes, at most {limits.MAX_HASHES_PER_EVENT}")
+    if not hashes:
+        return hashes
+    if all(type(h) is int for h in hashes):
+        if min(hashes) >= 0 and max(hashes) <= _U64:
+            return hashes
+    return [_one_hash(h, where) for h in hashes]
+
+
+def _one_hash(h: object, where: str) -> int:
+    if type(h) is int:
+        if not -(1 << 63) <= h <= _U64:
+            raise ValueError(f"{where}: hash {h} is not a 64-bit integer")
+        return h & _U64
+    if isinstance(h, bytes):
+        if not 1 <= len(h) <= 64:
+            raise ValueError(f"{where}: byte hash of {len(h)} bytes")
+        return int.from_bytes(h, "big") & _U64
+    raise ValueError(f"{where}: hash of type {type(h).__name__}")
+
+
+def encode_batch(events: list[list], ts: float = 0.0, data_parallel_rank: int | None = None) -> bytes:
+    """Build a payload the way vLLM's array_like structs encode (for tests and benches).
+
+    ``events`` are already positional, e.g. ``["BlockRemoved", [1, 2], "GPU"]``.
+    """
+    batch: list = [ts, events]
+    if data_parallel_rank is not None:
+        batch.append(data_parallel_rank)
+    return msgpack.packb(batch, use_bin_type=True)

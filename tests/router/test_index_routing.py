@@ -1,0 +1,188 @@
+"""Prefix index, scoring and routing on the plain-Python core."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import KVError
+from kvstore.hashing import block_hashes
+from kvstore.router.index import SlotIndex
+from kvstore.router.router import Router, RouterConfig
+from kvstore.router.scoring import ScoringConfig
+from kvstore.router.vllm_events import BlockEvent
+
+from .conftest import Clock, card
+
+PROMPT = list(range(16 * 8))              # 8 blocks of 16 tokens
+HASHES = block_hashes(PROMPT, 16)
+
+
+def stored(hashes):
+    return [BlockEvent("stored", list(hashes))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=6),
+       st.integers(0, 63))
+def test_prefix_depths_match_a_direct_walk(holdings, active_bits):
+    hashes = list(range(1000, 1006))
+    index = SlotIndex()
+    for s, held in enumerate(holdings):
+        index.slot(("h", s))
+        index.store(s, [h for h, keep in zip(hashes, held, strict=True) if keep])
+    active = active_bits & ((1 << len(holdings)) - 1)
+    expected = {s: index.prefix_length(hashes, s) for s in range(len(holdings)) if active >> s & 1}
+    assert index.prefix_depths(hashes, active) == expected
+
+
+def test_remove_clear_and_release():
+    index = SlotIndex()
+    a, b = index.slot("a"), index.slot("b")
+    index.store(a, [1, 2, 3])
+    index.store(b, [2, 3, 4])
+    index.remove(a, [3, 99])
+    assert index.masks == {1: 1, 2: 3, 3: 2, 4: 2}
+    assert index.clear(b) == 3
+    assert index.masks == {1: 1, 2: 1}
+    index.release("a")
+    assert index.masks == {} and index.holders() == ["b"]
+    assert index.slot("c") == a  # the freed slot is reused, with no stale bits
+
+
+def test_route_follows_the_longest_prefix(router):
+    ws = [router.register_worker(f"w{i}", card()) for i in range(3)]
+    router.apply_worker_events(ws[0].ref, stored(HASHES[:2]))
+    router.apply_worker_events(ws[1].ref, stored(HASHES[:6]))
+    router.apply_worker_events(ws[2].ref, stored(HASHES[3:]))  # no first block: no prefix
+    r = router.route("llama-8b", token_ids=PROMPT, track=False)
+    assert (r.worker.name, r.overlap_blocks, r.gpu_blocks, r.total_blocks) == ("w1", 6, 6, 8)
+    assert "w1: 6/8 blocks cached" in r.reason and "next" in r.reason
+
+
+def test_partial_block_is_not_hashed(router):
+    router.register_worker("w", card())
+    r = router.route("llama-8b", token_ids=PROMPT + [1, 2, 3], track=False)
+    assert r.total_blocks == 8
+
+
+def test_load_spreads_requests_and_is_freed_on_done(router):
+    for i in range(2):
+        router.register_worker(f"w{i}", card())
+    first = router.route("llama-8b", hashes=HASHES, request_id="r1")
+    second = router.route("llama-8b", hashes=HASHES, request_id="r2")
+    assert first.worker.name != second.worker.name  # equal caches: load decides
+    assert router.request_done("r1") and router.request_done("r2")
+    assert not router.request_done("r1")
+    assert not router.loads.per_worker
+
+
+def test_prefill_done_keeps_decode_load(router):
+    w = router.register_worker("w", card())
+    router.route("llama-8b", hashes=HASHES, request_id="r", decode_tokens=32)
+    assert router.loads.load(w.ref) == (8.0, 10.0)  # 8 prefill; 8 + 2 decode blocks
+    router.request_done("r", prefill_only=True)
+    assert router.loads.load(w.ref) == (0.0, 10.0)
+    router.request_done("r")
+    assert router.loads.load(w.ref) == (0.0, 0.0)
+
+
+def test_untracked_requests_expire_after_the_timeout():
+    clock = Clock()
+    router = Router(RouterConfig(scoring=ScoringConfig(request_timeout_s=60)), clock=clock)
+    w = router.register_worker("w", card())
+    router.route("llama-8b", hashes=HASHES, request_id="lost")
+    assert router.loads.load(w.ref)[0] == 8
+    clock.now += 59
+    router.route("llama-8b", hashes=[], track=False)
+    assert router.loads.load(w.ref)[0] == 8
+    clock.now += 2
+    router.route("llama-8b", hashes=[], track=False)
+    assert router.loads.load(w.ref) == (0.0, 0.0) and router.stats().active_requests == 0
+
+
+def test_overlap_weight_trades_cache_against_load(router):
+    hot = router.register_worker("hot", card())
+    router.register_worker("cold", card())
+    router.apply_worker_events(hot.ref, stored(HASHES))
+    for i in range(3):  # pile decode load on the cached worker
+        router.loads.add(f"bg{i}", hot.ref, 0, 8, 1e18)
+    assert router.route("llama-8b", hashes=HASHES, track=False).worker.name == "cold"
+    router.config.scoring.overlap_weight = 8.0  # prefill dominates: the cache wins
+    assert router.route("llama-8b", hashes=HASHES, track=False).worker.name == "hot"
+
+
+def test_tier_weights_rank_gpu_over_offloaded(router):
+    g = router.register_worker("g", card())
+    s = router.register_worker("s", card())
+    router.apply_worker_events(g.ref, stored(HASHES[:4]))
+    router.apply_worker_events(s.ref, [BlockEvent("stored", HASHES, tier="store")])
+    r = router.route("llama-8b", hashes=HASHES[:5] + [1], track=False)
+    # 4 GPU blocks (credit 4, and shared in GPU memory) beat 5 offloaded ones (credit 3.75).
+    assert (r.worker.name, r.gpu_blocks) == ("g", 4)
+    # When prefill dominates and offloaded blocks are credited in full, the
+    # longer offloaded prefix wins.
+    router.config.scoring.store_weight = 1.0
+    router.config.scoring.overlap_weight = 2.0
+    r = router.route("llama-8b", hashes=HASHES, track=False)
+    assert (r.worker.name, r.overlap_blocks, r.store_blocks, r.gpu_blocks) == ("s", 8, 8, 0)
+    assert r.cost == 8.0  # 2 x 0 prefill + 8 new decode blocks
+
+
+def test_softmax_sampling_is_seeded_and_prefers_cheap_workers():
+    def picks(seed):
+        router = Router(RouterConfig(scoring=ScoringConfig(temperature=0.5, seed=seed)))
+        hot = router.register_worker("hot", card())
+        router.register_worker("cold", card())
+        router.apply_worker_events(hot.ref, stored(HASHES))
+        return [router.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(200)]
+    a = picks(7)
+    assert a == picks(7)
+    counts = Counter(a)
+    assert counts["hot"] > counts["cold"] > 0
+
+
+def test_rolling_upgrade_draws_worker_sets_by_worker_count():
+    router = Router(RouterConfig(scoring=ScoringConfig(seed=3)))
+    for i in range(3):
+        router.register_worker(f"old{i}", card(namespace="v1"))
+    router.register_worker("new0", card(namespace="v2", tokenizer_checksum="tok-2"))
+    got = Counter(router.route("llama-8b", track=False).worker_set.namespace for _ in range(400))
+    assert set(got) == {"v1", "v2"} and got["v1"] > got["v2"]
+    r = router.route("llama-8b", namespace="v2", track=False)
+    assert r.worker.name == "new0" and r.worker_sets == 1
+    assert "drawn by worker count" in router.route("llama-8b", track=False).reason
+
+
+def test_workers_in_other_domains_do_not_lend_their_cache(router):
+    a = router.register_worker("a", card(display_name="other-model"))
+    router.register_worker("b", card())
+    router.apply_worker_events(a.ref, stored(HASHES))
+    assert router.route("llama-8b", hashes=HASHES, track=False).overlap_blocks == 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"token_ids": [1] * 16, "hashes": [1]}, "token_ids and block_hashes"),
+    ({"hashes": [-1]}, "block_hashes"),
+    ({"hashes": [1 << 64]}, "block_hashes"),
+    ({"hashes": [1] * (1 << 16 + 1)}, "block_hashes"),
+    ({"request_id": "r" * 300}, "request_id"),
+    ({"decode_tokens": -1}, "decode_tokens"),
+])
+def test_bad_route_input_names_the_field_and_changes_nothing(router, kwargs, field):
+    router.register_worker("w", card())
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", **kwargs)
+    assert err.value.code.name == "INVALID_ARGUMENT" and field in err.value.message
+    assert router.stats().active_requests == 0
+
+
+def test_token_ids_need_the_native_hash_format(router):
+    router.register_worker("w", card(hash_format="vllm-sha256"))
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", token_ids=PROMPT)
+    assert err.value.code.name == "FAILED_PRECONDITION" and "block_hashes" in err.value.message
+    assert router.route("llama-8b", hashes=[1, 2], track=False).total_blocks == 2

@@ -1,0 +1,128 @@
+"""Store peers: QueryPrefix only ever names peers of exactly the asked final namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import KVError
+from kvstore.events import StoreEvent
+from kvstore.router.router import Router
+
+from .conftest import Clock, card
+
+NS = "tenant.0123456789abcdef"
+NS_MTP = "tenant.fedcba9876543210"     # same client namespace, other layout
+HASHES = [101, 102, 103, 104, 105]
+
+
+def ev(node, hashes, ns=NS, type_="stored", tier="store"):
+    return StoreEvent(type_, ns, list(hashes), node, tier=tier).encode()
+
+
+def peer(router, node, namespaces=(NS,), **kw):
+    return router.advertise_peer(node, f"{node}:50051", f"{node}:13337", list(namespaces), **kw)
+
+
+def test_query_prefix_returns_each_compatible_peer_with_its_prefix(router):
+    a, b, c = (peer(router, n, (NS, NS_MTP)) for n in "abc")
+    router.publish_store_events("a", a.generation, [ev("a", HASHES[:3])])
+    router.publish_store_events("b", b.generation, [ev("b", HASHES)])
+    router.publish_store_events("c", c.generation, [ev("c", HASHES, ns=NS_MTP)])
+    got = router.query_prefix(NS, HASHES)
+    assert [(p.node_id, p.prefix_blocks) for p in got] == [("b", 5), ("a", 3)]
+    assert got[0].store_address == "b:50051" and got[0].ucx_address == "b:13337"
+    assert [p.node_id for p in router.query_prefix(NS_MTP, HASHES)] == ["c"]
+    assert [p.node_id for p in router.query_prefix(NS, HASHES, exclude_node_id="b")] == ["a"]
+
+
+def test_incompatible_peer_is_never_returned_even_for_identical_hashes(router):
+    """Same client namespace, same block hashes, other fingerprint: never a match."""
+    for i in range(8):
+        p = peer(router, f"mtp{i}", (NS_MTP,))
+        router.publish_store_events(p.node_id, p.generation, [ev(p.node_id, HASHES, ns=NS_MTP)])
+    only = peer(router, "good")
+    router.publish_store_events("good", only.generation, [ev("good", HASHES[:1])])
+    for prefix in range(1, 6):
+        assert [p.node_id for p in router.query_prefix(NS, HASHES[:prefix])] == ["good"]
+    assert router.query_prefix("tenant.aaaaaaaaaaaaaaaa", HASHES) == []
+
+
+def test_gpu_tier_and_foreign_node_events_do_not_make_a_peer(router):
+    p = peer(router, "a")
+    router.register_worker("w", card())
+    applied, dropped = router.publish_store_events("a", p.generation, [
+        ev("w", HASHES, tier="gpu"),      # relayed for worker w: indexed for routing only
+        ev("someone-else", HASHES),       # a store reports only its own blocks
+        ev("ghost", HASHES, tier="gpu"),  # not an admitted worker
+    ])
+    assert (applied, dropped) == (1, 2)
+    assert router.query_prefix(NS, HASHES) == []
+    assert router.route("llama-8b", hashes=HASHES, track=False).gpu_blocks == 5
+
+
+def test_removed_and_cleared_events(router):
+    p = peer(router, "a")
+    router.publish_store_events("a", p.generation, [ev("a", HASHES)])
+    router.publish_store_events("a", p.generation, [ev("a", HASHES[2:3], type_="removed")])
+    assert router.query_prefix(NS, HASHES)[0].prefix_blocks == 2
+    router.publish_store_events("a", p.generation, [ev("a", [], type_="cleared")])
+    assert router.query_prefix(NS, HASHES) == []
+
+
+def test_restart_clears_old_blocks_and_stale_generation_is_dropped(router):
+    old = peer(router, "a")
+    router.publish_store_events("a", old.generation, [ev("a", HASHES)])
+    new = peer(router, "a")  # re-advertised without a generation: a restart
+    assert new.generation != old.generation
+    assert router.query_prefix(NS, HASHES) == []
+    assert router.publish_store_events("a", old.generation, [ev("a", HASHES)]) == (0, 1)
+    assert router.query_prefix(NS, HASHES) == []
+    router.publish_store_events("a", new.generation, [ev("a", HASHES[:2])])
+    assert router.query_prefix(NS, HASHES)[0].prefix_blocks == 2
+
+
+def test_lease_expiry_drops_a_silent_peer():
+    clock = Clock()
+    router = Router(clock=clock)
+    p = peer(router, "a", lease_ms=5000)
+    router.publish_store_events("a", p.generation, [ev("a", HASHES)])
+    clock.now += 4
+    peer(router, "a", generation=p.generation, lease_ms=5000)  # refresh
+    clock.now += 4
+    assert router.query_prefix(NS, HASHES)[0].node_id == "a"
+    clock.now += 2
+    assert router.query_prefix(NS, HASHES) == []
+    assert router.stats().peers == 0
+
+
+def test_routing_credits_local_store_and_remote_peers(router):
+    a = router.register_worker("on-a", card(node_id="a", final_namespace=NS))
+    router.register_worker("on-b", card(node_id="b", final_namespace=NS))
+    router.register_worker("other-layout", card(node_id="a", final_namespace=NS_MTP))
+    pa = peer(router, "a")
+    router.publish_store_events("a", pa.generation, [ev("a", HASHES[:4])])
+    r = router.route("llama-8b", hashes=HASHES, track=False)
+    assert (r.worker.name, r.store_blocks, r.remote_blocks) == ("on-a", 4, 0)
+    router.remove_worker("on-a")
+    r = router.route("llama-8b", hashes=HASHES, track=False)
+    assert (r.worker.name, r.remote_blocks) == ("on-b", 4)  # fetchable from peer a
+    assert a.ref not in router.loads.per_worker
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda r: r.query_prefix("tenant", HASHES), "final_namespace"),
+    (lambda r: r.query_prefix(NS, [1] * (1 << 16 + 1)), "block_hashes"),
+    (lambda r: r.advertise_peer("a", "x", "y", ["bad ns"]), "final_namespaces[0]"),
+    (lambda r: r.advertise_peer("", "x", "y", [NS]), "node_id"),
+    (lambda r: r.advertise_peer("a", "x", "y", [NS], lease_ms=10**9), "lease_ms"),
+    (lambda r: r.publish_store_events("a", 1, [b"\x93"]), "events[0]"),
+    (lambda r: r.publish_store_events("a", 1, [b"x"] * 5000), "events"),
+])
+def test_bad_input_names_the_field(router, call, field):
+    p = peer(router, "a")
+    router.publish_store_events("a", p.generation, [ev("a", HASHES)])
+    before = router.stats()
+    with pytest.raises(KVError) as err:
+        call(router)
+    assert err.value.code.name == "INVALID_ARGUMENT" and field in err.value.message
+    assert router.stats() == before

@@ -1,0 +1,223 @@
+"""The gRPC service on a real loopback server: status codes, sessions, the
+store-facing client, following a real store server's Events stream, and the
+standalone command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.events import StoreEvent
+from kvstore.hashing import block_hashes
+from kvstore.router.cli import add_router_arguments, build_router
+from kvstore.router.client import RouterClient
+from kvstore.router.service import card_from_proto, card_to_proto
+from kvstore.router.vllm_events import BlockEvent
+
+from .conftest import card
+
+NS = "tenant.0123456789abcdef"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+def test_card_round_trips_through_proto():
+    c = card(aliases=["a", "b"], needs=["n"], multimodal=["qwen-video"], lora=True,
+             lora_base="base", extra_files={"x.json": "1"}, node_id="n1", final_namespace=NS)
+    assert card_from_proto(card_to_proto(c)) == c
+
+
+def test_register_route_done_over_grpc(served):
+    router, client, _ = served
+    reply = client.register_worker("w0", card(address="10.0.0.1:8000"))
+    assert (reply.generation, reply.model, reply.role, reply.members) == (1, "llama-8b", "decode", 1)
+    assert len(reply.semantics_id) == 16 and len(reply.scope_id) == 16
+    client.register_worker("w1", card(source_path="/mnt/elsewhere"))
+    w0 = router.admission.workers["w0"]
+    tokens = list(range(64))
+    router.apply_worker_events(w0.ref, [BlockEvent("stored", block_hashes(tokens, 16))])
+    r = client.route("llama-8b", token_ids=tokens, request_id="req-1")
+    assert (r.worker, r.address, r.overlap_blocks, r.total_blocks, r.request_id) == \
+        ("w0", "10.0.0.1:8000", 4, 4, "req-1")
+    assert "w0: 4/4 blocks cached" in r.reason
+    assert client.stats().active_requests == 1
+    assert client.request_done("req-1") and not client.request_done("req-1")
+    assert client.remove_worker("w1")
+    assert client.stats().workers == 1
+
+
+def test_rejection_and_bad_input_statuses(served):
+    router, client, _ = served
+    client.register_worker("ok", card())
+    with pytest.raises(grpc.RpcError) as err:
+        client.register_worker("bad", card(tokenizer_checksum="tok-2", context_length=8))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tokenizer_checksum" in err.value.details() and "context_length" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.register_worker("bad", card(namespace="has.dot"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "card.namespace" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.register_worker("", card())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.route("no-such-model")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        client.route("llama-8b", token_ids=[1] * 16, hashes=[1])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        client.remove_worker("ghost")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert list(router.admission.workers) == ["ok"]
+
+
+def test_worker_session_ends_with_the_call(served):
+    router, client, server = served
+    channel = grpc.insecure_channel(server.address)
+    stub = router_pb2_grpc.RouterStub(channel)
+    call = stub.WorkerSession(router_pb2.RegisterWorkerRequest(name="s", card=card_to_proto(card())))
+    first = next(call)
+    assert first.name == "s" and first.generation >= 1
+    assert "s" in router.admission.workers
+    call.cancel()
+    wait_for(lambda: "s" not in router.admission.workers)
+    channel.close()
+
+
+def test_rejected_session_gets_the_status(served):
+    _, client, server = served
+    client.register_worker("ok", card())
+    with grpc.insecure_channel(server.address) as channel:
+        call = router_pb2_grpc.RouterStub(channel).WorkerSession(router_pb2.RegisterWorkerRequest(
+            name="bad", card=card_to_proto(card(kv_block_size=32))))
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "kv_block_size" in err.value.details()
+
+
+def test_store_client_advertise_publish_query(served):
+    router, client, _ = served
+    gen = client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
+    hashes = [5, 6, 7]
+    assert client.publish([StoreEvent("stored", NS, hashes, "node-a")]) == (1, 0)
+    with RouterClient(client.address) as other:
+        other.advertise_peer("node-b", "127.0.0.1:50052", "", [NS])
+        other.publish([StoreEvent("stored", NS, hashes[:1], "node-b")])
+    got = client.query_prefix(NS, hashes)
+    assert [(p.node_id, p.prefix_blocks, p.ucx_address) for p in got] == [
+        ("node-a", 3, "127.0.0.1:13337"), ("node-b", 1, "")]
+    assert [p.node_id for p in client.query_prefix(NS, hashes, exclude_node_id="node-a")] == ["node-b"]
+    assert client.query_prefix("tenant.ffffffffffffffff", hashes) == []
+    # A restart (new advertisement) makes the old generation stale.
+    client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
+    assert client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen) == (0, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        client.publish([b"\x00not msgpack map"])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "events[0]" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.query_prefix("no-fingerprint", hashes)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "final_namespace" in err.value.details()
+    assert router.stats().peers == 2
+
+
+def test_router_follows_a_real_store_servers_event_stream(served):
+    """The store server's own Events RPC (kvstore.service.server.StoreServer)
+    feeds the router; when the store goes away its blocks go with it."""
+    server_mod = pytest.importorskip("kvstore.service.server")
+    router, client, server = served
+
+    async def start_store():
+        store = server_mod.StoreServer(server_mod.ServerConfig(
+            port=0, device="cpu", pool_size=1 << 20, slab_bytes=64 << 10, node_id="store-1"))
+        await store.start()
+        return store
+
+    store = server.call(start_store)
+    try:
+        router.subscriptions.add_store(f"127.0.0.1:{store.port}")
+        hashes = [41, 42, 43]
+
+        def publish_until_seen():
+            deadline = time.monotonic() + 20
+            while not router.query_prefix(NS, hashes):
+                assert time.monotonic() < deadline, "router never saw the store's events"
+                server.loop.call_soon_threadsafe(
+                    store.service.publish, StoreEvent("stored", NS, hashes, "store-1"))
+                time.sleep(0.05)
+
+        publish_until_seen()
+        got = client.query_prefix(NS, hashes)
+        assert [(p.node_id, p.prefix_blocks) for p in got] == [("store-1", 3)]
+        assert got[0].store_address == f"127.0.0.1:{store.port}"
+    finally:
+        server.call(lambda: store.stop(grace=0))
+    wait_for(lambda: router.query_prefix(NS, [41]) == [])
+
+
+# -- the command line --
+
+def test_flags_standalone_and_embedded():
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    args = p.parse_args(["--identity", "r1", "--overlap-weight", "2", "--temperature", "0.1",
+                         "--zmq-endpoint", "w=tcp://127.0.0.1:5557", "--store", "127.0.0.1:50051"])
+    assert (args.host, args.port) == ("127.0.0.1", 50061)
+    router = build_router(args)
+    assert router.config.identity.value == "r1" and router.config.scoring.overlap_weight == 2
+    assert router.feed_specs == (["w=tcp://127.0.0.1:5557"], ["127.0.0.1:50051"])
+    for action in p._actions:
+        assert action.help, action.dest
+    embedded = argparse.ArgumentParser()
+    embedded.add_argument("--host")
+    embedded.add_argument("--port")
+    add_router_arguments(embedded, embedded=True)  # no clash with the host command's flags
+    assert embedded.parse_args(["--no-router"]).no_router
+    with pytest.raises(ValueError, match="--temperature"):
+        build_router(p.parse_args(["--temperature", "-1"]))
+    with pytest.raises(ValueError, match="--zmq-endpoint"):
+        build_router(p.parse_args(["--zmq-endpoint", "tcp://x:1"]))
+
+
+def test_standalone_router_serves_health_and_stops_on_sigterm():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.router", "--port", "0",
+                             "--log-level", "WARNING"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
+        address = line.strip().rsplit(" ", 1)[-1]
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "kvstore.v1.Router"):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stats = router_pb2_grpc.RouterStub(channel).RouterStats(router_pb2.RouterStatsRequest(),
+                                                                    timeout=10)
+            assert stats.workers == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,177 @@
+"""vLLM KV events: decoding vLLM's exact wire format, and routing on real ZMQ PUB feeds.
+
+The payloads are built by hand with msgpack the way msgspec encodes vLLM's
+``array_like`` tagged structs (and the map form of newer versions), so the
+tests depend on neither vLLM nor msgspec.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvstore.router.client import RouterClient
+from kvstore.router.router import Router
+from kvstore.router.vllm_events import decode_batch, decode_message
+
+from .conftest import ServerThread, card
+
+H = [0x1111, 0x2222, 0x3333, 0xFFFF_FFFF_FFFF_FFFF]
+
+
+def stored(hashes, parent=None, medium="GPU", tokens=None, block_size=16):
+    # [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
+    return ["BlockStored", hashes, parent, tokens or [], block_size, None, medium, None]
+
+
+def removed(hashes, medium="GPU"):
+    return ["BlockRemoved", hashes, medium]
+
+
+def batch(*events, ts=1.5, dp_rank=None) -> bytes:
+    body = [ts, list(events)] + ([dp_rank] if dp_rank is not None else [])
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def frames(payload: bytes, seq: int = 0, topic: bytes = b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def test_decode_array_like_batch():
+    b = decode_message(frames(batch(stored(H, parent=7), removed(H[:1]), ["AllBlocksCleared"],
+                                    dp_rank=2), seq=41))
+    assert (b.seq, b.ts, b.data_parallel_rank) == (41, 1.5, 2)
+    assert [(e.kind, e.hashes, e.tier) for e in b.events] == [
+        ("stored", H, "gpu"), ("removed", H[:1], "gpu"), ("cleared", [], "gpu")]
+    assert b.events[0].parent_hash == 7
+
+
+def test_decode_oldest_and_newest_positional_shapes():
+    old = ["BlockStored", H, None, [1, 2], 16, None]             # before `medium` existed
+    new = ["BlockStored", H, None, [], 16, None, "GPU", "lora-a", None, 0, "full", None]
+    removed_old = ["BlockRemoved", H]
+    b = decode_batch(batch(old, new, removed_old))
+    assert [e.kind for e in b.events] == ["stored", "stored", "removed"]
+
+
+def test_decode_map_form_and_byte_hashes():
+    digest = bytes(range(32))
+    payload = msgpack.packb({"ts": 2.0, "events": [
+        {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": None,
+         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "CPU"},
+        {"type": "AllBlocksCleared"}], "data_parallel_rank": 0}, use_bin_type=True)
+    b = decode_batch(payload)
+    expected = int.from_bytes(digest, "big") & ((1 << 64) - 1)  # what vLLM's int form would be
+    assert b.events[0].hashes == [expected] and b.events[0].tier == "store"
+    assert b.events[1].kind == "cleared"
+
+
+def test_negative_int_hashes_wrap_to_u64_and_other_groups_are_skipped():
+    b = decode_batch(batch(stored([-1]), ["BlockStored", [5], None, [], 16, None, "GPU", None, None, 1]))
+    assert b.events[0].hashes == [(1 << 64) - 1] and b.skipped == 1 and len(b.events) == 1
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"\xc1", "not valid msgpack"),
+    (msgpack.packb([1.0]), "batch must be"),
+    (msgpack.packb([1.0, [["Bogus", [1]]]]), "unknown event tag"),
+    (msgpack.packb([1.0, [["BlockStored", [1]]]]), "at least 5 fields"),
+    (msgpack.packb([1.0, [["BlockRemoved", "x"]]]), "must be an array"),
+    (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "hash of type float"),
+])
+def test_malformed_batches_are_refused(payload, message):
+    with pytest.raises(ValueError, match=message):
+        decode_batch(payload)
+
+
+def test_bad_frames_are_refused():
+    with pytest.raises(ValueError, match="3 frames"):
+        decode_message([b"", b"x"])
+    with pytest.raises(ValueError, match="8 bytes"):
+        decode_message([b"", b"\x00", batch()])
+
+
+# -- real ZMQ PUB -> router subscription -> route --
+
+def wait_for(predicate, publish, timeout_s: float = 20.0) -> None:
+    """Re-publish until the router shows the effect (ZMQ PUB drops messages
+    sent before the subscriber has joined, so the first ones may be lost)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("router never saw the published events")
+        publish()
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pub():
+    ctx = zmq.Context()
+    sockets = []
+
+    def make():
+        sock = ctx.socket(zmq.PUB)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sockets.append(sock)
+        return sock, f"tcp://127.0.0.1:{port}"
+
+    yield make
+    for sock in sockets:
+        sock.close(0)
+    ctx.term()
+
+
+def test_vllm_events_over_zmq_are_indexed_and_routed_on(served, pub):
+    router, client, _ = served
+    sock, endpoint = pub()
+    client.register_worker("cold", card(hash_format="vllm-sha256"))
+    client.register_worker("hot", card(hash_format="vllm-sha256", kv_events_endpoint=endpoint))
+    seq = iter(range(1_000_000))
+
+    def send(*events):
+        sock.send_multipart(frames(batch(*events), seq=next(seq)))
+
+    wait_for(lambda: router.stats().indexed_blocks == 4, lambda: send(stored(H)))
+    r = client.route("llama-8b", hashes=H, track=False)
+    assert (r.worker, r.overlap_blocks, r.gpu_blocks) == ("hot", 4, 4)
+    wait_for(lambda: router.stats().indexed_blocks == 2, lambda: send(removed(H[2:])))
+    assert client.route("llama-8b", hashes=H, track=False).overlap_blocks == 2
+    wait_for(lambda: router.stats().indexed_blocks == 0, lambda: send(["AllBlocksCleared"]))
+
+
+def test_replaced_worker_old_publisher_is_ignored(served, pub):
+    router, client, _ = served
+    old_sock, old_ep = pub()
+    new_sock, new_ep = pub()
+    client.register_worker("w", card(kv_events_endpoint=old_ep))
+    wait_for(lambda: router.stats().indexed_blocks == 2,
+             lambda: old_sock.send_multipart(frames(batch(stored(H[:2])))))
+    client.register_worker("w", card(kv_events_endpoint=new_ep, source_path="/new"))
+    assert router.stats().indexed_blocks == 0  # the old generation's blocks went with it
+    for _ in range(20):  # the old process keeps talking: none of it may land
+        old_sock.send_multipart(frames(batch(stored([0xDEAD]))))
+    wait_for(lambda: router.stats().indexed_blocks == 1,
+             lambda: new_sock.send_multipart(frames(batch(stored([0xBEEF])))))
+    for _ in range(20):
+        old_sock.send_multipart(frames(batch(stored([0xDEAD]))))
+    time.sleep(0.2)
+    masks = [i.masks for i in router.domains.values()]
+    assert all(0xDEAD not in m for m in masks) and any(0xBEEF in m for m in masks)
+
+
+def test_static_endpoint_flag_feeds_the_named_worker(pub):
+    sock, endpoint = pub()
+    router = Router()
+    router.feed_specs = ([f"w={endpoint}"], [])
+    server = ServerThread(router)
+    try:
+        with RouterClient(server.address) as client:
+            client.register_worker("w", card())
+            wait_for(lambda: router.stats().indexed_blocks == 4,
+                     lambda: sock.send_multipart(frames(batch(stored(H)), topic=b"kv")))
+            assert client.route("llama-8b", hashes=H, track=False).overlap_blocks == 4
+    finally:
+        server.stop()
