@@ -263,8 +263,7 @@ class BlockStore:
         regions = [reg.regions[layer.geometry.name] for layer in reg.layers]
         addrs = base + np.stack([b.offsets[job.slots] for b in job.blocks], axis=1)
         pieces = plan(regions, job.block_ids, addrs.astype(np.uint64))
-        copier = self.copiers[job.device]
-        copier.save(pieces) if op == "save" else copier.load(pieces)
+        run_copy(self.copiers[job.device], job.device, op, pieces)
 
     # ----------------------------------------------------------------- query
 
@@ -379,6 +378,23 @@ class BlockStore:
     @property
     def inflight_blocks(self) -> int:
         return len(self.blocks) - len(self.lru)
+
+
+def run_copy(copier, device: str, op: str, pieces) -> None:
+    """Run ``copier.save``/``load`` and return only once the bytes are in place.
+
+    The CUDA copier only enqueues; each call gets its own stream on its device
+    so concurrent requests overlap and each waits for just its own copy.
+    """
+    if device == "cpu":
+        getattr(copier, op)(pieces)
+        return
+    import cupy
+
+    with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        getattr(copier, op)(pieces, stream)
+        stream.synchronize()
 
 
 def check_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:

@@ -1,0 +1,438 @@
+"""Copy-engine benchmark: gather (save) and scatter (load) throughput vs a contiguous copy.
+
+    python bench/copy.py --quick              # < 1 min on a 2-core host
+    python bench/copy.py                      # full sweep
+    python bench/copy.py --device cuda        # on a GPU (rows merge into the same JSON)
+
+For each layout, slot size (one layer of one block) and block count, a request
+moves `num_blocks` random blocks of `num_layers` layers between a paged cache
+and randomly placed slots of a pool. The baseline is measured in the same run
+on the same device: one contiguous torch copy of the same number of bytes,
+timed interleaved with the copier so drift hits both alike. Results go to
+bench/results/copy.json and copy.png; rows of other devices already in the
+JSON are kept.
+
+Sections are separate functions selected with --sections; an end-to-end gRPC
+measurement (bench_e2e) can be registered in SECTIONS next to "copy".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's folder would come first on sys.path and this
+# module would shadow the standard library's `copy` (imported by dataclasses).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvstore.copy import HostCopier, Pieces, copier_for, plan, region_from_tensor  # noqa: E402
+
+RESULTS = Path(_HERE) / "results"
+LAYOUTS = ("kv_first", "blocks_first", "mla")
+SLOT_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+STYLES = ("-", "--", ":", "-.")  # one line style per block count in the plot
+GBPS_NOTE = (
+    "gbps = payload bytes moved once (each byte read once and written once counts once) "
+    "/ median wall time of one call, 1 GB = 1e9 bytes; ratio = gbps / baseline_gbps, the "
+    "baseline being one contiguous torch uint8 copy_ of the same total bytes on the same device"
+)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one sweep."""
+
+    total_bytes: int  # target bytes per request (layers x blocks x slot size)
+    block_counts: tuple[int, ...]
+    repeats: int
+    warmup: int
+    max_layers: int = 1024
+
+
+QUICK = Profile(total_bytes=128 << 20, block_counts=(64,), repeats=9, warmup=1)
+FULL = Profile(total_bytes=256 << 20, block_counts=(16, 64, 256), repeats=9, warmup=2)
+CUDA_TOTAL = 1 << 30  # a GPU moves 64 MiB in tens of microseconds: use more
+
+
+@dataclass(frozen=True)
+class Config:
+    layout: str
+    slot_bytes: int
+    num_blocks: int
+    num_layers: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.num_blocks * self.num_layers
+
+
+def configs(profile: Profile) -> list[Config]:
+    out = []
+    for layout in LAYOUTS:
+        for slot in SLOT_SIZES:
+            for blocks in profile.block_counts:
+                layers = min(profile.max_layers, profile.total_bytes // (slot * blocks))
+                if layers >= 1:
+                    out.append(Config(layout, slot, blocks, layers))
+    return out
+
+
+# ---------------------------------------------------------------- buffers and layers
+
+
+class Buffers:
+    """Every buffer a sweep needs, allocated and touched once, then viewed per config."""
+
+    def __init__(self, total_bytes: int, device: str, cache_factor: int = 4) -> None:
+        def alloc(n: int) -> torch.Tensor:
+            return torch.full((n,), 7, dtype=torch.uint8, device=device)
+
+        self.cache_factor = cache_factor  # paged cache holds this many times the request's blocks
+        self.paged = alloc(total_bytes * cache_factor)
+        self.pool = alloc(total_bytes)
+        self.src = alloc(total_bytes)
+        self.dst = alloc(total_bytes)
+
+
+def layer_tensor(buf: torch.Tensor, kind: str, slot_bytes: int, cache_blocks: int) -> torch.Tensor:
+    """An fp16 layer of `cache_blocks` blocks whose slot is `slot_bytes`, viewed over `buf`."""
+    elems = slot_bytes // 2 // (2 if kind != "mla" else 1)  # elements of one segment
+    bs = 16
+    if kind == "mla":
+        shape: tuple[int, ...] = (cache_blocks, bs, elems // bs)
+    else:
+        d = min(128, elems // bs)
+        inner = (bs, elems // bs // d, d)
+        shape = (2, cache_blocks, *inner) if kind == "kv_first" else (cache_blocks, 2, *inner)
+    n = slot_bytes * cache_blocks
+    return buf[:n].view(torch.float16).view(shape)
+
+
+def request(cfg: Config, bufs: Buffers, rng: np.random.Generator) -> tuple[Pieces, float]:
+    """Plan of one request (random blocks into randomly placed slots) and planning time (ms)."""
+    cache_blocks = cfg.num_blocks * bufs.cache_factor
+    layer_bytes = cfg.slot_bytes * cache_blocks
+    regions = [
+        region_from_tensor(
+            layer_tensor(bufs.paged[i * layer_bytes :], cfg.layout, cfg.slot_bytes, cache_blocks),
+            cfg.layout,
+        )
+        for i in range(cfg.num_layers)
+    ]
+    ids = rng.choice(cache_blocks, size=cfg.num_blocks, replace=False)
+    order = rng.permutation(cfg.num_layers * cfg.num_blocks).reshape(cfg.num_layers, -1)
+    slots = (bufs.pool.data_ptr() + order * cfg.slot_bytes).astype(np.uint64)
+    start = time.perf_counter()
+    pieces = plan(regions, ids, slots)
+    return pieces, (time.perf_counter() - start) * 1e3
+
+
+# ---------------------------------------------------------------- timing
+
+
+class Timer:
+    """Wall time of one op, every op starting from the same machine state.
+
+    On the host, the previous op's dirty cache lines would be written back
+    during the next op and bill it (a torch copy leaves up to a last-level
+    cache of them; streaming stores leave none), and torch's OpenMP threads
+    spin for a while after a parallel copy. So before each op this reads a
+    buffer twice the last-level cache, untimed. On a GPU it synchronises.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self._scratch = None if self.cuda else np.ones(2 * _llc_bytes() // 8, dtype=np.uint64)
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        else:
+            self._scratch.sum()  # one thread; evicts (and writes back) what the last op left
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        self.settle()
+        start = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def _llc_bytes() -> int:
+    """Size of the last-level cache (sysfs), at least 32 MiB when unknown."""
+    sizes = [32 << 20]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * mult)
+    return max(sizes)
+
+
+def measure(ops: dict[str, Callable[[], object]], timer: Timer, warmup: int, repeats: int,
+            rng: np.random.Generator) -> dict:  # fmt: skip
+    """Median seconds per op; ops interleaved in a fresh random order every repeat."""
+    names = list(ops)
+    for _ in range(warmup):
+        for name in names:
+            timer(ops[name])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in rng.permutation(names):
+            samples[name].append(timer(ops[name]))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# ---------------------------------------------------------------- sections
+
+
+def bench_copy(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Copier save/load vs contiguous copy for every layout x slot size x block count."""
+    profile = QUICK if args.quick else FULL
+    if args.device.startswith("cuda"):
+        profile = Profile(CUDA_TOTAL, profile.block_counts, profile.repeats, profile.warmup)
+    if args.total_mib:
+        profile = Profile(
+            args.total_mib << 20, profile.block_counts, profile.repeats, profile.warmup
+        )
+    copier = copier_for(args.device)
+    if args.no_streaming and isinstance(copier, HostCopier):
+        copier = HostCopier(streaming_min_bytes=1 << 62)
+    timer = Timer(args.device)
+    stream_kw = _cuda_stream_kwargs(args.device)
+    bufs = Buffers(profile.total_bytes, args.device)
+    rng = np.random.default_rng(0)
+    rows = []
+    for cfg in _progress(configs(profile), args):
+        pieces, plan_ms = request(cfg, bufs, rng)
+        n = cfg.total_bytes
+        src, dst = bufs.src[:n], bufs.dst[:n]
+        times = measure(
+            {
+                "baseline": lambda src=src, dst=dst: dst.copy_(src),
+                "save": lambda p=pieces: copier.save(p, **stream_kw),
+                "load": lambda p=pieces: copier.load(p, **stream_kw),
+            },
+            timer,
+            profile.warmup,
+            profile.repeats,
+            rng,
+        )
+        base = n / times["baseline"] / 1e9
+        for op in ("save", "load"):
+            gbps = n / times[op] / 1e9
+            rows.append({
+                "section": "copy", "device": args.device, "layout": cfg.layout,
+                "slot_bytes": cfg.slot_bytes, "num_blocks": cfg.num_blocks,
+                "num_layers": cfg.num_layers, "total_bytes": n, "pieces": len(pieces),
+                "op": op, "gbps": round(gbps, 3), "baseline_gbps": round(base, 3),
+                "ratio": round(gbps / base, 3), "plan_ms": round(plan_ms, 3),
+            })  # fmt: skip
+    meta = {"profile": profile.__dict__, "copier": _copier_meta(copier)}
+    return rows, meta
+
+
+# An end-to-end gRPC section can be added here: "e2e": bench_e2e, with the same signature.
+SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[list[dict], dict]]] = {
+    "copy": bench_copy,
+}
+
+
+def _cuda_stream_kwargs(device: str) -> dict:
+    """Run CUDA copies on torch's current stream so torch.cuda.synchronize covers them."""
+    if not device.startswith("cuda"):
+        return {}
+    import cupy
+
+    return {"stream": cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)}
+
+
+def _copier_meta(copier) -> dict:
+    if isinstance(copier, HostCopier):
+        return {"kind": "host", "backend": copier.backend, "threads": copier.num_threads,
+                "streaming_min_bytes": copier.streaming_min_bytes}  # fmt: skip
+    return {"kind": "cuda", "chunk_bytes": copier.chunk_bytes,
+            "threads_per_block": copier.threads_per_block}  # fmt: skip
+
+
+def _progress(items: list, args: argparse.Namespace):
+    if args.no_progress:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="copy bench", unit="cfg")
+
+
+# ---------------------------------------------------------------- output
+
+
+def run_meta(args: argparse.Namespace) -> dict:
+    meta = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "loadavg_start": _loadavg(),
+        "quick": args.quick,
+    }
+    if args.device.startswith("cuda"):
+        meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    return meta
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load: other work on the host skews both the copier and the baseline."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write_json(path: Path, device: str, meta: dict, rows: list[dict]) -> None:
+    """Replace this device's rows and metadata, keep other devices' results."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    runs = {k: v for k, v in old.get("runs", {}).items() if k != device}
+    kept = [r for r in old.get("rows", []) if r.get("device") != device]
+    doc = {"gbps_note": GBPS_NOTE, "runs": {**runs, device: meta}, "rows": kept + rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    """Ratio vs slot size, one panel per device x op, one line per layout (x block count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.loads(json_path.read_text())["rows"] if r.get("section") == "copy"]
+    devices = sorted({r["device"] for r in rows})
+    fig, axes = plt.subplots(len(devices), 2, figsize=(11, 4 * len(devices)), squeeze=False)
+    for axrow, device in zip(axes, devices, strict=True):
+        for ax, op in zip(axrow, ("save", "load"), strict=True):
+            sel = [r for r in rows if r["device"] == device and r["op"] == op]
+            for color, layout in zip(("C0", "C1", "C2"), LAYOUTS, strict=True):
+                for style, blocks in zip(
+                    STYLES, sorted({r["num_blocks"] for r in sel}), strict=False
+                ):
+                    pts = sorted(
+                        (r["slot_bytes"], r["ratio"])
+                        for r in sel
+                        if r["layout"] == layout and r["num_blocks"] == blocks
+                    )
+                    if pts:
+                        xs, ys = zip(*pts, strict=True)
+                        ax.plot(xs, ys, style, color=color, marker="o", ms=4,
+                                label=f"{layout}, {blocks} blocks")  # fmt: skip
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.axhline(0.8, color="red", lw=0.8, ls="--", label="0.8 target")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(SLOT_SIZES, [_human(s) for s in SLOT_SIZES])
+            ax.set_xlabel("slot size (one layer of one block)")
+            ax.set_ylabel("copier / contiguous copy")
+            ax.set_title(f"{device}: {op} ({'gather' if op == 'save' else 'scatter'})")
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def _human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'layout':<13}{'slot':>8}{'blocks':>7}{'layers':>7}{'op':>6}"
+          f"{'GB/s':>8}{'base':>8}{'ratio':>7}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['layout']:<13}{_human(r['slot_bytes']):>8}{r['num_blocks']:>7}"
+            f"{r['num_layers']:>7}{r['op']:>6}{r['gbps']:>8.2f}{r['baseline_gbps']:>8.2f}"
+            f"{r['ratio']:>7.2f}"
+        )
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Median, min and max ratio per device, op and slot size over layouts and block counts."""
+    print("ratio (copier / contiguous copy) by slot size, over layouts and block counts:")
+    keys = sorted({(r["device"], r["op"], r["slot_bytes"]) for r in rows})
+    for device, op, slot in keys:
+        ratios = [
+            r["ratio"]
+            for r in rows
+            if (r["device"], r["op"], r["slot_bytes"]) == (device, op, slot)
+        ]
+        print(f"  {device:<7}{op:<5}{_human(slot):>8}  median {statistics.median(ratios):.2f}"
+              f"  min {min(ratios):.2f}  max {max(ratios):.2f}")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sweep, under a minute on 2 cores")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--sections", default="copy", help=f"comma list of {sorted(SECTIONS)}")
+    p.add_argument("--total-mib", type=int, default=0, help="override bytes per request")
+    p.add_argument("--out", type=Path, default=RESULTS / "copy.json")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-streaming", action="store_true",
+                   help="host: plain memcpy only (no cache-bypassing stores), for comparison")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        args.device = "cuda:0"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU")
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    meta = run_meta(args)
+    rows: list[dict] = []
+    for name in args.sections.split(","):
+        section_rows, section_meta = SECTIONS[name](args)
+        rows += section_rows
+        meta[name] = section_meta
+    meta["loadavg_end"] = _loadavg()
+    copy_rows = [r for r in rows if r.get("section") == "copy"]
+    print_table(copy_rows)
+    print_summary(copy_rows)
+    write_json(args.out, args.device, meta, rows)
+    plot(args.out, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

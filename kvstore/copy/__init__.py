@@ -1,0 +1,48 @@
+"""Copy engine: move KV blocks between a worker's paged KV cache and store slots.
+
+    regions = [region_from_tensor(t, "kv_first") for t in kv_caches]   # once, at registration
+    pieces = plan(regions, block_ids, slot_addrs)                        # per request
+    copier_for("cuda:0").save(pieces)                                    # paged -> slots
+    copier_for("cuda:0").load(pieces)                                    # slots -> paged
+
+HostCopier (CPU) and CudaCopier (GPU) give byte-identical results; the torch
+reference in kvstore.copy.reference is the oracle both are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvstore.copy.cuda import CudaCopier
+from kvstore.copy.host import HostCopier
+from kvstore.copy.layout import KINDS, LayerRegion, region_from_tensor
+from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
+from kvstore.copy.reference import reference_gather, reference_scatter
+
+__all__ = [
+    "KINDS",
+    "CudaCopier",
+    "HostCopier",
+    "LayerRegion",
+    "Pieces",
+    "copier_for",
+    "merge_adjacent",
+    "plan",
+    "reference_gather",
+    "reference_scatter",
+    "region_from_tensor",
+    "split_pieces",
+]
+
+
+@functools.cache
+def copier_for(device: str) -> HostCopier | CudaCopier:
+    """The shared copier for "cpu", "cuda" or "cuda:N" (one instance per device)."""
+    if device == "cpu":
+        return HostCopier()
+    if device == "cuda" or device.startswith("cuda:"):
+        index = device.partition(":")[2]
+        if index and not index.isdigit():
+            raise ValueError(f"bad device {device!r}; expected 'cpu' or 'cuda:N'")
+        return CudaCopier(int(index or 0))
+    raise ValueError(f"bad device {device!r}; expected 'cpu' or 'cuda:N'")
