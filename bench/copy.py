@@ -247,9 +247,16 @@ def bench_copy(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, meta
 
 
-# An end-to-end gRPC section can be added here: "e2e": bench_e2e, with the same signature.
+def bench_e2e(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Save / Load of 256 blocks x 32 layers through a real server (bench/e2e_store.py)."""
+    from bench.e2e_store import bench_e2e as run
+
+    return run(args)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[list[dict], dict]]] = {
     "copy": bench_copy,
+    "e2e": bench_e2e,
 }
 
 
@@ -336,6 +343,8 @@ def plot(json_path: Path, png_path: Path) -> None:
 
     rows = [r for r in json.loads(json_path.read_text())["rows"] if r.get("section") == "copy"]
     devices = sorted({r["device"] for r in rows})
+    if not devices:
+        return
     fig, axes = plt.subplots(len(devices), 2, figsize=(11, 4 * len(devices)), squeeze=False)
     for axrow, device in zip(axes, devices, strict=True):
         for ax, op in zip(axrow, ("save", "load"), strict=True):
@@ -400,7 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sweep, under a minute on 2 cores")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--sections", default="copy", help=f"comma list of {sorted(SECTIONS)}")
+    p.add_argument("--sections", default="copy,e2e", help=f"comma list of {sorted(SECTIONS)}")
     p.add_argument("--total-mib", type=int, default=0, help="override bytes per request")
     p.add_argument("--out", type=Path, default=RESULTS / "copy.json")
     p.add_argument("--no-progress", action="store_true")

@@ -90,7 +90,7 @@ class SlotPool:
             slab_id = self._partial_slab(size)
             slab = self._slabs[slab_id]
             take = min(slab.top, count - got)
-            idx = slab.free[slab.top - take:slab.top]
+            idx = slab.free[slab.top - take:slab.top][::-1]  # ascending: mergeable runs
             out[got:got + take] = slab_id * self.slab_bytes + idx.astype(np.int64) * size
             slab.top -= take
             got += take

@@ -11,12 +11,15 @@ registration can interleave between the check and the insert.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .errors import KVError, exists, invalid, not_found, precondition
 from .layout import KV_LAYOUTS, LayerGeometry, final_namespace, fingerprint, valid_client_namespace
@@ -102,9 +105,12 @@ class Seal:
     def slot_index(self, layer_id: int, tp_rank: int) -> int:
         return layer_id * self.tp_size + tp_rank
 
-    def slot_bytes(self) -> list[int]:
-        """Bytes of each slot, by slot index (all ranks of a layer agree)."""
-        return [g.bytes_per_block for g in self.layers for _ in range(self.tp_size)]
+    @functools.cached_property
+    def slot_bytes(self) -> np.ndarray:
+        """Bytes of each slot, by slot index (all ranks of a layer agree); read-only."""
+        sizes = np.repeat([g.bytes_per_block for g in self.layers], self.tp_size)
+        sizes.flags.writeable = False
+        return sizes
 
 
 @dataclass

@@ -44,7 +44,7 @@ class Block:
     """One block's slot array and its life-cycle state."""
 
     key: Key
-    slot_bytes: np.ndarray  # int64 per slot
+    slot_bytes: np.ndarray  # bytes per slot (the seal's read-only array, shared)
     tp_size: int
     offsets: np.ndarray = None      # int64 per slot, -1 while unallocated
     devices: list = None            # device of each tp_rank's slots
@@ -146,7 +146,7 @@ class BlockStore:
             key = (seal.final_namespace, block_hash)
             block = self.blocks.get(key)
             if block is None:
-                block = Block(key, np.asarray(seal.slot_bytes(), dtype=np.int64), seal.tp_size)
+                block = Block(key, seal.slot_bytes, seal.tp_size)
                 created.append(block)
             if block.sealed or block.claimed[slots].any():
                 result.skipped += 1
@@ -161,7 +161,7 @@ class BlockStore:
             block.writers.add(reg.session)
             self.blocks.setdefault(block.key, block)
             self.by_session.setdefault(reg.session, set()).add(block.key)
-        nbytes = int(sum(int(b.slot_bytes[slots].sum()) for b, _ in todo))
+        nbytes = len(todo) * int(seal.slot_bytes[slots].sum())
         return _Copy([b for b, _ in todo], np.array([i for _, i in todo], dtype=np.int64),
                      slots, device, nbytes)
 
@@ -247,7 +247,7 @@ class BlockStore:
         for block in blocks:
             block.pins += 1
             self.lru.move_to_end(block.key)
-        nbytes = int(sum(int(b.slot_bytes[slots].sum()) for b in blocks))
+        nbytes = len(blocks) * int(seal.slot_bytes[slots].sum())
         job = _Copy(blocks, np.array([i for _, i in refs], dtype=np.int64), slots,
                     reg.device, nbytes)
         try:
