@@ -53,6 +53,15 @@ def add_serve(sub) -> None:
     p.add_argument("--router", default="", metavar="ADDRESS",
                    help="advertise to a standalone `kvstore router` at ADDRESS instead of "
                    "embedding one")
+    p.add_argument("--no-transfer", action="store_true",
+                   help="do not serve or fetch blocks between store servers over UCX")
+    p.add_argument("--ucx-port", type=int, default=0,
+                   help="UCX listener port for peer transfer (0 picks a free one)")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:UCXPORT",
+                   help="a peer store's UCX address to fetch from when the router knows no "
+                   "holder (repeatable)")
+    p.add_argument("--fetch-timeout", type=float, default=10.0,
+                   help="seconds a peer fetch may take before it fails over (10)")
     add_common(p)
     from .router.cli import add_router_arguments
 
@@ -149,7 +158,9 @@ async def _serve(args) -> None:
 
     config = ServerConfig(host=args.host, port=args.port, pool_size=args.pool_size,
                           device=args.device, node_id=args.node_id,
-                          router_address=args.router)
+                          router_address=args.router, transfer=not args.no_transfer,
+                          ucx_port=args.ucx_port, peers=tuple(args.peer),
+                          fetch_timeout_s=args.fetch_timeout)
     try:
         router = None
         if not args.no_router and not args.router:

@@ -58,13 +58,15 @@ class RemoteRouterLink:
         self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._args: tuple = ()
+        self.advertised = False
         self._snapshot: Callable[[], list[StoreEvent]] = list
 
     async def start(self, store_address: str, ucx_address: str,
                     snapshot: Callable[[], list[StoreEvent]]) -> None:
+        """Advertise now if the router answers; else keep trying in the background."""
         self._args = (store_address, ucx_address)
         self._snapshot = snapshot
-        await self._advertise(refresh=False)
+        await self._advertise_or_warn()
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._keepalive())]
 
     async def _advertise(self, refresh: bool) -> None:
@@ -73,21 +75,27 @@ class RemoteRouterLink:
         if not refresh:  # a new generation: the router knows none of our blocks yet
             for event in self._snapshot():
                 self._queue.put_nowait(event)
-        log.info("advertised to router %s as %s (generation %d)", self.client.address,
-                 self.node_id, self.client.generation)
+            log.info("advertised to router %s as %s (generation %d)", self.client.address,
+                     self.node_id, self.client.generation)
+        self.advertised = True
+
+    async def _advertise_or_warn(self) -> None:
+        try:
+            await self._advertise(refresh=self.advertised)
+        except Exception as exc:  # router down or restarted: start over next time
+            if self.advertised:
+                log.warning("router %s lost our advertisement (%s); re-advertising",
+                            self.client.address, _brief(exc))
+                self.advertised = False
+                await self._advertise_or_warn()
+            else:
+                log.warning("router %s unreachable (%s); retrying every %.0f s",
+                            self.client.address, _brief(exc), REFRESH_S)
 
     async def _keepalive(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_S)
-            try:
-                await self._advertise(refresh=True)
-            except Exception as exc:  # router restarted or unreachable: start over
-                log.warning("router %s refresh failed (%s); re-advertising",
-                            self.client.address, exc)
-                try:
-                    await self._advertise(refresh=False)
-                except Exception as again:
-                    log.warning("router %s unreachable: %s", self.client.address, again)
+            await self._advertise_or_warn()
 
     def publish(self, event: StoreEvent) -> None:
         self._queue.put_nowait(event)
@@ -97,11 +105,13 @@ class RemoteRouterLink:
             batch = [await self._queue.get()]
             while not self._queue.empty() and len(batch) < MAX_BATCH:
                 batch.append(self._queue.get_nowait())
+            if not self.advertised:
+                continue  # the snapshot replays them once the router is back
             try:
                 await asyncio.to_thread(self.client.publish, batch)
             except Exception as exc:
                 log.warning("could not forward %d events to router %s: %s", len(batch),
-                            self.client.address, exc)
+                            self.client.address, _brief(exc))
 
     async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
         return await asyncio.to_thread(self.client.query_prefix, namespace, hashes, self.node_id)
@@ -110,6 +120,11 @@ class RemoteRouterLink:
         for task in self._tasks:
             task.cancel()
         self.client.close()
+
+
+def _brief(exc: Exception) -> str:
+    details = getattr(exc, "details", None)
+    return details() if callable(details) else str(exc)
 
 
 def snapshot_events(store, node_id: str) -> list[StoreEvent]:

@@ -270,9 +270,7 @@ class BlockStore:
     def query(self, namespace: str, hashes: list[int], lease: bool = False,
               lease_ms: int = 0) -> tuple[int, str]:
         """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned."""
-        if len(hashes) > MAX_BLOCKS_PER_REQUEST:
-            raise invalid(f"block_hashes has {len(hashes)} entries, more than "
-                          f"{MAX_BLOCKS_PER_REQUEST}")
+        check_count("block_hashes", len(hashes))
         if lease_ms > MAX_LEASE_MS:
             raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
         keys = []
@@ -304,6 +302,55 @@ class BlockStore:
             if block is not None:
                 block.pins -= 1
         return len(lease.keys)
+
+    # ------------------------------------------------------- peer transfer
+
+    def sealed_prefix(self, namespace: str, hashes: list[int]) -> list[Block]:
+        """The sealed blocks of the longest prefix of ``hashes`` held here."""
+        out = []
+        for h in hashes:
+            block = self.blocks.get((namespace, h))
+            if block is None or not block.sealed:
+                break
+            out.append(block)
+        return out
+
+    def slot_views(self, block: Block) -> list:
+        """One uint8 view per slot, straight into the pool (no copy)."""
+        views = []
+        for slot, (offset, size) in enumerate(zip(block.offsets.tolist(),
+                                                  block.slot_bytes.tolist())):
+            views.append(self.pools[block.devices[slot % block.tp_size]].view(offset, size))
+        return views
+
+    def reserve_detached(self, namespace: str, hashes: list[int], seal: Seal,
+                         devices: list[str]) -> list[Block]:
+        """Blocks with every slot allocated but kept out of the index (see adopt)."""
+        blocks = [Block((namespace, h), seal.slot_bytes, seal.tp_size) for h in hashes]
+        try:
+            for tp_rank, device in enumerate(devices):
+                slots = np.arange(tp_rank, len(seal.slot_bytes), seal.tp_size)
+                todo = [(b, 0) for b in blocks]
+                self._allocate(todo, slots, device, [])
+                for block in blocks:
+                    block.devices[tp_rank] = device
+        except BaseException:
+            for block in blocks:
+                self.free_detached(block)
+            raise
+        return blocks
+
+    def adopt(self, block: Block) -> bool:
+        """Seal a fully received detached block into the index; False if one exists."""
+        if block.key in self.blocks:
+            self.free_detached(block)
+            return False
+        self.blocks[block.key] = block
+        self._seal(block)
+        return True
+
+    def free_detached(self, block: Block) -> None:
+        self._drop(block)
 
     # ------------------------------------------------------------ life-cycle
 
@@ -349,9 +396,10 @@ class BlockStore:
         return False
 
     def _drop(self, block: Block) -> None:
-        """Forget a block and free every slot it holds."""
-        self.blocks.pop(block.key, None)
-        self.lru.pop(block.key, None)
+        """Forget a block and free every slot it holds (detached ones too)."""
+        if self.blocks.get(block.key) is block:
+            del self.blocks[block.key]
+            self.lru.pop(block.key, None)
         for session in block.writers:
             self.by_session.get(session, set()).discard(block.key)
         for tp_rank, device in enumerate(block.devices):
@@ -397,12 +445,16 @@ def run_copy(copier, device: str, op: str, pieces) -> None:
         stream.synchronize()
 
 
+def check_count(field_name: str, count: int) -> None:
+    if count > MAX_BLOCKS_PER_REQUEST:
+        raise invalid(f"{field_name} has {count} entries, more than {MAX_BLOCKS_PER_REQUEST}")
+
+
 def check_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:
     """Reject the whole request before anything is touched."""
     if not refs:
         raise invalid("blocks is empty")
-    if len(refs) > MAX_BLOCKS_PER_REQUEST:
-        raise invalid(f"blocks has {len(refs)} entries, more than {MAX_BLOCKS_PER_REQUEST}")
+    check_count("blocks", len(refs))
     limit = min(layer.num_blocks for layer in reg.layers)
     seen: set[int] = set()
     for block_hash, block_id in refs:

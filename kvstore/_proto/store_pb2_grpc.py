@@ -54,6 +54,11 @@ class KVStoreStub:
                 request_serializer=store__pb2.QueryRequest.SerializeToString,
                 response_deserializer=store__pb2.QueryResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstore.v1.KVStore/Prefetch',
+                request_serializer=store__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=store__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvstore.v1.KVStore/Release',
                 request_serializer=store__pb2.ReleaseRequest.SerializeToString,
@@ -109,6 +114,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Pulls the missing part of the longest prefix of `block_hashes` from a
+        peer store (found through the router, or the --peer list) so the next
+        Load hits locally. A Load that misses does the same by itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Ends a lease taken by Query.
         """
@@ -151,6 +165,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Query,
                     request_deserializer=store__pb2.QueryRequest.FromString,
                     response_serializer=store__pb2.QueryResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=store__pb2.PrefetchRequest.FromString,
+                    response_serializer=store__pb2.PrefetchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -276,6 +295,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Query',
             store__pb2.QueryRequest.SerializeToString,
             store__pb2.QueryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prefetch',
+            store__pb2.PrefetchRequest.SerializeToString,
+            store__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,8 +42,9 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
                             help="address to bind (default 127.0.0.1: loopback only)")
         parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                             help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)")
-        parser.add_argument("--log-level", default="INFO",
-                            choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+        parser.add_argument("--log-level", default="INFO", type=str.upper,
+                            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                            help="logging level (INFO; any case)")
     parser.add_argument("--identity", choices=[a.value for a in IdentityAlgorithm], default="r2",
                         help="cache-semantics material: r2 = display name (default), "
                              "r1 = card checksum")

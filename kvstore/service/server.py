@@ -52,6 +52,10 @@ class ServerConfig:
     slab_bytes: int = DEFAULT_SLAB_BYTES
     node_id: str = ""
     router_address: str = ""  # a standalone router to advertise to; "" = none/embedded
+    transfer: bool = False    # run a UCX listener and fetch missing blocks from peers
+    ucx_port: int = 0
+    peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
+    fetch_timeout_s: float = 10.0
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -91,6 +95,7 @@ class StoreServer:
         self._event_sinks = [self.service.publish]
         self._expirer: asyncio.Task | None = None
         self.link = None
+        self.peer_server = None
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
@@ -112,6 +117,7 @@ class StoreServer:
         if not self.config.node_id:
             self.node_id = self.store.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()
+        await self._start_transfer()
         await self._link_router()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -121,6 +127,36 @@ class StoreServer:
                  self.config.pool_size / 2**30)
         return self.port
 
+    async def _start_transfer(self) -> None:
+        if not self.config.transfer:
+            return
+        from ..fetcher import Fetcher
+        from ..peer_store import StoreSink, StoreSource, local_layout_from
+        from ..transfer import PeerServer
+
+        self.service.source = StoreSource(self.store)
+        self.peer_server = PeerServer(self.service.source, self.config.host,
+                                      self.config.ucx_port)
+        await self.peer_server.start()
+        self.service.ucx_address = self.peer_server.address
+        sink = StoreSink(self.store, local_layout_from(self.registry))
+        self.service.fetcher = Fetcher(self.store, sink, self._find_peers,
+                                       self.config.fetch_timeout_s)
+        log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
+
+    async def _find_peers(self, namespace: str, hashes: list[int]) -> list:
+        """Peers for a fetch: the router's answer, else the --peer list."""
+        from ..router.peers import PeerPrefix
+
+        peers = []
+        if self.link is not None:
+            try:
+                peers = [p for p in await self.link.query_prefix(namespace, hashes)
+                         if p.ucx_address]
+            except Exception as exc:
+                log.warning("router peer lookup failed (%s); trying the --peer list", exc)
+        return peers or [PeerPrefix(a, "", a, 0) for a in self.config.peers]
+
     async def _link_router(self) -> None:
         if self.router is not None:
             self.link = LocalRouterLink(self.router, self.node_id)
@@ -128,7 +164,7 @@ class StoreServer:
             self.link = RemoteRouterLink(self.config.router_address, self.node_id)
         if self.link is None:
             return
-        await self.link.start(f"{self.config.host}:{self.port}", "",
+        await self.link.start(f"{self.config.host}:{self.port}", self.service.ucx_address,
                               lambda: snapshot_events(self.store, self.node_id))
         self.add_event_sink(self.link.publish)
 
@@ -143,6 +179,8 @@ class StoreServer:
         await self.health.enter_graceful_shutdown()
         if self.link is not None:
             await self.link.stop()
+        if self.peer_server is not None:
+            await self.peer_server.stop()
         if self.server:
             await self.server.stop(grace)
         if self.router is not None:

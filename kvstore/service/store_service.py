@@ -14,10 +14,10 @@ import grpc
 
 from .._proto import store_pb2 as pb
 from .._proto import store_pb2_grpc as pb_grpc
-from ..errors import KVError
+from ..errors import KVError, precondition
 from ..events import StoreEvent
 from ..registry import Instance, Registry
-from ..store import BlockStore
+from ..store import BlockStore, check_count
 from . import codec
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.registry = registry
         self.store = store
         self.device = device
+        self.fetcher = None       # set by the server when peer transfer is on
+        self.ucx_address = ""
+        self.source = None        # the StoreSource peers fetch from
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
         self._subscribers: set[asyncio.Queue] = set()
         registry.on_change(self._instance_changed)
@@ -80,10 +83,28 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Load(self, request, context):
         try:
             inst, reg = self.registry.caller(request.instance_id, request.rank, request.session)
-            nbytes = await self.store.load(inst.seal, reg, codec.refs(request.blocks))
+            refs = codec.refs(request.blocks)
+            await self._fetch_missing(inst.seal.final_namespace, [h for h, _ in refs])
+            nbytes = await self.store.load(inst.seal, reg, refs)
         except KVError as err:
             await context.abort(err.code, err.message)
         return pb.LoadResponse(loaded=len(request.blocks), bytes=nbytes)
+
+    async def _fetch_missing(self, namespace: str, hashes: list[int]) -> None:
+        if self.fetcher is None or len(self.store.sealed_prefix(namespace, hashes)) == len(hashes):
+            return
+        await self.fetcher.prefetch(namespace, hashes)
+
+    async def Prefetch(self, request, context):
+        try:
+            if self.fetcher is None:
+                raise precondition("peer transfer is off on this server (--no-transfer)")
+            check_count("block_hashes", len(request.block_hashes))
+            result = await self.fetcher.prefetch(request.namespace, list(request.block_hashes))
+        except KVError as err:
+            await context.abort(err.code, err.message)
+        return pb.PrefetchResponse(local_blocks=result.local_blocks,
+                                   fetched_blocks=result.fetched_blocks, peer=result.peer)
 
     async def Query(self, request, context):
         try:
@@ -112,7 +133,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             evictions=c.evictions, bytes_saved=c.bytes_saved, bytes_loaded=c.bytes_loaded,
             instances=len(self.registry.instances),
             sealed_instances=sum(1 for i in instances if i.seal is not None),
-            leases=len(s.leases))
+            leases=len(s.leases), ucx_address=self.ucx_address,
+            fetched_blocks=self.fetcher.fetched_blocks if self.fetcher else 0,
+            served_blocks=self.source.served_blocks if self.source else 0)
 
     # -------------------------------------------------------------- events
 

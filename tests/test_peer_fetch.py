@@ -1,0 +1,149 @@
+"""Cross-node fetch: real store server processes, a real router, UCX on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.demo import free_port
+from kvstore.worker import WorkerProcess, WorkerSpec
+
+from .conftest import wait_for
+
+pytest.importorskip("ucxx")
+
+LAYOUT = dict(layers=4, heads=4, head_dim=32, block_size=4, num_blocks=32)
+
+
+def spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvstore", *args, "--log-level", "warning"])
+
+
+def ready(address: str, proc: subprocess.Popen) -> StoreClient:
+    client = StoreClient(address, timeout=2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{address} exited with {proc.returncode}"
+        try:
+            client.stats()
+            return client
+        except Exception:
+            time.sleep(0.2)
+    raise TimeoutError(address)
+
+
+def wait_healthy(address: str, proc: subprocess.Popen) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{address} exited with {proc.returncode}"
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise TimeoutError(address)
+
+
+@pytest.fixture
+def cluster():
+    """A standalone router and three store servers advertising to it."""
+    rport = free_port()
+    procs = [spawn("router", "--port", str(rport))]
+    stores = []
+    try:
+        wait_healthy(f"127.0.0.1:{rport}", procs[0])
+        for i in range(3):
+            port = free_port()
+            procs.append(spawn("serve", "--port", str(port), "--device", "cpu",
+                               "--pool-size", "64MiB", "--router", f"127.0.0.1:{rport}",
+                               "--node-id", f"node{i}", "--fetch-timeout", "5"))
+            address = f"127.0.0.1:{port}"
+            stores.append((address, ready(address, procs[-1]), procs[-1]))
+        yield stores
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def instance(address, name, **kw):
+    ws = [WorkerProcess(WorkerSpec(address, name, "llama", r, 2, **{**LAYOUT, **kw}))
+          for r in range(2)]
+    ns = [w.call("wait_sealed", 30) for w in ws][0]["final_namespace"]
+    return ws, ns
+
+
+def each(ws, op, arg):
+    for w in ws:
+        w.conn.send((op, arg))
+    return [w._reply() for w in ws]
+
+
+def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
+    (a_addr, a, _), (b_addr, b, _), (c_addr, c, _) = cluster
+    src, ns = instance(a_addr, "src")
+    mtp, ns_mtp = instance(c_addr, "mtp", extra_layers=1)  # same hashes, other layout
+    dst, ns_b = instance(b_addr, "dst")
+    try:
+        assert ns == ns_b != ns_mtp
+        hashes = [7000 + i for i in range(12)]
+        for ws in (src, mtp):
+            each(ws, "fill", [(h, i) for i, h in enumerate(hashes)])
+            each(ws, "save", [(h, i) for i, h in enumerate(hashes)])
+        assert wait_for(lambda: _router_knows(b_addr, ns, hashes), timeout=15)
+        each(dst, "load", [(h, 16 + i) for i, h in enumerate(hashes)])
+        assert each(dst, "digest", list(range(16, 28))) == each(src, "digest", list(range(12)))
+        sb = b.stats()
+        assert sb.fetched_blocks == 12 and sb.sealed_blocks == 12
+        assert a.stats().served_blocks == 12
+        assert c.stats().served_blocks == 0  # the other fingerprint was never asked
+        assert b.query(ns, hashes).prefix_blocks == 12  # next load hits locally
+    finally:
+        for ws in (src, mtp, dst):
+            for w in ws:
+                w.close()
+
+
+def _router_knows(b_addr, ns, hashes) -> bool:
+    from kvstore._proto import store_pb2 as pb
+    from kvstore.client import _call
+
+    client = StoreClient(b_addr)
+    try:
+        r = _call(client.stub.Prefetch, pb.PrefetchRequest(namespace=ns, block_hashes=hashes[:1]),
+                  10)
+        return r.fetched_blocks + r.local_blocks == 1
+    except Exception:
+        return False
+
+
+def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
+    (a_addr, a, a_proc), (b_addr, b, _), _ = cluster
+    src, ns = instance(a_addr, "src")
+    dst, _ = instance(b_addr, "dst")
+    try:
+        hashes = [9000 + i for i in range(6)]
+        each(src, "fill", [(h, i) for i, h in enumerate(hashes)])
+        each(src, "save", [(h, i) for i, h in enumerate(hashes)])
+        time.sleep(1.0)  # events reach the router
+        a_proc.kill()
+        a_proc.wait(timeout=10)
+        used = b.stats().used_bytes
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
+            dst[0].call("load", [(h, 16 + i) for i, h in enumerate(hashes)])
+        assert time.monotonic() - t0 < 30
+        stats = b.stats()
+        assert stats.sealed_blocks == 0 and stats.inflight_blocks == 0
+        assert stats.used_bytes == used
+    finally:
+        for w in src + dst:
+            w.close()
