@@ -31,7 +31,7 @@ SAVE_BLOCKS = 256
 def start_server(device: str, pool_bytes: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
-                             "--device", device, "--pool-size", str(pool_bytes), "--no-router",
+                             "--device", device, "--pool-size", str(pool_bytes), "--no-router", "--no-transfer",
                              "--log-level", "error"])
     address = f"127.0.0.1:{port}"
     client = StoreClient(address, timeout=2)

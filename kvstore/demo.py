@@ -53,7 +53,8 @@ def free_port() -> int:
 
 def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--device", device,
-           "--pool-size", str(pool_size), "--no-router", "--log-level", "error"]
+           "--pool-size", str(pool_size), "--no-router", "--no-transfer",
+           "--log-level", "error"]
     proc = subprocess.Popen(cmd)
     client = StoreClient(f"127.0.0.1:{port}", timeout=2)
     deadline = time.monotonic() + 60
