@@ -25,7 +25,7 @@ import torch
 
 from .client import StoreClient
 from .hashing import block_hashes
-from .worker import WorkerProcess, WorkerSpec
+from .worker import WorkerGroup
 
 log = logging.getLogger("kvstore.demo")
 
@@ -76,28 +76,13 @@ def make_prompts(args, rng: np.random.Generator) -> list[list[int]]:
             for _ in range(args.prompts)]
 
 
-class Instance:
-    """Two (tp_size) worker processes that form one sealed instance."""
-
-    def __init__(self, name: str, address: str, args, device: str, extra_layers: int = 0,
-                 num_blocks: int = 0):
-        self.name = name
-        self.workers = [WorkerProcess(WorkerSpec(
-            address, name, "demo-llama", rank, 2, layers=args.layers, extra_layers=extra_layers,
-            heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
-            num_blocks=num_blocks, device=device if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"))
-            for rank in range(2)]
-        seals = [w.call("wait_sealed", 60) for w in self.workers]
-        self.namespace = seals[0]["final_namespace"]
-
-    def each(self, op: str, arg) -> list:
-        for w in self.workers:
-            w.conn.send((op, arg))
-        return [w._reply() for w in self.workers]
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
+def start_instance(name: str, address: str, args, device: str, extra_layers: int = 0,
+                   num_blocks: int = 0) -> WorkerGroup:
+    """Two TP worker processes that form one sealed instance."""
+    return WorkerGroup(address, name, 2, "demo-llama", layers=args.layers,
+                       extra_layers=extra_layers, heads=args.heads, head_dim=args.head_dim,
+                       block_size=args.block_size, num_blocks=num_blocks,
+                       device="cpu" if device == "cpu" else "cuda")
 
 
 def run_demo(args) -> int:
@@ -106,7 +91,7 @@ def run_demo(args) -> int:
     port = free_port()
     address = f"127.0.0.1:{port}"
     server = start_server(port, device, args.pool_size)
-    instances: list[Instance] = []
+    instances: list[WorkerGroup] = []
     try:
         rows, ok = _cycle(args, address, device, instances)
     finally:
@@ -129,7 +114,7 @@ def _cycle(args, address: str, device: str, instances: list) -> tuple[list[Row],
     client = StoreClient(address)
     rows: list[Row] = []
 
-    a = Instance("demo-a", address, args, device, num_blocks=num_blocks)
+    a = start_instance("demo-a", address, args, device, num_blocks=num_blocks)
     instances.append(a)
     a.each("fill", [(h & 0x7FFFFFFF, slot_of[h]) for h in unique])
     t0, moved = time.perf_counter(), 0
@@ -138,7 +123,7 @@ def _cycle(args, address: str, device: str, instances: list) -> tuple[list[Row],
     rows.append(Row("A", a.namespace, "save", len(unique), 0, moved, time.perf_counter() - t0))
     saved = a.each("digest", [slot_of[h] for h in unique])
 
-    b = Instance("demo-b", address, args, device, num_blocks=num_blocks)
+    b = start_instance("demo-b", address, args, device, num_blocks=num_blocks)
     instances.append(b)
     ok = b.namespace == a.namespace
     hits = moved = 0
@@ -154,7 +139,8 @@ def _cycle(args, address: str, device: str, instances: list) -> tuple[list[Row],
     loaded = b.each("digest", [len(unique) + slot_of[h] for h in unique])
     ok = ok and loaded == saved and hits == sum(map(len, per_prompt))
 
-    c = Instance("demo-c-mtp", address, args, device, extra_layers=1, num_blocks=num_blocks)
+    c = start_instance("demo-c-mtp", address, args, device, extra_layers=1,
+                       num_blocks=num_blocks)
     instances.append(c)
     misses = sum(client.query(c.namespace, hs).prefix_blocks for hs in per_prompt)
     rows.append(Row("C (MTP on)", c.namespace, "query", sum(map(len, per_prompt)), misses,

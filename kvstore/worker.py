@@ -59,9 +59,10 @@ class WorkerRank:
                 shm = kv_cache_shm(spec.kind, spec.num_blocks, spec.block_size, heads,
                                    spec.head_dim, dtype, spec.kv_layout)
                 self.layers.append(KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm))
-            else:
-                shape = _shape(spec, heads)
-                t = torch.zeros(shape, dtype=dtype, device=spec.device)
+            else:  # "cuda" spreads ranks over the visible GPUs
+                device = (f"cuda:{spec.tp_rank % torch.cuda.device_count()}"
+                          if spec.device == "cuda" else spec.device)
+                t = torch.zeros(_shape(spec, heads), dtype=dtype, device=device)
                 self.layers.append(KVLayer(name, t, spec.kind, spec.kv_layout))
         self.session = self.client.register(
             spec.instance_id, spec.client_namespace, self.layers, tp_rank=spec.tp_rank,
@@ -192,3 +193,27 @@ class WorkerProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(timeout=10)
+
+
+class WorkerGroup:
+    """The ranks of one instance, each in its own process, driven together."""
+
+    def __init__(self, address: str, instance_id: str, tp_size: int = 2,
+                 client_namespace: str = "llama", seal_timeout: float = 60.0, **spec):
+        self.workers = [WorkerProcess(WorkerSpec(address, instance_id, client_namespace, rank,
+                                                 tp_size, **spec)) for rank in range(tp_size)]
+        self.seal = self.workers[0].call("wait_sealed", seal_timeout)
+        self.namespace: str = self.seal["final_namespace"]
+
+    def each(self, op: str, arg=None) -> list:
+        """Send one command to every rank at once, then gather the replies."""
+        for w in self.workers:
+            w.conn.send((op, arg))
+        return [w._reply() for w in self.workers]
+
+    def __getitem__(self, rank: int) -> WorkerProcess:
+        return self.workers[rank]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()

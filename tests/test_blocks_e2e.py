@@ -12,28 +12,16 @@ from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client import StoreClient, _call
 from kvstore.errors import KVError
 from kvstore.events import StoreEvent
-from kvstore.worker import WorkerProcess, WorkerSpec
+from kvstore.worker import WorkerGroup
 
 from .conftest import wait_for
 
+LAYOUT = dict(layers=4, heads=4, head_dim=32, block_size=4, num_blocks=32)
+
 
 def instance(server, name, tp_size=2, **kw):
-    base = dict(layers=4, heads=4, head_dim=32, block_size=4, num_blocks=32)
-    workers = [WorkerProcess(WorkerSpec(server.address, name, "llama", r, tp_size,
-                                        **{**base, **kw})) for r in range(tp_size)]
-    ns = [w.call("wait_sealed", 30)["final_namespace"] for w in workers][0]
-    return workers, ns
-
-
-def each(workers, op, arg):
-    for w in workers:
-        w.conn.send((op, arg))
-    return [w._reply() for w in workers]
-
-
-def close(workers):
-    for w in workers:
-        w.close()
+    group = WorkerGroup(server.address, name, tp_size, **{**LAYOUT, **kw})
+    return group, group.namespace
 
 
 def collect_events(server, out: list, stop: threading.Event):
@@ -58,15 +46,15 @@ def test_save_in_one_instance_load_in_another_every_byte(server):
     b, ns_b = instance(server, "b")
     try:
         assert ns == ns_b
-        each(a, "fill", [(1000 + i, i) for i in range(8)])
-        saved = each(a, "save", [(500 + i, i) for i in range(8)])
+        a.each("fill", [(1000 + i, i) for i in range(8)])
+        saved = a.each("save", [(500 + i, i) for i in range(8)])
         assert [r["written"] for r in saved] == [8, 8]
         assert sum(r["sealed"] for r in saved) == 8
         client = StoreClient(server.address)
         hit = client.query(ns, [500 + i for i in range(10)], lease=True)
         assert hit.prefix_blocks == 8 and hit.lease_id
-        each(b, "load", [(500 + i, 16 + i) for i in range(8)])
-        assert each(b, "digest", list(range(16, 24))) == each(a, "digest", list(range(8)))
+        b.each("load", [(500 + i, 16 + i) for i in range(8)])
+        assert b.each("digest", list(range(16, 24))) == a.each("digest", list(range(8)))
         assert client.release(hit.lease_id) == 8
         stats = client.stats()
         assert stats.sealed_blocks == 8 and stats.hits == 8 and stats.misses == 2
@@ -76,7 +64,8 @@ def test_save_in_one_instance_load_in_another_every_byte(server):
         assert sorted(h for e in events for h in e.block_hashes) == [500 + i for i in range(8)]
     finally:
         sub.cancel()
-        close(a + b)
+        a.close()
+        b.close()
 
 
 def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
@@ -93,7 +82,7 @@ def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
                                                    blocks=[pb.BlockRef(block_hash=1)]), 5)
         assert client.stats().used_bytes == 0
     finally:
-        close(a)
+        a.close()
 
 
 def test_killed_writer_leaves_nothing_visible(server):
@@ -107,7 +96,7 @@ def test_killed_writer_leaves_nothing_visible(server):
         assert client.stats().used_bytes == 0
         assert client.query(ns, [7, 8]).prefix_blocks == 0
     finally:
-        close(a)
+        a.close()
 
 
 def test_concurrent_instances_save_and_load_every_byte(server):
@@ -115,13 +104,13 @@ def test_concurrent_instances_save_and_load_every_byte(server):
     try:
         # every instance saves its own blocks and one shared run of blocks at once
         for k, (ws, _) in enumerate(insts):
-            for w in ws:
+            for w in ws.workers:
                 w.conn.send(("fill", [(9000 + j, j) for j in range(8)]
                              + [(k * 100 + j, 8 + j) for j in range(8)]))
         for ws, _ in insts:
             [w._reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
-            for w in ws:
+            for w in ws.workers:
                 w.conn.send(("save", [(9000 + j, j) for j in range(8)]
                              + [(k * 100 + j, 8 + j) for j in range(8)]))
         for ws, _ in insts:
@@ -132,17 +121,17 @@ def test_concurrent_instances_save_and_load_every_byte(server):
         # now every instance loads every other instance's blocks at once
         for k, (ws, _) in enumerate(insts):
             other = (k + 1) % 3
-            for w in ws:
+            for w in ws.workers:
                 w.conn.send(("load", [(other * 100 + j, 24 + j) for j in range(8)]
                              + [(9000 + j, 32 + j) for j in range(8)]))
         for ws, _ in insts:
             [w._reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
             other = insts[(k + 1) % 3][0]
-            assert each(ws, "digest", list(range(24, 32))) == each(other, "digest",
+            assert ws.each("digest", list(range(24, 32))) == other.each("digest",
                                                                     list(range(8, 16)))
-            assert each(ws, "digest", list(range(32, 40))) == each(ws, "digest", list(range(8)))
+            assert ws.each("digest", list(range(32, 40))) == ws.each("digest", list(range(8)))
         assert client.query(ns, [9000 + j for j in range(8)]).prefix_blocks == 8
     finally:
         for ws, _ in insts:
-            close(ws)
+            ws.close()

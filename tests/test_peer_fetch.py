@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.client import StoreClient
 from kvstore.demo import free_port
-from kvstore.worker import WorkerProcess, WorkerSpec
+from kvstore.worker import WorkerGroup
 
 from .conftest import wait_for
 
@@ -75,16 +75,8 @@ def cluster():
 
 
 def instance(address, name, **kw):
-    ws = [WorkerProcess(WorkerSpec(address, name, "llama", r, 2, **{**LAYOUT, **kw}))
-          for r in range(2)]
-    ns = [w.call("wait_sealed", 30) for w in ws][0]["final_namespace"]
-    return ws, ns
-
-
-def each(ws, op, arg):
-    for w in ws:
-        w.conn.send((op, arg))
-    return [w._reply() for w in ws]
+    group = WorkerGroup(address, name, 2, **{**LAYOUT, **kw})
+    return group, group.namespace
 
 
 def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
@@ -95,21 +87,20 @@ def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
     try:
         assert ns == ns_b != ns_mtp
         hashes = [7000 + i for i in range(12)]
-        for ws in (src, mtp):
-            each(ws, "fill", [(h, i) for i, h in enumerate(hashes)])
-            each(ws, "save", [(h, i) for i, h in enumerate(hashes)])
+        for group in (src, mtp):
+            group.each("fill", [(h, i) for i, h in enumerate(hashes)])
+            group.each("save", [(h, i) for i, h in enumerate(hashes)])
         assert wait_for(lambda: _router_knows(b_addr, ns, hashes), timeout=15)
-        each(dst, "load", [(h, 16 + i) for i, h in enumerate(hashes)])
-        assert each(dst, "digest", list(range(16, 28))) == each(src, "digest", list(range(12)))
+        dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes)])
+        assert dst.each("digest", list(range(16, 28))) == src.each("digest", list(range(12)))
         sb = b.stats()
         assert sb.fetched_blocks == 12 and sb.sealed_blocks == 12
         assert a.stats().served_blocks == 12
         assert c.stats().served_blocks == 0  # the other fingerprint was never asked
         assert b.query(ns, hashes).prefix_blocks == 12  # next load hits locally
     finally:
-        for ws in (src, mtp, dst):
-            for w in ws:
-                w.close()
+        for group in (src, mtp, dst):
+            group.close()
 
 
 def _router_knows(b_addr, ns, hashes) -> bool:
@@ -131,8 +122,8 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
     dst, _ = instance(b_addr, "dst")
     try:
         hashes = [9000 + i for i in range(6)]
-        each(src, "fill", [(h, i) for i, h in enumerate(hashes)])
-        each(src, "save", [(h, i) for i, h in enumerate(hashes)])
+        src.each("fill", [(h, i) for i, h in enumerate(hashes)])
+        src.each("save", [(h, i) for i, h in enumerate(hashes)])
         time.sleep(1.0)  # events reach the router
         a_proc.kill()
         a_proc.wait(timeout=10)
@@ -145,5 +136,5 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
         assert stats.sealed_blocks == 0 and stats.inflight_blocks == 0
         assert stats.used_bytes == used
     finally:
-        for w in src + dst:
-            w.close()
+        src.close()
+        dst.close()
