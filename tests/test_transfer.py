@@ -1,0 +1,484 @@
+"""Peer transfer over real UCX endpoints between real processes on loopback.
+
+Every test drives spawned "nodes" (each its own process with its own UCX
+context) over a pipe: one serves a test-only numpy-pool SlotSource, another
+fetches into a numpy-pool SlotSink and checks every byte. Misbehaving peers are
+PeerServer subclasses that fail at a chosen point of the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+CTX = mp.get_context("spawn")
+NS = "model-a.0123456789abcdef"
+CALL_TIMEOUT = 20.0
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- test-only store: a numpy pool behind SlotSource / SlotSink ------------------
+
+
+def slot_content(h: int, slot: int, size: int) -> np.ndarray:
+    """Deterministic bytes for (block hash, slot), the same in every process."""
+    rng = np.random.default_rng([h & 0xFFFFFFFF, h >> 32, slot])
+    return rng.integers(0, 256, size, dtype=np.uint8)
+
+
+class Pool:
+    """A bump allocator over one numpy array: slots are views into it, never copies."""
+
+    def __init__(self, nbytes: int):
+        self.mem = np.zeros(nbytes, dtype=np.uint8)
+        self.top = 0
+
+    def alloc(self, size: int) -> np.ndarray:
+        assert self.top + size <= len(self.mem), "test pool exhausted"
+        view = self.mem[self.top:self.top + size]
+        self.top += size
+        return view
+
+
+@dataclass
+class MemLease:
+    hashes: list[int]
+    buffers: list[list[np.ndarray]]
+    source: MemorySource
+
+    def release(self) -> None:
+        self.source.active -= 1
+        self.source.released += 1
+
+
+class MemorySource:
+    def __init__(self, blocks: dict[int, list[int]], pool_bytes: int):
+        self.pool = Pool(pool_bytes)
+        self.blocks = {h: [self._fill(h, s, n) for s, n in enumerate(sizes)]
+                       for h, sizes in blocks.items()}
+        self.active = 0
+        self.released = 0
+
+    def _fill(self, h: int, slot: int, size: int) -> np.ndarray:
+        view = self.pool.alloc(size)
+        view[:] = slot_content(h, slot, size)
+        return view
+
+    def lease(self, namespace: str, hashes: list[int]) -> MemLease | None:
+        prefix = []
+        for h in hashes:
+            if namespace != NS or h not in self.blocks:
+                break
+            prefix.append(h)
+        if not prefix:
+            return None
+        self.active += 1
+        return MemLease(prefix, [self.blocks[h] for h in prefix], self)
+
+
+@dataclass
+class MemReservation:
+    hashes: list[int]
+    buffers: list[list[np.ndarray]]
+    sink: MemorySink
+    state: str = "reserved"
+
+    def commit(self) -> None:
+        assert self.state == "reserved"
+        self.state = "committed"
+        self.sink.visible.update(zip(self.hashes, self.buffers, strict=True))
+
+    def abort(self) -> None:
+        assert self.state == "reserved"
+        self.state = "aborted"
+
+
+@dataclass
+class MemorySink:
+    pool: Pool
+    visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    reservations: list[MemReservation] = field(default_factory=list)
+    on_reserve: str = ""  # "die": kill this process; "hang": block its loop
+
+    def reserve(self, namespace: str, hashes: list[int],
+                slot_sizes: list[list[int]]) -> MemReservation:
+        if self.on_reserve == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.on_reserve == "hang":
+            time.sleep(3600)
+        buffers = [[self.pool.alloc(n) for n in sizes] for sizes in slot_sizes]
+        r = MemReservation(list(hashes), buffers, self)
+        self.reservations.append(r)
+        return r
+
+    def report(self) -> dict:
+        bad = [h for h, views in self.visible.items()
+               if not all(np.array_equal(v, slot_content(h, s, len(v)))
+                          for s, v in enumerate(views))]
+        return {"visible": sorted(self.visible), "corrupt": bad,
+                "states": [r.state for r in self.reservations]}
+
+
+# ---- misbehaving peers --------------------------------------------------------------
+
+
+def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
+    from kvstore import transfer as t
+
+    class Server(t.PeerServer):
+        sent_half = False
+
+        async def _send_slots(self, conn, views, deadline):
+            if behaviour not in ("die_half", "hang_half", "pause_half", "oversend"):
+                return await super()._send_slots(conn, views, deadline)
+            if behaviour == "oversend":  # every slot one byte longer than announced
+                views = [np.zeros(v.nbytes + 1, np.uint8) for v in views]
+                return await super()._send_slots(conn, views, deadline)
+            half = len(views) // 2
+            await super()._send_slots(conn, views[:half], deadline)
+            self.sent_half = True
+            if behaviour == "die_half":
+                os.kill(os.getpid(), signal.SIGKILL)
+            await asyncio.sleep(3600 if behaviour == "hang_half" else 1.0)
+            await super()._send_slots(conn, views[half:], deadline, first=half)
+
+        async def _serve(self, conn, body):
+            if behaviour == "mute":
+                await asyncio.sleep(3600)
+            if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
+                sizes = [[1 << 40]] * 9000
+                return await t.send_frame(conn, t.Kind.REPLY, None, body=t.encode_offer(sizes))
+            return await super()._serve(conn, body)
+
+    return Server(source, timeout_s=timeout_s)
+
+
+# ---- a node: one spawned process driven over a pipe ------------------------------------
+
+
+class NodeState:
+    def __init__(self):
+        self.source: MemorySource | None = None
+        self.server: Any = None
+
+    async def serve(self, blocks: dict[int, list[int]], behaviour: str = "normal",
+                    timeout_s: float = 30.0) -> str:
+        pool_bytes = sum(sum(s) for s in blocks.values()) + 1
+        self.source = MemorySource(blocks, pool_bytes)
+        self.server = make_server(behaviour, self.source, timeout_s)
+        await self.server.start()
+        return self.server.address
+
+    async def leases(self) -> dict:
+        return {"active": self.source.active, "released": self.source.released,
+                "sent_half": self.server.sent_half}
+
+    async def fetch(self, address: str, hashes: list[int], timeout_s: float = 10.0,
+                    on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20) -> dict:
+        from kvstore.errors import KVError
+        from kvstore.transfer import fetch
+
+        sink = MemorySink(Pool(pool_bytes), on_reserve=on_reserve)
+        out: dict[str, Any] = {"n": [], "error": None}
+        start = time.monotonic()
+        try:
+            for _ in range(repeat):
+                out["n"].append(await fetch(address, NS, hashes, sink, timeout_s=timeout_s))
+        except KVError as e:
+            out["error"] = type(e).__name__
+            out["code"] = e.code.name
+            out["message"] = e.message
+        out["elapsed"] = time.monotonic() - start
+        return out | sink.report()
+
+    async def raw(self, address: str, frames: list[bytes], replies: int) -> list:
+        """Send hand-made control frames; collect [kind, arg, body] replies or the error."""
+        from kvstore import transfer as t
+
+        conn = await t.connect(address, asyncio.get_running_loop().time() + 5)
+        for f in frames:
+            await conn.ep.send(np.frombuffer(f, np.uint8), tag=t.CONTROL_TAG)
+        out = []
+        for _ in range(replies):
+            deadline = asyncio.get_running_loop().time() + 3
+            try:
+                kind, arg, body = await t.recv_frame(conn, list(t.Kind), deadline)
+                out.append([kind.name, arg, t.msgpack.unpackb(body) if body else None])
+            except Exception as e:
+                out.append(["failed", type(e).__name__])
+                break
+        conn.abort()
+        return out
+
+
+def node_main(pipe: Any) -> None:
+    asyncio.run(_node_loop(pipe))
+
+
+async def _node_loop(pipe: Any) -> None:
+    state = NodeState()
+    loop = asyncio.get_running_loop()
+    tasks = set()
+
+    async def run(rid: int, name: str, kwargs: dict) -> None:
+        try:
+            result = (True, await getattr(state, name)(**kwargs))
+        except BaseException as e:  # report, never kill the node
+            result = (False, f"{type(e).__name__}: {e}")
+        pipe.send((rid, *result))
+
+    while True:
+        rid, name, kwargs = await loop.run_in_executor(None, pipe.recv)
+        if name == "exit":
+            return
+        task = asyncio.ensure_future(run(rid, name, kwargs))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+class Node:
+    """A process with its own UCX context; ``call`` runs a NodeState method there."""
+
+    def __init__(self):
+        self.pipe, child = CTX.Pipe()
+        self.proc = CTX.Process(target=node_main, args=(child,), daemon=True)
+        self.proc.start()
+        self._next = 0
+        self._results: dict[int, tuple] = {}
+
+    def submit(self, name: str, **kwargs) -> int:
+        self._next += 1
+        self.pipe.send((self._next, name, kwargs))
+        return self._next
+
+    def result(self, rid: int, timeout: float = CALL_TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while rid not in self._results:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pipe.poll(left):
+                raise TimeoutError(f"node did not answer call {rid} in {timeout}s")
+            got, ok, value = self.pipe.recv()
+            self._results[got] = (ok, value)
+        ok, value = self._results.pop(rid)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def call(self, name: str, timeout: float = CALL_TIMEOUT, **kwargs) -> Any:
+        return self.result(self.submit(name, **kwargs), timeout)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.pipe.send((0, "exit", {}))
+            except OSError:
+                pass
+            self.proc.join(5)
+        self.kill()
+
+
+@pytest.fixture
+def nodes():
+    made: list[Node] = []
+
+    def make() -> Node:
+        made.append(Node())
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+HASHES = [(0x9E3779B97F4A7C15 * (i + 1)) & ((1 << 64) - 1) for i in range(12)]
+
+
+def blocks_of(hashes: list[int], layout: list[int]) -> dict[int, list[int]]:
+    return {h: list(layout) for h in hashes}
+
+
+# ---- correctness ------------------------------------------------------------------------
+
+
+def test_fetch_every_byte_several_slot_sizes(nodes):
+    """Mixed slot sizes (eager and rendezvous, odd lengths), two layouts, reused endpoint."""
+    layout_a = [1, 512, 8191, 8192, 16 << 10, 100_003, 1 << 20]
+    layout_b = [64 << 10] * 4
+    blocks = {h: (layout_a if i % 2 else layout_b) for i, h in enumerate(HASHES[:8])}
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks)
+    out = client.call("fetch", address=address, hashes=HASHES[:8], repeat=2)
+    assert out["error"] is None, out
+    assert out["n"] == [8, 8]
+    assert out["visible"] == sorted(HASHES[:8])
+    assert out["corrupt"] == []
+    assert out["states"] == ["committed", "committed"]
+    assert wait_until(lambda: server.call("leases")["active"] == 0)
+
+
+def test_fetch_partial_prefix(nodes):
+    """The peer holds blocks 0-4 and 6 of 8: only the prefix 0-4 comes back."""
+    held = HASHES[:5] + [HASHES[6]]
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(held, [32 << 10] * 64))
+    out = client.call("fetch", address=address, hashes=HASHES[:8])
+    assert out["error"] is None, out
+    assert out["n"] == [5]
+    assert out["visible"] == sorted(HASHES[:5])
+    assert out["corrupt"] == []
+
+    none = client.call("fetch", address=address, hashes=[HASHES[5], HASHES[6]])
+    assert none["n"] == [0] and none["states"] == [] and none["error"] is None
+    assert wait_until(lambda: server.call("leases")["active"] == 0)
+
+
+# ---- bad requests and bad peers -----------------------------------------------------------
+
+
+def test_bad_requests_are_refused_and_the_server_survives(nodes):
+    import msgpack
+
+    from kvstore import transfer as t
+
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]))
+
+    def request(body: bytes) -> list[bytes]:
+        return [t.encode_preamble(t.Kind.REQUEST, len(body)), body]
+
+    too_many = t.encode_request(NS, list(range(t.MAX_BLOCKS_PER_FETCH + 1)))
+    garbage = b"\xc1\xff\x00not msgpack"
+    bad_ns = msgpack.packb([t.PROTOCOL_VERSION, "x" * 1000, b"\0" * 8])
+    good = t.encode_request(NS, HASHES[:2])
+    replies = client.call("raw", address=address, replies=4,
+                          frames=request(too_many) + request(garbage) + request(bad_ns)
+                          + request(good))
+    assert [r[0] for r in replies] == ["ERROR", "ERROR", "ERROR", "REPLY"], replies
+    assert all(r[2][0] == "INVALID_ARGUMENT" for r in replies[:3])
+
+    # Broken framing: the server drops that connection and allocates nothing.
+    huge = [t.encode_preamble(t.Kind.REQUEST, 1 << 40)]
+    bad_magic = [b"XXXX" + t.encode_preamble(t.Kind.REQUEST, 8)[4:]]
+    for frames in (huge, bad_magic):
+        replies = client.call("raw", address=address, frames=frames, replies=1)
+        assert replies[0][0] == "failed", replies
+
+    out = client.call("fetch", address=address, hashes=HASHES[:2])
+    assert out["n"] == [2] and out["corrupt"] == [], out
+
+
+def test_malicious_offer_is_rejected_before_reserving(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]), behaviour="evil_offer")
+    out = client.call("fetch", address=address, hashes=HASHES[:2])
+    assert out["error"] == "PeerUnavailable", out
+    assert out["states"] == [] and out["visible"] == []
+
+
+def test_oversized_slot_message_aborts_the_reservation(nodes):
+    """A peer sending more bytes than it announced cannot write past the reserved slot."""
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:3], [16 << 10, 4096]),
+                          behaviour="oversend")
+    out = client.call("fetch", address=address, hashes=HASHES[:3], timeout_s=5)
+    assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
+    assert out["states"] == ["aborted"] and out["visible"] == []
+
+
+def test_invalid_arguments_fail_locally(nodes):
+    client = nodes()
+    out = client.call("fetch", address="127.0.0.1:1", hashes=[-1])
+    assert out["code"] == "INVALID_ARGUMENT", out
+    out = client.call("fetch", address="no-port", hashes=[1])
+    assert out["code"] == "INVALID_ARGUMENT", out
+
+
+# ---- dying and hanging peers --------------------------------------------------------------
+
+
+def test_peer_killed_mid_transfer(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
+                          behaviour="die_half")
+    out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=8)
+    assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
+    assert out["states"] == ["aborted"] and out["visible"] == []
+    assert not server.proc.is_alive() or wait_until(lambda: not server.proc.is_alive(), 5)
+
+
+def test_peer_hanging_mid_transfer_times_out(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:8], [64 << 10] * 8),
+                          behaviour="hang_half")
+    out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=2)
+    assert out["error"] == "PeerTimeout", out
+    assert out["states"] == ["aborted"] and out["visible"] == []
+    assert out["elapsed"] < 2 + 10  # bounded by the deadline (plus abort grace), not hung
+
+
+def test_mute_peer_times_out(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]), behaviour="mute")
+    out = client.call("fetch", address=address, hashes=HASHES[:2], timeout_s=1.5)
+    assert out["error"] == "PeerTimeout", out
+    assert out["states"] == []
+
+
+def test_no_listener_is_unavailable(nodes):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = nodes().call("fetch", address=f"127.0.0.1:{port}", hashes=[1], timeout_s=3)
+    assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
+
+
+# ---- the serving side releases leases when the fetcher goes away ----------------------------
+
+
+@pytest.mark.parametrize("on_reserve", ["die", "hang"])
+def test_lease_released_when_fetcher_dies_or_hangs_before_go(nodes, on_reserve):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:4], [4096] * 4), timeout_s=3)
+    client.submit("fetch", address=address, hashes=HASHES[:4], on_reserve=on_reserve)
+    assert wait_until(lambda: server.call("leases")["released"] == 1)
+    assert server.call("leases")["active"] == 0
+    client.kill()
+
+
+def test_lease_released_when_fetcher_killed_mid_transfer(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
+                          behaviour="pause_half", timeout_s=5)
+    client.submit("fetch", address=address, hashes=HASHES[:8])
+    assert wait_until(lambda: server.call("leases")["sent_half"])
+    client.kill()
+    assert wait_until(lambda: server.call("leases")["released"] == 1)
+    assert server.call("leases")["active"] == 0
+    # The server still serves others.
+    out = nodes().call("fetch", address=address, hashes=HASHES[:1])
+    assert out["n"] == [1] and out["corrupt"] == [], out
