@@ -70,11 +70,13 @@ class KVLayer:
         t = self.tensor
         if t.is_cuda:
             storage = t.untyped_storage()
-            _, handle, alloc_size, storage_offset, *_ = storage._share_cuda_()
+            # the handle names the whole caching-allocator block; the storage
+            # sits at storage_offset inside it
+            _, handle, storage_size, storage_offset, *_ = storage._share_cuda_()
             offset = storage_offset + t.storage_offset() * t.element_size()
             return pb.MemoryHandle(cuda=pb.CudaIpc(
-                handle=handle, device_uuid=device_uuid_of(t.device.index), size=alloc_size,
-                offset=offset))
+                handle=handle, device_uuid=device_uuid_of(t.device.index),
+                size=storage_offset + storage_size, offset=offset))
         if self.shm is None:
             raise ValueError(f"layer {self.name!r}: a host KV tensor must live in shared "
                              "memory; allocate it with kvstore.client.kv_cache_shm")

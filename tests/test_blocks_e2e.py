@@ -135,3 +135,24 @@ def test_concurrent_instances_save_and_load_every_byte(server):
     finally:
         for ws, _ in insts:
             ws.close()
+
+
+@pytest.mark.gpu
+def test_gpu_save_and_load_through_cuda_ipc():
+    """Workers with CUDA KV caches shared by IPC handle; the pool on the GPU."""
+    from .conftest import ServerThread
+
+    server = ServerThread(pool_size=256 << 20, device="cuda:0")
+    try:
+        a = WorkerGroup(server.address, "ga", 2, device="cuda", **LAYOUT)
+        b = WorkerGroup(server.address, "gb", 2, device="cuda", **LAYOUT)
+        try:
+            a.each("fill", [(3000 + i, i) for i in range(8)])
+            a.each("save", [(700 + i, i) for i in range(8)])
+            b.each("load", [(700 + i, 20 + i) for i in range(8)])
+            assert b.each("digest", list(range(20, 28))) == a.each("digest", list(range(8)))
+        finally:
+            a.close()
+            b.close()
+    finally:
+        server.stop()
