@@ -181,11 +181,26 @@ class StoreServer:
             await self.link.stop()
         if self.peer_server is not None:
             await self.peer_server.stop()
+            await stop_ucx()
         if self.server:
             await self.server.stop(grace)
         if self.router is not None:
             await close_router(self.router)
         log.info("kvstore store server stopped")
+
+
+async def stop_ucx() -> None:
+    """Close pooled endpoints and UCX's notifier thread so the process can exit."""
+    import ucxx
+
+    from ..transfer import close_endpoints
+
+    await close_endpoints()
+    try:
+        ucxx.stop_notifier_thread()
+        ucxx.reset()
+    except Exception as exc:  # still referenced somewhere: exit will reclaim it
+        log.warning("UCX did not shut down cleanly: %s", exc)
 
 
 async def serve_until_signal(server: StoreServer) -> None:
