@@ -94,6 +94,14 @@ def add_stats(sub) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
 
 
+def add_clear(sub) -> None:
+    p = sub.add_parser("clear", help="drop a store server's unpinned sealed blocks",
+                       description="Drop every sealed block not held by a load or lease, of "
+                       "one final namespace or of all; routers see a 'cleared' event.")
+    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    p.add_argument("--namespace", default="", help="final namespace (default: every namespace)")
+
+
 def add_events(sub) -> None:
     p = sub.add_parser("events", help="print a store server's events as they happen")
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
@@ -113,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo(sub)
     add_stats(sub)
     add_events(sub)
+    add_clear(sub)
     return parser
 
 
@@ -147,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         from .client import StoreClient
 
         print(StoreClient(args.address).stats())
+        return 0
+    if args.command == "clear":
+        from .client import StoreClient
+
+        print(f"cleared {StoreClient(args.address).clear(args.namespace)} blocks")
         return 0
     if args.command == "events":
         return _print_events(args.address)

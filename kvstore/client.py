@@ -215,6 +215,11 @@ class StoreClient:
         return _call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id),
                      self.timeout).released_blocks
 
+    def clear(self, namespace: str = "") -> int:
+        """Drop unpinned sealed blocks of ``namespace`` (all when empty)."""
+        return _call(self.stub.Clear, pb.ClearRequest(namespace=namespace),
+                     self.timeout).cleared_blocks
+
     def stats(self) -> pb.StatsResponse:
         return _call(self.stub.Stats, pb.StatsRequest(), self.timeout)
 

@@ -13,7 +13,7 @@ def kvstore(*args):
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("cmd", [[], ["serve"], ["router"], ["demo"], ["stats"], ["events"]])
+@pytest.mark.parametrize("cmd", [[], ["serve"], ["router"], ["demo"], ["stats"], ["events"], ["clear"]])
 def test_help(cmd):
     out = kvstore(*cmd, "--help")
     assert out.returncode == 0, out.stderr
@@ -39,3 +39,37 @@ def test_bad_pool_size_is_refused():
 ])
 def test_parse_size(text, value):
     assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-transfer", "--no-router"]])
+def test_serve_is_healthy_then_exits_cleanly_on_sigterm(extra):
+    import signal
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.demo import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
+                             "--pool-size", "16MiB", *extra], stderr=subprocess.PIPE, text=True)
+    try:
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"),
+                                   timeout=1)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "server never became healthy"
+                time.sleep(0.2)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

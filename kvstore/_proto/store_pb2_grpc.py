@@ -69,6 +69,11 @@ class KVStoreStub:
                 request_serializer=store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=store__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/kvstore.v1.KVStore/Clear',
+                request_serializer=store__pb2.ClearRequest.SerializeToString,
+                response_deserializer=store__pb2.ClearResponse.FromString,
+                _registered_method=True)
         self.Events = channel.unary_stream(
                 '/kvstore.v1.KVStore/Events',
                 request_serializer=store__pb2.EventsRequest.SerializeToString,
@@ -136,6 +141,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Drops every sealed block not held by a load or lease (of one namespace,
+        or all when namespace is empty) and emits a "cleared" event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Events(self, request, context):
         """Seal / eviction / clear events, msgpack-encoded (DESIGN.md section 6).
         """
@@ -180,6 +193,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=store__pb2.StatsRequest.FromString,
                     response_serializer=store__pb2.StatsResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=store__pb2.ClearRequest.FromString,
+                    response_serializer=store__pb2.ClearResponse.SerializeToString,
             ),
             'Events': grpc.unary_stream_rpc_method_handler(
                     servicer.Events,
@@ -376,6 +394,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             store__pb2.StatsRequest.SerializeToString,
             store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Clear',
+            store__pb2.ClearRequest.SerializeToString,
+            store__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,

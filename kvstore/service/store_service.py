@@ -16,6 +16,7 @@ from .._proto import store_pb2 as pb
 from .._proto import store_pb2_grpc as pb_grpc
 from ..errors import KVError, precondition
 from ..events import StoreEvent
+from ..limits import MAX_NAMESPACE_LEN
 from ..registry import Instance, Registry
 from ..store import BlockStore, check_count
 from . import codec
@@ -120,6 +121,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except KVError as err:
             await context.abort(err.code, err.message)
         return pb.ReleaseResponse(released_blocks=n)
+
+    async def Clear(self, request, context):
+        if len(request.namespace) > MAX_NAMESPACE_LEN + 17:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "namespace is too long")
+        n = self.store.clear(request.namespace or None)
+        log.warning("cleared %d blocks of %s on request", n, request.namespace or "every namespace")
+        return pb.ClearResponse(cleared_blocks=n)
 
     async def Stats(self, request, context):
         s, c = self.store, self.store.counters
