@@ -381,9 +381,11 @@ class BlockStore:
         """Drop every unpinned sealed block (of one namespace, or all)."""
         victims = [b for b in self.lru.values()
                    if b.pins == 0 and (namespace is None or b.key[0] == namespace)]
+        namespaces = {namespace} if namespace else {b.key[0] for b in self.lru.values()}
         for block in victims:
             self._drop(block)
-        self._emit(CLEARED, namespace or "", [])
+        for ns in sorted(namespaces):  # one event per namespace: routers index per namespace
+            self._emit(CLEARED, ns, [])
         return len(victims)
 
     def _evict_one(self, device: str) -> bool:
