@@ -84,8 +84,30 @@ class Registration:
     device: str = "cpu"
     mapped: list[MappedRegion] = field(default_factory=list)
 
+    _holds: int = 0
+    retired: bool = False
+
     def where(self) -> str:
         return f"instance {self.instance_id!r} rank {self.rank} (tp_rank {self.tp_rank})"
+
+    def hold(self) -> None:
+        """A copy is about to touch this rank's memory: keep it mapped."""
+        self._holds += 1
+
+    def unhold(self) -> None:
+        self._holds -= 1
+        self._maybe_unmap()
+
+    def retire(self) -> None:
+        """The rank left: unmap its memory once no copy is using it."""
+        self.retired = True
+        self._maybe_unmap()
+
+    def _maybe_unmap(self) -> None:
+        if self.retired and self._holds == 0:
+            for region in self.mapped:
+                region.close()
+            self.mapped.clear()
 
 
 @dataclass(frozen=True)
@@ -171,8 +193,7 @@ class Registry:
             return
         inst = self.instances[reg.instance_id]
         del inst.ranks[reg.rank]
-        for region in reg.mapped:
-            region.close()
+        reg.retire()  # a copy still running keeps the mapping until it ends
         if inst.seal is not None:
             log.warning("%s left; instance unsealed (%d/%d ranks remain)", reg.where(),
                         len(inst.ranks), reg.world_size)

@@ -127,11 +127,14 @@ class BlockStore:
         job = self._prepare_save(seal, reg, refs, result)
         if job is None:
             return result
+        reg.hold()
         try:
-            await asyncio.to_thread(self._run_copy, job, reg, "save")
+            await copy_in_thread(self._run_copy, job, reg, "save")
         except BaseException:
             self._abort(job, reg.session)
             raise
+        finally:
+            reg.unhold()
         self._finish_save(job, reg, result)
         return result
 
@@ -250,9 +253,11 @@ class BlockStore:
         nbytes = len(blocks) * int(seal.slot_bytes[slots].sum())
         job = _Copy(blocks, np.array([i for _, i in refs], dtype=np.int64), slots,
                     reg.device, nbytes)
+        reg.hold()
         try:
-            await asyncio.to_thread(self._run_copy, job, reg, "load")
+            await copy_in_thread(self._run_copy, job, reg, "load")
         finally:
+            reg.unhold()
             for block in blocks:
                 block.pins -= 1
         self.counters.bytes_loaded += nbytes
@@ -428,6 +433,29 @@ class BlockStore:
     @property
     def inflight_blocks(self) -> int:
         return len(self.blocks) - len(self.lru)
+
+
+async def copy_in_thread(fn, *args) -> None:
+    """Run a copy off the event loop; a cancelled caller still waits for it.
+
+    Bytes already moving cannot be stopped: freeing their slots or unmapping
+    their worker memory before the thread is done would corrupt other blocks
+    or crash the server. So cancellation is deferred until the copy lands.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                future.result()  # the copy's own error wins
+                cancelled = True
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def run_copy(copier, device: str, op: str, pieces) -> None:

@@ -211,3 +211,38 @@ def test_lru_invariants(ops):
         assert store.pools["cpu"].used_bytes == used + sum(
             int(b.slot_bytes[b.offsets >= 0].sum()) for b in store.blocks.values()
             if not b.sealed)
+
+
+def test_cancelled_save_waits_for_its_copy_then_frees_everything():
+    registry, store = make_store()
+    ranks = make_instance(registry, "a")
+    seal = registry.instances["a"].seal
+
+    async def cancel_mid_copy():
+        task = asyncio.create_task(store.save(seal, ranks[0].reg, [(1, 0), (2, 1)]))
+        await asyncio.sleep(0)  # prepared; the copy thread is running
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_mid_copy())
+    assert store.inflight_blocks == 0 and store.pools["cpu"].used_bytes == 0
+    store.pools["cpu"].check()
+
+
+def test_departed_rank_memory_stays_mapped_until_its_copy_ends():
+    registry, store = make_store()
+    ranks = make_instance(registry, "a")
+    reg = ranks[0].reg
+    closed = []
+
+    class Region:
+        def close(self):
+            closed.append(True)
+
+    reg.mapped = [Region()]
+    reg.hold()
+    registry.unregister(reg.session)
+    assert closed == []  # a copy still holds it
+    reg.unhold()
+    assert closed == [True]
