@@ -11,7 +11,15 @@ through fetch() into a reserved pool, and, interleaved in the same run between
 the same two processes, receives the same total bytes as ONE buffer from the
 raw listener (the baseline: what UCX alone does on this path). Then the
 latency of fetching a 32-block prefix of a 32-layer TP2 model (64 slots per
-block, see LATENCY_SLOT) is sampled. Rows go to bench/results/transfer.json
+block, see LATENCY_SLOT) is sampled.
+
+Both pools place slots the way the block store does: a tp_rank's slots of
+consecutive blocks follow each other (slot s of a block belongs to rank
+s % tp_size), so the transfer layer coalesces them into a few large messages.
+Throughput rows model TP1 (a block's 16 slots back to back, block after
+block); the latency case TP2 (each rank's slots in its own region of the pool
+on the serving side, rank after rank on the fetching side, as
+BlockStore.reserve_detached allocates). Rows go to bench/results/transfer.json
 (rows of another mem kind already there are kept) and transfer.png.
 """
 
@@ -72,13 +80,14 @@ def make_pool(nbytes: int, mem: str, device: int) -> Any:
     return pool
 
 
-def encode_hash(slot_bytes: int, slots_per_block: int, index: int) -> int:
+def encode_hash(slot_bytes: int, slots_per_block: int, index: int, tp: int = 1) -> int:
     """The bench source needs no index: a hash says where its block lives."""
-    return (slot_bytes << 32) | (slots_per_block << 20) | index
+    return (tp << 56) | (slot_bytes << 32) | (slots_per_block << 20) | index
 
 
-def decode_hash(h: int) -> tuple[int, int, int]:
-    return h >> 32, (h >> 20) & 0xFFF, h & 0xFFFFF
+def decode_hash(h: int) -> tuple[int, int, int, int]:
+    """(slot bytes, slots per block, block index, tp size)."""
+    return (h >> 32) & 0xFFFFFF, (h >> 20) & 0xFFF, h & 0xFFFFF, h >> 56
 
 
 @dataclass
@@ -91,7 +100,8 @@ class BenchLease:
 
 
 class BenchSource:
-    """Every hash is sealed; block i's slots are consecutive views of the pool."""
+    """Every hash is sealed. Rank r of tp owns the r-th 1/tp of the pool; there,
+    block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
 
     def __init__(self, pool: Any):
         self.pool = pool
@@ -99,12 +109,15 @@ class BenchSource:
     def lease(self, namespace: str, hashes: list[int]) -> BenchLease:
         buffers = []
         for h in hashes:
-            slot, per_block, index = decode_hash(h)
-            base = index * per_block * slot
-            if base + per_block * slot > len(self.pool):
+            slot, per_block, index, tp = decode_hash(h)
+            region, per_rank = len(self.pool) // tp, per_block // tp
+            if (index + 1) * per_rank * slot > region:
                 break
-            buffers.append([self.pool[base + s * slot: base + (s + 1) * slot]
-                            for s in range(per_block)])
+            views = []
+            for s in range(per_block):
+                at = (s % tp) * region + (index * per_rank + s // tp) * slot
+                views.append(self.pool[at: at + slot])
+            buffers.append(views)
         return BenchLease(hashes[:len(buffers)], buffers)
 
 
@@ -120,20 +133,23 @@ class BenchReservation:
 
 
 class BenchSink:
-    """Reserves from the start of the pool every time, as a warm slab allocator would."""
+    """Reserves from the start of the pool every time, as a warm slab allocator would,
+    and in BlockStore.reserve_detached's order: rank 0's slots of every block, then
+    rank 1's, ..."""
 
     def __init__(self, pool: Any):
         self.pool = pool
 
     def reserve(self, namespace: str, hashes: list[int],
                 slot_sizes: list[list[int]]) -> BenchReservation:
-        offset, buffers = 0, []
-        for sizes in slot_sizes:
-            block = []
-            for n in sizes:
-                block.append(self.pool[offset: offset + n])
-                offset += n
-            buffers.append(block)
+        tp = decode_hash(hashes[0])[3] if hashes else 1
+        offset = 0
+        buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]
+        for rank in range(tp):
+            for b, sizes in enumerate(slot_sizes):
+                for s in range(rank, len(sizes), tp):
+                    buffers[b][s] = self.pool[offset: offset + sizes[s]]
+                    offset += sizes[s]
         return BenchReservation(buffers)
 
 
@@ -241,7 +257,7 @@ async def _measure(opts: dict) -> dict:
               flush=True)
 
     per_block = LATENCY_LAYERS * LATENCY_TP
-    hashes = [encode_hash(LATENCY_SLOT, per_block, i) for i in range(LATENCY_BLOCKS)]
+    hashes = [encode_hash(LATENCY_SLOT, per_block, i, LATENCY_TP) for i in range(LATENCY_BLOCKS)]
     await fetch_once(hashes)
     samples = sorted([await fetch_once(hashes) for _ in range(opts["latency_iters"])])
     latency = {

@@ -11,20 +11,37 @@ Wire protocol (one fetch at a time per endpoint; endpoints are pooled)::
 
     fetcher                                      peer
     REQUEST [version, namespace, hashes u64le] ─▶  lease the longest sealed prefix
-                          ◀─ REPLY [layouts, block_layout]  (or ERROR [code, msg])
+                          ◀─ REPLY [layouts, block_layout, lanes, peer run starts]
+                                                   (or ERROR [code, msg])
     reserve local slots, post every receive
-    GO(n)  (n = 0 cancels)                    ─▶
-                          ◀─ slot bytes, one tag message per slot, windowed
+    GO [n, fetcher run starts]  (n = all offered, or 0 to cancel) ─▶
+                          ◀─ slot bytes, one tag message per segment, windowed
     all receives done: commit                     all sends done: release lease
 
 Every control frame is a fixed 16-byte preamble (magic, version, kind, arg)
-then, for REQUEST/REPLY/ERROR, a msgpack body of ``arg`` bytes; GO carries
-its count in ``arg``. Slot ``i`` of the flattened (block, slot) order travels
-on its own tag, so matching never depends on posting order. Counts, sizes and
-string lengths are bounded on both sides, msgpack is decoded with explicit
-limits, nothing is unpickled. A UCX receive never writes past the view it was
-posted with (a longer message fails as truncated), and every slot size the
-peer announces must equal what the sink reserved.
+then a msgpack body of ``arg`` bytes. Counts, sizes and string lengths are
+bounded on both sides, msgpack is decoded with explicit limits, nothing is
+unpickled. A UCX receive never writes past the view it was posted with (a
+longer message fails as truncated), and every slot size the peer announces
+must equal what the sink reserved.
+
+Coalescing: slots travel in *transfer order*: with ``lanes`` L (chosen by the
+peer, a divisor of every block's slot count), lane 0 of every block, then lane
+1, ..., where lane r of a block is its slots r, r + L, r + 2L, ... (L = 1 is
+the flattened (block, slot) order). A store allocates a tp_rank's slots of
+many blocks consecutively and slot s belongs to rank s % tp_size, so lanes =
+tp_size turns its memory order into transfer order; the peer picks the L that
+gives it the fewest runs. Each side lists its *run starts*: the positions
+``i > 0`` in transfer order where slot ``i`` does not begin where slot ``i - 1``
+ends in its memory (or changes memory kind or CUDA allocation, or where a run
+would pass MAX_SEGMENT_BYTES). The peer sends its
+list in REPLY, the fetcher its own in GO (packed u32, strictly increasing,
+within range: checked on receipt). Both split the accepted slots at the union
+of the two lists; each resulting *segment* is contiguous on both sides and
+travels as ONE tag message (tag = DATA_TAG_BASE + segment index), posted as a
+view spanning its slots, whose length is the sum of their offered sizes. In a
+store, a block's slots of one rank sit consecutively in one slab, so a fetch
+collapses to a few large messages instead of one per slot.
 
 Failure rules: every wait is bounded by the fetch deadline; on any failure the
 endpoint is aborted (which cancels its UCX requests), the reservation is
@@ -57,7 +74,7 @@ log = logging.getLogger(__name__)
 
 # ---- bounds -----------------------------------------------------------------
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: run starts in REPLY and GO (coalesced segments)
 MAX_NAMESPACE_LEN = limits.MAX_NAMESPACE_LEN + 1 + 16  # client namespace "." fingerprint
 MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
 MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
@@ -66,9 +83,13 @@ MAX_SLOT_BYTES = limits.MAX_BYTES_PER_BLOCK
 MAX_REQUEST_BYTES = 128 << 10
 MAX_REPLY_BYTES = 16 << 20
 MAX_ERROR_BYTES = 8 << 10
+MAX_GO_BYTES = 4 * MAX_SLOTS_PER_FETCH + 64
+# A run of adjacent slots is cut at this many bytes (one UCX message at most).
+MAX_SEGMENT_BYTES = 64 << 20
+MAX_LANES = limits.MAX_TP_SIZE
 MAX_HASH = (1 << 64) - 1
 
-# Outstanding slot messages per fetch. Receives run ahead of sends so data
+# Outstanding segment messages per fetch. Receives run ahead of sends so data
 # lands in posted receives (the expected, zero-copy path) rather than UCX's
 # unexpected-message queue.
 SEND_WINDOW = 64
@@ -166,7 +187,7 @@ class Kind(enum.IntEnum):
 
 
 _BODY_LIMITS = {Kind.REQUEST: MAX_REQUEST_BYTES, Kind.REPLY: MAX_REPLY_BYTES,
-                Kind.ERROR: MAX_ERROR_BYTES}
+                Kind.ERROR: MAX_ERROR_BYTES, Kind.GO: MAX_GO_BYTES}
 
 
 def encode_preamble(kind: Kind, arg: int) -> bytes:
@@ -174,7 +195,7 @@ def encode_preamble(kind: Kind, arg: int) -> bytes:
 
 
 def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> tuple[Kind, int]:
-    """Check a preamble and return (kind, arg); arg is a body length or GO's count."""
+    """Check a preamble and return (kind, arg); arg is the body length."""
     magic, version, kind, _reserved, arg = _PREAMBLE.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
@@ -223,30 +244,35 @@ def decode_request(body: bytes) -> tuple[str, list[int]]:
 
 @dataclass(frozen=True)
 class Offer:
-    """What the peer will send: per block, its slot sizes (a prefix of the request)."""
+    """What the peer will send: per block, its slot sizes (a prefix of the request),
+    and where the peer's memory breaks runs of adjacent slots (see run_starts)."""
 
     slot_sizes: list[list[int]]
+    run_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    lanes: int = 1
 
     @property
     def num_slots(self) -> int:
         return sum(len(s) for s in self.slot_sizes)
 
 
-def encode_offer(slot_sizes: list[list[int]]) -> bytes:
+def encode_offer(slot_sizes: list[list[int]], run_starts: Sequence[int] = (),
+                 lanes: int = 1) -> bytes:
     """Blocks of one namespace nearly always share one layout: send each distinct
     layout once and an index per block, so a 64-slot x 8k-block reply stays small."""
     layouts: dict[tuple[int, ...], int] = {}
     index = [layouts.setdefault(tuple(s), len(layouts)) for s in slot_sizes]
     packed = [np.asarray(k, dtype="<u8").tobytes() for k in layouts]
-    return msgpack.packb([packed, np.asarray(index, dtype="<u4").tobytes()], use_bin_type=True)
+    return msgpack.packb([packed, np.asarray(index, dtype="<u4").tobytes(), lanes,
+                          encode_run_starts(run_starts)], use_bin_type=True)
 
 
 def decode_offer(body: bytes, requested: int) -> Offer:
     """Validate everything a (possibly malicious) peer says before acting on it."""
     reply = _unpack(body, MAX_REPLY_BYTES)
-    if not (isinstance(reply, list) and len(reply) == 2):
-        raise ProtocolError("reply is not [layouts, block_layout]")
-    packed_layouts, packed_index = reply
+    if not (isinstance(reply, list) and len(reply) == 4):
+        raise ProtocolError("reply is not [layouts, block_layout, lanes, run_starts]")
+    packed_layouts, packed_index, lanes, packed_starts = reply
     if not isinstance(packed_index, bytes) or len(packed_index) % 4:
         raise ProtocolError("block_layout must be packed u32")
     index = np.frombuffer(packed_index, dtype="<u4")
@@ -258,10 +284,48 @@ def decode_offer(body: bytes, requested: int) -> Offer:
     if len(index) and int(index.max()) >= len(layouts):
         raise ProtocolError("block_layout points past the layouts")
     slot_sizes = [layouts[i] for i in index.tolist()]
-    offer = Offer(slot_sizes)
-    if offer.num_slots > MAX_SLOTS_PER_FETCH:
-        raise ProtocolError(f"{offer.num_slots} slots, limit {MAX_SLOTS_PER_FETCH}")
-    return offer
+    num_slots = sum(len(s) for s in slot_sizes)
+    if num_slots > MAX_SLOTS_PER_FETCH:
+        raise ProtocolError(f"{num_slots} slots, limit {MAX_SLOTS_PER_FETCH}")
+    if not (isinstance(lanes, int) and 1 <= lanes <= MAX_LANES
+            and all(len(s) % lanes == 0 for s in layouts)):
+        raise ProtocolError(f"lanes {lanes!r} must be 1..{MAX_LANES} and divide every "
+                            "block's slot count")
+    return Offer(slot_sizes, decode_run_starts(packed_starts, num_slots), lanes)
+
+
+def encode_run_starts(starts: Sequence[int]) -> bytes:
+    return np.asarray(starts, dtype="<u4").tobytes()
+
+
+def decode_run_starts(packed: Any, num_slots: int) -> np.ndarray:
+    """Packed u32 slot indices, strictly increasing, each within 1..num_slots-1."""
+    if not isinstance(packed, bytes) or len(packed) % 4:
+        raise ProtocolError("run starts must be packed u32")
+    starts = np.frombuffer(packed, dtype="<u4").astype(np.int64)
+    if len(starts) > max(num_slots - 1, 0):
+        raise ProtocolError(f"{len(starts)} run starts for {num_slots} slots")
+    if len(starts) and (starts[0] < 1 or starts[-1] >= num_slots
+                        or not bool(np.all(np.diff(starts) > 0))):
+        raise ProtocolError("run starts must be increasing slot indices within 1.."
+                            f"{num_slots - 1}")
+    return starts
+
+
+def encode_go(accepted: int, run_starts: Sequence[int] = ()) -> bytes:
+    return msgpack.packb([accepted, encode_run_starts(run_starts)], use_bin_type=True)
+
+
+def decode_go(body: bytes, offered: int) -> tuple[int, bytes]:
+    """(accepted block count, the fetcher's packed run starts, not yet checked)."""
+    go = _unpack(body, MAX_GO_BYTES)
+    if not (isinstance(go, list) and len(go) == 2 and isinstance(go[0], int)
+            and isinstance(go[1], bytes)):
+        raise ProtocolError("GO is not [accepted, run_starts]")
+    accepted, packed = go
+    if accepted not in (0, offered):
+        raise ProtocolError(f"GO for {accepted} blocks, {offered} were offered")
+    return accepted, packed
 
 
 def _decode_layout(packed: Any) -> list[int]:
@@ -312,7 +376,34 @@ def _as_array(buf: Any, writable: bool) -> Any:
     return arr
 
 
-def flat_views(buffers: list[list[Any]], slot_sizes: list[list[int]], writable: bool) -> list[Any]:
+class SlotRef:
+    """Where one slot view lies (``obj`` keeps it alive). Cheaper than wrapping every
+    slot for UCX: only segments (runs of slots) are wrapped, see segment_views."""
+
+    __slots__ = ("obj", "ptr", "nbytes", "cuda")
+
+    def __init__(self, obj: Any, ptr: int, nbytes: int, cuda: bool):
+        self.obj, self.ptr, self.nbytes, self.cuda = obj, ptr, nbytes, cuda
+
+
+def slot_ref(buf: Any, writable: bool) -> SlotRef:
+    """Address and size of a contiguous slot view (numpy, torch CPU/CUDA, cupy)."""
+    if type(buf) is np.ndarray:  # fast paths: no UCX wrapper per slot
+        if not buf.flags.c_contiguous:
+            raise ValueError("slot views must be contiguous")
+        if writable and not buf.flags.writeable:
+            raise ValueError("reserved slot views must be writable")
+        return SlotRef(buf, buf.__array_interface__["data"][0], buf.nbytes, False)
+    if type(buf).__module__.startswith("torch") and buf.device.type in ("cpu", "cuda"):
+        if not buf.is_contiguous():
+            raise ValueError("slot views must be contiguous")
+        return SlotRef(buf, buf.data_ptr(), buf.numel() * buf.element_size(), buf.is_cuda)
+    arr = _as_array(buf, writable)
+    return SlotRef(buf, arr.ptr, arr.nbytes, arr.cuda)
+
+
+def flat_views(buffers: list[list[Any]], slot_sizes: list[list[int]],
+               writable: bool) -> list[SlotRef]:
     """Flatten per-block views, checking each one has exactly the announced size."""
     if len(buffers) != len(slot_sizes):
         raise ValueError(f"{len(buffers)} blocks of views for {len(slot_sizes)} blocks")
@@ -321,11 +412,150 @@ def flat_views(buffers: list[list[Any]], slot_sizes: list[list[int]], writable: 
         if len(views) != len(sizes):
             raise ValueError(f"block {b}: {len(views)} views for {len(sizes)} slots")
         for s, (view, size) in enumerate(zip(views, sizes, strict=True)):
-            arr = _as_array(view, writable)
+            arr = slot_ref(view, writable)
             if arr.nbytes != size:
                 raise ValueError(f"block {b} slot {s}: view of {arr.nbytes} bytes, expected {size}")
             flat.append(arr)
     return flat
+
+
+def _alloc_key(arr: Any) -> int:
+    """Which allocation a CUDA view lies in (adjacent allocations must not be merged),
+    or a unique negative number when that cannot be told (or cupy, which builds
+    CUDA segment views, is missing)."""
+    obj = arr.obj
+    try:
+        import cupy  # noqa: F401
+
+        if type(obj).__module__.startswith("torch"):
+            return int(obj.untyped_storage().data_ptr())
+        mem = getattr(getattr(obj, "data", None), "mem", None)  # cupy
+        if mem is not None and getattr(mem, "ptr", 0):
+            return int(mem.ptr)
+    except Exception:  # ImportError included: then CUDA slots travel one by one
+        log.debug("cannot tell the allocation of a CUDA view", exc_info=True)
+    return -1 - id(arr)
+
+
+def run_starts(views: list[Any], cap: int | None = None) -> np.ndarray:
+    """Indices ``i > 0`` where slot ``i`` does not continue slot ``i - 1`` in memory.
+
+    ``views`` are SlotRefs (or UCX-wrapped arrays). A run also breaks between host and
+    CUDA memory, between CUDA allocations, and before it would pass ``cap`` bytes.
+    """
+    return _run_starts(*_memory_map(views), cap)
+
+
+def _memory_map(views: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per view: address, size, and allocation key (0 for host memory)."""
+    n = len(views)
+    ptr = np.fromiter((a.ptr for a in views), dtype=np.uint64, count=n)
+    size = np.fromiter((a.nbytes for a in views), dtype=np.uint64, count=n)
+    key = np.fromiter((_alloc_key(a) if a.cuda else 0 for a in views), dtype=np.int64, count=n)
+    return ptr, size, key
+
+
+def _run_starts(ptr: np.ndarray, size: np.ndarray, key: np.ndarray,
+                cap: int | None = None) -> np.ndarray:
+    n = len(ptr)
+    if n < 2:
+        return np.zeros(0, dtype=np.int64)
+    cap = MAX_SEGMENT_BYTES if cap is None else cap
+    breaks = (ptr[1:] != ptr[:-1] + size[:-1]) | (key[1:] != key[:-1])
+    starts = (np.nonzero(breaks)[0] + 1).astype(np.int64)
+    # Cut runs longer than cap (rare: only a run's own slots need walking).
+    edges = np.concatenate(([0], starts, [n]))
+    csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64))).astype(np.int64)
+    long_runs = np.nonzero(csum[edges[1:]] - csum[edges[:-1]] > cap)[0]
+    if not len(long_runs):
+        return starts
+    extra = []
+    for r in long_runs.tolist():
+        first, total = int(edges[r]), 0
+        for i in range(first, int(edges[r + 1])):
+            total += int(size[i])
+            if total > cap and i > first:
+                extra.append(i)
+                first, total = i, int(size[i])
+    return np.union1d(starts, np.asarray(extra, dtype=np.int64))
+
+
+def transfer_order(slot_counts: Sequence[int], lanes: int) -> np.ndarray:
+    """Flat (block, slot) indices in transfer order: lane-major, then block, then slot."""
+    counts = np.asarray(slot_counts, dtype=np.int64)
+    n = int(counts.sum())
+    if lanes == 1 or n == 0:
+        return np.arange(n, dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    if bool(np.all(counts == counts[0])):  # one layout: a reshape does it
+        k = int(counts[0])
+        grid = first[:, None] + np.arange(k, dtype=np.int64)[None, :]
+        return grid.reshape(len(counts), k // lanes, lanes).transpose(2, 0, 1).ravel()
+    return np.concatenate([f + np.arange(r, c, lanes, dtype=np.int64)
+                           for r in range(lanes)
+                           for f, c in zip(first.tolist(), counts.tolist(), strict=True)])
+
+
+def choose_lanes(views: list[Any], slot_counts: Sequence[int]) -> int:
+    """The lane count (a power of two dividing every block's slot count) whose
+    transfer order leaves the fewest runs in this side's memory."""
+    best, fewest = 1, None
+    lanes = 1
+    ptr, size, key = _memory_map(views)
+    while lanes <= MAX_LANES and all(c % lanes == 0 for c in slot_counts):
+        order = transfer_order(slot_counts, lanes)
+        runs = len(_run_starts(ptr[order], size[order], key[order]))
+        if fewest is None or runs < fewest:
+            best, fewest = lanes, runs
+        if runs == 0:
+            break
+        lanes *= 2
+    return best
+
+
+def segment_bounds(num_slots: int, *lists: np.ndarray) -> list[tuple[int, int]]:
+    """[first, end) slot ranges split at the union of the run-start lists."""
+    cuts = np.zeros(0, dtype=np.int64)
+    for starts in lists:
+        cuts = np.union1d(cuts, starts[starts < num_slots])
+    edges = [0, *cuts.tolist(), num_slots]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class _HostSpan:
+    """A host byte range exposed to numpy; keeps the views it spans alive."""
+
+    def __init__(self, ptr: int, nbytes: int, readonly: bool, owners: list[Any]):
+        self.__array_interface__ = {"data": (ptr, readonly), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+        self.owners = owners
+
+
+def _span(views: list[Any], writable: bool) -> Any:
+    """One UCX-wrapped view over ``views`` (SlotRefs), which lie back to back in memory."""
+    if len(views) == 1:
+        arr = _as_array(views[0].obj, writable)
+        if arr.ptr != views[0].ptr or arr.nbytes != views[0].nbytes:
+            raise ValueError("slot view moved")
+        return arr
+    from ucxx._lib.arr import Array
+
+    first, nbytes = views[0], sum(a.nbytes for a in views)
+    if first.cuda:
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(first.ptr, nbytes, owner=views)
+        span = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    else:
+        span = np.asarray(_HostSpan(first.ptr, nbytes, not writable, views))
+    arr = Array(span)
+    if arr.ptr != first.ptr or arr.nbytes != nbytes:
+        raise ValueError("segment view does not cover its slots")
+    return arr
+
+
+def segment_views(views: list[Any], bounds: list[tuple[int, int]], writable: bool) -> list[Any]:
+    return [_span(views[a:b], writable) for a, b in bounds]
 
 
 # ---- UCX plumbing -------------------------------------------------------------
@@ -381,6 +611,8 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
     """
     loop = asyncio.get_running_loop()
     tasks = [asyncio.ensure_future(op) for op in ops]
+    if not tasks:
+        return []
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
     try:
         done, pending = await asyncio.wait(tasks, timeout=timeout,
@@ -569,19 +801,24 @@ class PeerServer:
             await self._refuse(conn, grpc.StatusCode.INTERNAL, f"bad lease: {e}", deadline)
             return
         sizes = [[a.nbytes for a in block] for block in blocks]
-        await send_frame(conn, Kind.REPLY, deadline, body=encode_offer(sizes))
+        flat = [a for block in blocks for a in block]
+        counts = [len(s) for s in sizes]
+        lanes = choose_lanes(flat, counts)
+        flat = [flat[i] for i in transfer_order(counts, lanes).tolist()]
+        mine = run_starts(flat)
+        await send_frame(conn, Kind.REPLY, deadline, body=encode_offer(sizes, mine, lanes))
         if not sizes:
             return
-        _, accepted, _ = await recv_frame(conn, [Kind.GO], deadline)
-        if accepted > len(sizes):
-            raise ProtocolError(f"GO for {accepted} blocks, {len(sizes)} were offered")
-        if accepted:
-            views = [a for block in blocks[:accepted] for a in block]
-            await self._send_slots(conn, views, deadline)
+        _, _, body = await recv_frame(conn, [Kind.GO], deadline)
+        accepted, packed = decode_go(body, len(sizes))
+        if accepted:  # GO accepts all that was offered, or nothing
+            theirs = decode_run_starts(packed, len(flat))
+            bounds = segment_bounds(len(flat), mine, theirs)
+            await self._send_slots(conn, segment_views(flat, bounds, writable=False), deadline)
 
     async def _send_slots(self, conn: Conn, views: list[Any], deadline: float,
                           first: int = 0) -> None:
-        """Send slots ``first``, ``first + 1``, ... each on its own tag.
+        """Send segments ``first``, ``first + 1``, ... each on its own tag.
 
         A method of its own so that tests can make a peer fail half-way.
         """
@@ -605,7 +842,7 @@ def _offerable(lease: Lease, hashes: list[int]) -> list[list[Any]]:
         total += len(views)
         if total > MAX_SLOTS_PER_FETCH or not 0 < len(views) <= MAX_SLOTS_PER_BLOCK:
             break
-        block = [_as_array(v, writable=False) for v in views]
+        block = [slot_ref(v, writable=False) for v in views]
         if any(not 0 < a.nbytes <= MAX_SLOT_BYTES for a in block):
             raise ValueError("slot size out of bounds")
         blocks.append(block)
@@ -742,7 +979,13 @@ async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSin
         raise
     try:
         views = _reserved_views(reservation, offer)
-        await _receive_slots(conn, views, len(offer.slot_sizes), deadline)
+        order = transfer_order([len(s) for s in offer.slot_sizes], offer.lanes)
+        views = [views[i] for i in order.tolist()]
+        mine = run_starts(views)
+        bounds = segment_bounds(len(views), offer.run_starts, mine)
+        segments = segment_views(views, bounds, writable=True)
+        await _receive_segments(conn, segments, encode_go(len(offer.slot_sizes), mine),
+                                deadline)
     except BaseException:
         conn.abort()  # a half-finished exchange: this endpoint cannot be reused
         when_settled(conn, reservation.abort)
@@ -754,7 +997,7 @@ async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSin
 async def _cancel_offer(conn: Conn, deadline: float) -> None:
     """GO(0): the peer releases its lease and the endpoint stays reusable."""
     try:
-        await send_frame(conn, Kind.GO, deadline, arg=0)
+        await send_frame(conn, Kind.GO, deadline, body=encode_go(0))
     except KVError:
         conn.abort()  # the caller reports the sink's error, not this one
 
@@ -782,9 +1025,9 @@ def _decode_offer(conn: Conn, body: bytes, requested: int) -> Offer:
         raise PeerUnavailable(f"peer {conn.peer}: bad offer: {e}") from None
 
 
-async def _receive_slots(conn: Conn, views: list[Any], num_blocks: int,
-                         deadline: float) -> None:
-    """Post receives (a window ahead), then say GO, then wait for every slot."""
+async def _receive_segments(conn: Conn, views: list[Any], go_body: bytes,
+                            deadline: float) -> None:
+    """Post receives (a window ahead), then say GO, then wait for every segment."""
     async def recv(i: int, view: Any) -> None:
         await conn.ep.recv(view, tag=DATA_TAG_BASE + i)
 
@@ -794,6 +1037,7 @@ async def _receive_slots(conn: Conn, views: list[Any], num_blocks: int,
     except BaseException:
         await _abort_and_settle(conn, receivers)
         raise
-    go = np.frombuffer(encode_preamble(Kind.GO, num_blocks), dtype=np.uint8)
-    await run_ops(conn, [*receivers, conn.ep.send(go, tag=CONTROL_TAG)], deadline,
-                  "receiving slots")
+    go = [np.frombuffer(encode_preamble(Kind.GO, len(go_body)), dtype=np.uint8),
+          np.frombuffer(go_body, dtype=np.uint8)]
+    await run_ops(conn, [*receivers, *(conn.ep.send(f, tag=CONTROL_TAG) for f in go)],
+                  deadline, "receiving slots")

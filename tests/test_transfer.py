@@ -4,6 +4,12 @@ Every test drives spawned "nodes" (each its own process with its own UCX
 context) over a pipe: one serves a test-only numpy-pool SlotSource, another
 fetches into a numpy-pool SlotSink and checks every byte. Misbehaving peers are
 PeerServer subclasses that fail at a chosen point of the protocol.
+
+Both pools place slots back to back, so runs of slots coalesce into one UCX
+message; ``gap_every=k`` leaves a gap after every k-th slot on that side, which
+splits runs there, and ``lanes=L`` allocates like the store does with tp_size L
+(slot s of every block belongs to lane s % L; a lane's slots of all blocks
+come first, then the next lane's).
 """
 
 from __future__ import annotations
@@ -35,17 +41,27 @@ def slot_content(h: int, slot: int, size: int) -> np.ndarray:
     return rng.integers(0, 256, size, dtype=np.uint8)
 
 
-class Pool:
-    """A bump allocator over one numpy array: slots are views into it, never copies."""
+GAP = 64
 
-    def __init__(self, nbytes: int):
+
+class Pool:
+    """A bump allocator over one numpy array: slots are views into it, never copies.
+
+    Slots follow each other with no gap, except after every ``gap_every``-th one."""
+
+    def __init__(self, nbytes: int, gap_every: int = 0):
         self.mem = np.zeros(nbytes, dtype=np.uint8)
         self.top = 0
+        self.gap_every = gap_every
+        self.count = 0
 
     def alloc(self, size: int) -> np.ndarray:
         assert self.top + size <= len(self.mem), "test pool exhausted"
         view = self.mem[self.top:self.top + size]
         self.top += size
+        self.count += 1
+        if self.gap_every and self.count % self.gap_every == 0:
+            self.top += GAP
         return view
 
 
@@ -60,11 +76,21 @@ class MemLease:
         self.source.released += 1
 
 
+def lane_major(slot_counts: list[int], lanes: int) -> list[tuple[int, int]]:
+    """(block, slot) in the order a store with tp_size ``lanes`` allocates them."""
+    return [(b, s) for r in range(lanes) for b, n in enumerate(slot_counts)
+            for s in range(r, n, lanes)]
+
+
 class MemorySource:
-    def __init__(self, blocks: dict[int, list[int]], pool_bytes: int):
-        self.pool = Pool(pool_bytes)
-        self.blocks = {h: [self._fill(h, s, n) for s, n in enumerate(sizes)]
-                       for h, sizes in blocks.items()}
+    def __init__(self, blocks: dict[int, list[int]], pool_bytes: int, gap_every: int = 0,
+                 lanes: int = 1):
+        self.pool = Pool(pool_bytes, gap_every)
+        hashes = list(blocks)
+        views: list[list[Any]] = [[None] * len(blocks[h]) for h in hashes]
+        for b, s in lane_major([len(blocks[h]) for h in hashes], lanes):
+            views[b][s] = self._fill(hashes[b], s, blocks[hashes[b]][s])
+        self.blocks = dict(zip(hashes, views, strict=True))
         self.active = 0
         self.released = 0
 
@@ -108,6 +134,7 @@ class MemorySink:
     visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
     reservations: list[MemReservation] = field(default_factory=list)
     on_reserve: str = ""  # "die": kill this process; "hang": block its loop
+    lanes: int = 1
 
     def reserve(self, namespace: str, hashes: list[int],
                 slot_sizes: list[list[int]]) -> MemReservation:
@@ -115,7 +142,9 @@ class MemorySink:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.on_reserve == "hang":
             time.sleep(3600)
-        buffers = [[self.pool.alloc(n) for n in sizes] for sizes in slot_sizes]
+        buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]
+        for b, s in lane_major([len(sizes) for sizes in slot_sizes], self.lanes):
+            buffers[b][s] = self.pool.alloc(slot_sizes[b][s])
         r = MemReservation(list(hashes), buffers, self)
         self.reservations.append(r)
         return r
@@ -136,14 +165,17 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
 
     class Server(t.PeerServer):
         sent_half = False
+        segments: list[int] = []  # bytes of each segment message sent
 
-        async def _send_slots(self, conn, views, deadline):
+        async def _send_slots(self, conn, views, deadline, first=0):
+            self.segments.extend(v.nbytes for v in views)
             if behaviour not in ("die_half", "hang_half", "pause_half", "oversend"):
                 return await super()._send_slots(conn, views, deadline)
             if behaviour == "oversend":  # every slot one byte longer than announced
                 views = [np.zeros(v.nbytes + 1, np.uint8) for v in views]
                 return await super()._send_slots(conn, views, deadline)
             half = len(views) // 2
+            assert half > 0, "serve with gap_every so that there is a half to send"
             await super()._send_slots(conn, views[:half], deadline)
             self.sent_half = True
             if behaviour == "die_half":
@@ -157,6 +189,12 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
                 return await t.send_frame(conn, t.Kind.REPLY, None, body=t.encode_offer(sizes))
+            if behaviour.startswith("bad_runs"):  # sane sizes, malformed run starts
+                starts = {"bad_runs_unsorted": [3, 1], "bad_runs_range": [1, 99],
+                          "bad_runs_dup": [2, 2], "bad_runs_zero": [0], "bad_runs_lanes": []}
+                lanes = 3 if behaviour == "bad_runs_lanes" else 1
+                body = t.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
+                return await t.send_frame(conn, t.Kind.REPLY, None, body=body)
             return await super()._serve(conn, body)
 
     return Server(source, timeout_s=timeout_s)
@@ -171,23 +209,30 @@ class NodeState:
         self.server: Any = None
 
     async def serve(self, blocks: dict[int, list[int]], behaviour: str = "normal",
-                    timeout_s: float = 30.0) -> str:
-        pool_bytes = sum(sum(s) for s in blocks.values()) + 1
-        self.source = MemorySource(blocks, pool_bytes)
+                    timeout_s: float = 30.0, gap_every: int = 0, lanes: int = 1) -> str:
+        slots = sum(len(s) for s in blocks.values())
+        pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
+        self.source = MemorySource(blocks, pool_bytes, gap_every, lanes)
         self.server = make_server(behaviour, self.source, timeout_s)
         await self.server.start()
         return self.server.address
 
     async def leases(self) -> dict:
         return {"active": self.source.active, "released": self.source.released,
-                "sent_half": self.server.sent_half}
+                "sent_half": self.server.sent_half, "segments": list(self.server.segments)}
+
+    async def set_max_segment_bytes(self, nbytes: int) -> None:
+        from kvstore import transfer as t
+
+        t.MAX_SEGMENT_BYTES = nbytes
 
     async def fetch(self, address: str, hashes: list[int], timeout_s: float = 10.0,
-                    on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20) -> dict:
+                    on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20,
+                    gap_every: int = 0, lanes: int = 1) -> dict:
         from kvstore.errors import KVError
         from kvstore.transfer import fetch
 
-        sink = MemorySink(Pool(pool_bytes), on_reserve=on_reserve)
+        sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()
         try:
@@ -355,6 +400,86 @@ def test_fetch_partial_prefix(nodes):
     assert wait_until(lambda: server.call("leases")["active"] == 0)
 
 
+# ---- coalescing: runs adjacent on both sides travel as one message ---------------------------
+
+
+def expected_segments(num_slots: int, *gap_every: int) -> int:
+    cuts = {i for k in gap_every if k for i in range(k, num_slots, k)}
+    return len(cuts) + 1
+
+
+@pytest.mark.parametrize("serve_gap, fetch_gap", [(0, 0), (1, 0), (0, 1), (3, 5), (8, 8)],
+                         ids=["contiguous", "peer-split", "fetcher-split", "mixed", "per-block"])
+def test_runs_coalesce_and_split(nodes, serve_gap, fetch_gap):
+    """Every byte arrives whatever the two sides' layouts; one message per common run."""
+    layout = [1, 512, 8191, 8192, 16 << 10, 100_003, 64 << 10, 3]  # odd sizes: unaligned runs
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:6], layout), gap_every=serve_gap)
+    out = client.call("fetch", address=address, hashes=HASHES[:6], gap_every=fetch_gap)
+    assert out["error"] is None, out
+    assert out["n"] == [6] and out["visible"] == sorted(HASHES[:6]) and out["corrupt"] == []
+    segments = server.call("leases")["segments"]
+    assert len(segments) == expected_segments(6 * len(layout), serve_gap, fetch_gap)
+    assert sum(segments) == 6 * sum(layout)
+
+
+def test_runs_are_cut_at_the_segment_cap(nodes):
+    """A long run on both sides still splits where either side's cap says so."""
+    server, client = nodes(), nodes()
+    server.call("set_max_segment_bytes", nbytes=100 << 10)
+    address = server.call("serve", blocks=blocks_of(HASHES[:4], [32 << 10] * 8))
+    out = client.call("fetch", address=address, hashes=HASHES[:4])
+    assert out["error"] is None and out["corrupt"] == [] and out["n"] == [4], out
+    segments = server.call("leases")["segments"]
+    assert max(segments) <= 100 << 10 and sum(segments) == 4 * 8 * (32 << 10)
+    assert len(segments) == 11  # 32 slots, 3 per segment
+
+
+@pytest.mark.parametrize("serve_lanes, fetch_lanes, segments", [
+    (2, 2, 1), (4, 4, 1), (2, 1, 48), (1, 4, 48), (4, 2, 48)])
+def test_store_like_lanes_coalesce(nodes, serve_lanes, fetch_lanes, segments):
+    """Slots laid out per tp_rank, as the store does: the peer picks that lane order,
+    and a whole fetch is one message when both sides agree, one per slot when not."""
+    layout = [16 << 10, 8 << 10, 16 << 10, 8 << 10, 4096, 4096, 100, 100]
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:6], layout), lanes=serve_lanes)
+    out = client.call("fetch", address=address, hashes=HASHES[:6], lanes=fetch_lanes)
+    assert out["error"] is None, out
+    assert out["n"] == [6] and out["visible"] == sorted(HASHES[:6]) and out["corrupt"] == []
+    sent = server.call("leases")["segments"]
+    assert len(sent) == segments and sum(sent) == 6 * sum(layout), sent
+
+
+@pytest.mark.parametrize("behaviour", ["bad_runs_unsorted", "bad_runs_range", "bad_runs_dup",
+                                       "bad_runs_zero", "bad_runs_lanes"])
+def test_malformed_run_starts_in_offer_are_rejected(nodes, behaviour):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 4), behaviour=behaviour)
+    out = client.call("fetch", address=address, hashes=HASHES[:2])
+    word = "lanes" if behaviour == "bad_runs_lanes" else "run starts"
+    assert out["error"] == "PeerUnavailable" and word in out["message"], out
+    assert out["states"] == [] and out["visible"] == []
+
+
+def test_malformed_run_starts_in_go_are_rejected(nodes):
+    """The peer drops a fetcher whose GO carries a bad run list, and frees the lease."""
+    from kvstore import transfer as t
+
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 4))
+    request = t.encode_request(NS, HASHES[:2])
+    for accepted, starts in ((2, [5, 3]), (2, [1, 8]), (2, [4, 4]), (1, [])):
+        go = t.encode_go(accepted, starts)
+        frames = [t.encode_preamble(t.Kind.REQUEST, len(request)), request,
+                  t.encode_preamble(t.Kind.GO, len(go)), go]
+        replies = client.call("raw", address=address, frames=frames, replies=2)
+        assert replies[0][0] == "REPLY" and replies[1][0] == "failed", replies
+    assert wait_until(lambda: server.call("leases")["released"] == 4)
+    assert server.call("leases")["active"] == 0 and server.call("leases")["segments"] == []
+    out = client.call("fetch", address=address, hashes=HASHES[:2])
+    assert out["n"] == [2] and out["corrupt"] == [], out
+
+
 # ---- bad requests and bad peers -----------------------------------------------------------
 
 
@@ -422,7 +547,7 @@ def test_invalid_arguments_fail_locally(nodes):
 def test_peer_killed_mid_transfer(nodes):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
-                          behaviour="die_half")
+                          behaviour="die_half", gap_every=1)
     out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=8)
     assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
     assert out["states"] == ["aborted"] and out["visible"] == []
@@ -432,7 +557,7 @@ def test_peer_killed_mid_transfer(nodes):
 def test_peer_hanging_mid_transfer_times_out(nodes):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:8], [64 << 10] * 8),
-                          behaviour="hang_half")
+                          behaviour="hang_half", gap_every=1)
     out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=2)
     assert out["error"] == "PeerTimeout", out
     assert out["states"] == ["aborted"] and out["visible"] == []
@@ -473,7 +598,7 @@ def test_lease_released_when_fetcher_dies_or_hangs_before_go(nodes, on_reserve):
 def test_lease_released_when_fetcher_killed_mid_transfer(nodes):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
-                          behaviour="pause_half", timeout_s=5)
+                          behaviour="pause_half", timeout_s=5, gap_every=3)
     client.submit("fetch", address=address, hashes=HASHES[:8])
     assert wait_until(lambda: server.call("leases")["sent_half"])
     client.kill()
