@@ -13,8 +13,6 @@ sealed (no bytes move): the fixed cost of one call.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -22,27 +20,10 @@ import torch
 
 from kvstore.client import KVLayer, StoreClient, kv_cache_shm
 from kvstore.copy import copier_for, plan, region_from_tensor
-from kvstore.demo import free_port
+from kvstore.demo import free_port, start_server
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SAVE_BLOCKS = 256
-
-
-def start_server(device: str, pool_bytes: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
-                             "--device", device, "--pool-size", str(pool_bytes), "--no-router", "--no-transfer",
-                             "--log-level", "error"])
-    address = f"127.0.0.1:{port}"
-    client = StoreClient(address, timeout=2)
-    for _ in range(300):
-        try:
-            client.stats()
-            return proc, address
-        except Exception:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("store server did not start")
 
 
 def make_layers(device: str, cache_blocks: int) -> list[KVLayer]:
@@ -81,7 +62,9 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     cache_blocks = 2 * SAVE_BLOCKS
     slot = 2 * BLOCK * HEADS * HEAD_DIM * 2
     nbytes = SAVE_BLOCKS * LAYERS * slot
-    proc, address = start_server(device.split(":")[0], (repeats + 2) * nbytes + (64 << 20))
+    port = free_port()
+    proc = start_server(port, device.split(":")[0], (repeats + 2) * nbytes + (64 << 20))
+    address = f"127.0.0.1:{port}"
     layers = make_layers(device, cache_blocks)
     client = StoreClient(address, timeout=120)
     try:
