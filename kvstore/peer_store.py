@@ -13,11 +13,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .errors import invalid, precondition
 from .registry import Seal
-from .store import Block, BlockStore, Key
+from .store import Block, BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -124,4 +122,4 @@ def local_layout_from(registry) -> Callable[[str], tuple[Seal, list[str]]]:
     return lookup
 
 
-__all__ = ["StoreSource", "StoreSink", "StoreReservation", "local_layout_from", "Key", "np"]
+__all__ = ["StoreSource", "StoreSink", "StoreReservation", "local_layout_from"]
