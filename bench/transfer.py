@@ -48,6 +48,8 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from kvstore.transfer import SlotTable  # noqa: E402
+
 RESULTS = Path(_HERE) / "results"
 NS = "bench.0000000000000000"
 SLOT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -61,7 +63,9 @@ LATENCY_SLOT = 16 * (8 // LATENCY_TP) * 128 * 2 * 2
 GBPS_NOTE = ("gbps = slot payload bytes / median wall time of one fetch (request, offer, "
              "reserve, GO, all slots), 1 GB = 1e9 bytes; baseline_gbps = the same total bytes "
              "as one ucxx message between the same two processes, request round trip "
-             "included, timed interleaved; ratio = gbps / baseline_gbps")
+             "included, timed interleaved; ratio = gbps / baseline_gbps; for mem=cuda also "
+             "device_copy_gbps = one device-to-device cudaMemcpy of the same bytes in the "
+             "fetching process (bytes counted once) and ratio_device_copy = gbps / that")
 
 
 # ---- the two processes' pools: slot views carved from one array -------------------------
@@ -90,10 +94,30 @@ def decode_hash(h: int) -> tuple[int, int, int, int]:
     return (h >> 32) & 0xFFFFFF, (h >> 20) & 0xFFF, h & 0xFFFFF, h >> 56
 
 
+def pool_memory(pool: Any) -> tuple[int, int]:
+    """(base address, memory key: 0 for host, else the CUDA allocation)."""
+    if isinstance(pool, np.ndarray):
+        return pool.__array_interface__["data"][0], 0
+    return int(pool.data.ptr), int(pool.data.mem.ptr)
+
+
+def tp_slots(pool: Any, region: int, slot: int, per_block: int, tp: int,
+             index: np.ndarray) -> SlotTable:
+    """Slots of blocks ``index`` where rank r owns the r-th ``region`` bytes of the
+    pool and, there, block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
+    base, key = pool_memory(pool)
+    s = np.arange(per_block, dtype=np.int64)
+    at = (s % tp) * region + (index[:, None] * (per_block // tp) + s // tp) * slot
+    n = at.size
+    return SlotTable((np.uint64(base) + at.ravel().astype(np.uint64)),
+                     np.full(n, slot, dtype=np.int64), np.full(n, key, dtype=np.int64),
+                     np.full(len(index), per_block, dtype=np.int64), owner=pool)
+
+
 @dataclass
 class BenchLease:
     hashes: list[int]
-    buffers: list[list[Any]]
+    slots: SlotTable
 
     def release(self) -> None:
         pass
@@ -107,23 +131,17 @@ class BenchSource:
         self.pool = pool
 
     def lease(self, namespace: str, hashes: list[int]) -> BenchLease:
-        buffers = []
-        for h in hashes:
-            slot, per_block, index, tp = decode_hash(h)
-            region, per_rank = len(self.pool) // tp, per_block // tp
-            if (index + 1) * per_rank * slot > region:
-                break
-            views = []
-            for s in range(per_block):
-                at = (s % tp) * region + (index * per_rank + s // tp) * slot
-                views.append(self.pool[at: at + slot])
-            buffers.append(views)
-        return BenchLease(hashes[:len(buffers)], buffers)
+        slot, per_block, _, tp = decode_hash(hashes[0])
+        index = np.array([decode_hash(h)[2] for h in hashes], dtype=np.int64)
+        region = len(self.pool) // tp
+        fits = (index + 1) * (per_block // tp) * slot <= region
+        n = len(index) if fits.all() else int(np.argmin(fits))
+        return BenchLease(hashes[:n], tp_slots(self.pool, region, slot, per_block, tp, index[:n]))
 
 
 @dataclass
 class BenchReservation:
-    buffers: list[list[Any]]
+    slots: SlotTable
 
     def commit(self) -> None:
         pass
@@ -135,22 +153,18 @@ class BenchReservation:
 class BenchSink:
     """Reserves from the start of the pool every time, as a warm slab allocator would,
     and in BlockStore.reserve_detached's order: rank 0's slots of every block, then
-    rank 1's, ..."""
+    rank 1's, ... (every block of one layout, as a bench fetch is)."""
 
     def __init__(self, pool: Any):
         self.pool = pool
 
     def reserve(self, namespace: str, hashes: list[int],
                 slot_sizes: list[list[int]]) -> BenchReservation:
-        tp = decode_hash(hashes[0])[3] if hashes else 1
-        offset = 0
-        buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]
-        for rank in range(tp):
-            for b, sizes in enumerate(slot_sizes):
-                for s in range(rank, len(sizes), tp):
-                    buffers[b][s] = self.pool[offset: offset + sizes[s]]
-                    offset += sizes[s]
-        return BenchReservation(buffers)
+        tp = decode_hash(hashes[0])[3]
+        per_block, slot = len(slot_sizes[0]), slot_sizes[0][0]
+        region = len(hashes) * (per_block // tp) * slot
+        index = np.arange(len(hashes), dtype=np.int64)
+        return BenchReservation(tp_slots(self.pool, region, slot, per_block, tp, index))
 
 
 # ---- serving process ------------------------------------------------------------------------
@@ -202,6 +216,8 @@ class Row:
     baseline_gbps: float
     ratio: float
     repeats: int
+    device_copy_gbps: float | None = None  # cuda: one cudaMemcpy of the same bytes, in-process
+    ratio_device_copy: float | None = None
 
 
 def fetch_main(pipe: Any, env: dict, opts: dict) -> None:
@@ -221,6 +237,15 @@ async def _measure(opts: dict) -> dict:
     raw_ep = await ucxx.create_endpoint("127.0.0.1", opts["raw_port"])
     request = np.zeros(1, dtype=np.uint64)
     sync = _synchronize(mem)
+    scratch = make_pool(total, mem, device=opts["fetch_device"]) if mem == "cuda" else None
+
+    def device_copy_once(nbytes: int) -> float:
+        """The GPU's own ceiling for these bytes: one device-to-device memcpy."""
+        sync()
+        start = time.perf_counter()
+        scratch.data.copy_from_device(pool.data, nbytes)
+        sync()
+        return time.perf_counter() - start
 
     async def raw_once(nbytes: int) -> float:
         request[0] = nbytes
@@ -244,16 +269,23 @@ async def _measure(opts: dict) -> dict:
         nbytes = num_blocks * SLOTS_PER_BLOCK * slot
         await raw_once(nbytes)  # warm up: registration caches, rendezvous paths
         await fetch_once(hashes)
-        fetched, raw = [], []
+        fetched, raw, dcopy = [], [], []
         for _ in range(opts["repeats"]):
             raw.append(await raw_once(nbytes))
             fetched.append(await fetch_once(hashes))
+            if scratch is not None:
+                dcopy.append(device_copy_once(nbytes))
         gbps = nbytes / statistics.median(fetched) / 1e9
         base = nbytes / statistics.median(raw) / 1e9
-        rows.append(Row(opts["tls"], mem, slot, SLOTS_PER_BLOCK, num_blocks, nbytes,
-                        round(gbps, 3), round(base, 3), round(gbps / base, 3), opts["repeats"]))
+        row = Row(opts["tls"], mem, slot, SLOTS_PER_BLOCK, num_blocks, nbytes,
+                  round(gbps, 3), round(base, 3), round(gbps / base, 3), opts["repeats"])
+        if dcopy:
+            dc = nbytes / statistics.median(dcopy) / 1e9
+            row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps / dc, 3)
+        rows.append(row)
+        extra = f"  memcpy {row.device_copy_gbps} GB/s" if dcopy else ""
         print(f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB x {num_blocks * SLOTS_PER_BLOCK:>5}"
-              f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}",
+              f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}{extra}",
               flush=True)
 
     per_block = LATENCY_LAYERS * LATENCY_TP
@@ -343,8 +375,8 @@ def _gpu_count() -> int:
 
 
 def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "transfer.json"
+    path = args.out
+    path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
     keep = lambda items: [r for r in items if r.get("mem") != args.mem]  # noqa: E731
     rows = keep(old.get("rows", [])) + [r for s in sweeps for r in s["rows"]]
@@ -363,8 +395,8 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
         "latency": latency,
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(rows, latency, RESULTS / "transfer.png")
-    print(f"wrote {path} and transfer.png")
+    plot(rows, latency, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 
 def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
@@ -411,6 +443,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--total-mib", type=int, help="bytes per throughput measurement")
     p.add_argument("--repeats", type=int)
     p.add_argument("--latency-iters", type=int)
+    p.add_argument("--out", type=Path, default=RESULTS / "transfer.json",
+                   help="JSON to merge into (rows of the other mem kind are kept); PNG beside it")
     args = p.parse_args()
     args.tls = args.tls or [os.environ.get("UCX_TLS", "default")]
     args.total_mib = args.total_mib or (64 if args.quick else 256)

@@ -11,19 +11,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import invalid, precondition
 from .registry import Seal
 from .store import Block, BlockStore
+from .transfer import SlotTable
 
 log = logging.getLogger(__name__)
+
+
+def slot_table(store: BlockStore, blocks: list[Block]) -> SlotTable:
+    """The blocks' slots as a transfer reads or writes them (straight in the pool)."""
+    ptr, size, memory = store.slot_addresses(blocks)
+    counts = np.fromiter((len(b.slot_bytes) for b in blocks), dtype=np.int64, count=len(blocks))
+    return SlotTable(ptr, size, memory, counts, owner=store.pools)
 
 
 @dataclass
 class StoreLease:
     hashes: list[int]
-    buffers: list[list]
+    slots: SlotTable
     _release: Callable[[], None]
 
     def release(self) -> None:
@@ -53,15 +63,14 @@ class StoreSource:
                 for block in blocks:
                     block.pins -= 1
 
-        return StoreLease([b.key[1] for b in blocks],
-                          [self.store.slot_views(b) for b in blocks], release)
+        return StoreLease([b.key[1] for b in blocks], slot_table(self.store, blocks), release)
 
 
 @dataclass
 class StoreReservation:
     store: BlockStore
     blocks: list[Block]
-    buffers: list[list] = field(default_factory=list)
+    slots: SlotTable = None
     done: bool = False
 
     def commit(self) -> None:
@@ -101,9 +110,7 @@ class StoreSink:
                 raise invalid(f"peer offered block {i} with slot sizes that do not match "
                               f"the layout of namespace {namespace}")
         blocks = self.store.reserve_detached(namespace, hashes, seal, devices)
-        res = StoreReservation(self.store, blocks)
-        res.buffers = [self.store.slot_views(b) for b in blocks]
-        return res
+        return StoreReservation(self.store, blocks, slot_table(self.store, blocks))
 
 
 def local_layout_from(registry) -> Callable[[str], tuple[Seal, list[str]]]:

@@ -320,13 +320,33 @@ class BlockStore:
             out.append(block)
         return out
 
-    def slot_views(self, block: Block) -> list:
-        """One uint8 view per slot, straight into the pool (no copy)."""
-        views = []
-        for slot, (offset, size) in enumerate(zip(block.offsets.tolist(),
-                                                  block.slot_bytes.tolist())):
-            views.append(self.pools[block.devices[slot % block.tp_size]].view(offset, size))
-        return views
+    def slot_addresses(self, blocks: list[Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Address, size and memory key (0 for host memory, else the CUDA pool's base)
+        of every slot of ``blocks``, block after block: what a peer transfer moves.
+        Vectorised over blocks: a fetch of thousands of slots builds no per-slot object."""
+        if not blocks:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty.astype(np.uint64), empty, empty
+        rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        bases, keys = [], []
+        for block in blocks:
+            devices = tuple(block.devices)
+            row = rows.get(devices)
+            if row is None:
+                row = rows[devices] = self._slot_bases(block)
+            bases.append(row[0])
+            keys.append(row[1])
+        ptr = np.concatenate(bases) + np.concatenate([b.offsets for b in blocks]).astype(np.uint64)
+        size = np.concatenate([b.slot_bytes for b in blocks]).astype(np.int64)
+        return ptr, size, np.concatenate(keys)
+
+    def _slot_bases(self, block: Block) -> tuple[np.ndarray, np.ndarray]:
+        """Per slot of a block laid out like ``block``: its pool's base and memory key."""
+        pools = [self.pools[d] for d in block.devices]
+        rank = np.arange(len(block.slot_bytes)) % block.tp_size
+        base = np.array([p.base for p in pools], dtype=np.uint64)[rank]
+        key = np.array([p.base if p.buffer.is_cuda else 0 for p in pools], dtype=np.int64)[rank]
+        return base, key
 
     def reserve_detached(self, namespace: str, hashes: list[int], seal: Seal,
                          devices: list[str]) -> list[Block]:

@@ -141,11 +141,66 @@ class ProtocolError(Exception):
 # ---- the store's side of the contract -------------------------------------------
 
 
+@dataclass(frozen=True)
+class SlotTable:
+    """Where slots lie, block after block: one row per slot, no Python object per slot.
+
+    ``memory`` tells runs apart: 0 for host memory, else a key of the CUDA
+    allocation the slot lies in (adjacent allocations are never merged into
+    one message). ``owner`` keeps the memory alive while the table is in use.
+    """
+
+    ptr: np.ndarray  # uint64 address of each slot
+    nbytes: np.ndarray  # int64 size of each slot
+    memory: np.ndarray  # int64: 0 = host, else the CUDA allocation's key
+    counts: np.ndarray  # int64 slots per block
+    owner: Any = None
+
+    def __post_init__(self) -> None:
+        n = len(self.ptr)
+        if not (len(self.nbytes) == len(self.memory) == n == int(self.counts.sum())):
+            raise ValueError("slot table columns disagree")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.counts)
+
+    def block_sizes(self) -> list[list[int]]:
+        """Per block, its slot sizes (the offer's layout)."""
+        if not len(self.counts):
+            return []
+        k = int(self.counts[0])
+        if bool(np.all(self.counts == k)):
+            return self.nbytes.reshape(len(self.counts), k).tolist()
+        return [a.tolist() for a in np.split(self.nbytes, np.cumsum(self.counts)[:-1])]
+
+    def prefix(self, num_blocks: int) -> SlotTable:
+        """The table of the first ``num_blocks`` blocks."""
+        end = int(self.counts[:num_blocks].sum())
+        return SlotTable(self.ptr[:end], self.nbytes[:end], self.memory[:end],
+                         self.counts[:num_blocks], self.owner)
+
+    def take(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ptr, nbytes, memory) of the slots in ``order`` (flat slot indices)."""
+        return self.ptr[order], self.nbytes[order], self.memory[order]
+
+    @classmethod
+    def from_views(cls, buffers: list[list[Any]]) -> SlotTable:
+        """The table of per-block lists of contiguous 1-D views (numpy, torch, cupy or
+        anything with an array interface): the general, slower way to build one."""
+        refs = [slot_ref(v) for views in buffers for v in views]
+        return cls(np.fromiter((r.ptr for r in refs), dtype=np.uint64, count=len(refs)),
+                   np.fromiter((r.nbytes for r in refs), dtype=np.int64, count=len(refs)),
+                   np.fromiter((_alloc_key(r) if r.cuda else 0 for r in refs), dtype=np.int64,
+                               count=len(refs)),
+                   np.asarray([len(v) for v in buffers], dtype=np.int64), owner=buffers)
+
+
 class Lease(Protocol):
     """Pinned sealed blocks on the serving peer, valid until release()."""
 
     hashes: list[int]  # the leased prefix of the requested hashes
-    buffers: list[list[Any]]  # per block, its slots: 1-D uint8 views into the pool
+    slots: SlotTable  # their slots, block after block, read straight out of the pool
 
     def release(self) -> None: ...
 
@@ -153,7 +208,7 @@ class Lease(Protocol):
 class Reservation(Protocol):
     """Local slots allocated for incoming blocks, invisible until commit()."""
 
-    buffers: list[list[Any]]  # per block, writable 1-D uint8 views, sized as asked
+    slots: SlotTable  # writable, sized as asked
 
     def commit(self) -> None: ...
 
@@ -362,23 +417,8 @@ def check_namespace(namespace: Any, error: Callable[[str], Exception]) -> None:
 # ---- buffers ----------------------------------------------------------------
 
 
-def _as_array(buf: Any, writable: bool) -> Any:
-    """Wrap a slot view for UCX once (numpy, cupy, or torch CPU/CUDA tensors)."""
-    from ucxx._lib.arr import Array
-
-    if type(buf).__module__.startswith("torch") and not hasattr(buf, "__cuda_array_interface__"):
-        buf = buf.detach().numpy()  # zero-copy view of a CPU tensor
-    arr = Array(buf)
-    if not arr.c_contiguous:
-        raise ValueError("slot views must be contiguous")
-    if writable and arr.readonly:
-        raise ValueError("reserved slot views must be writable")
-    return arr
-
-
 class SlotRef:
-    """Where one slot view lies (``obj`` keeps it alive). Cheaper than wrapping every
-    slot for UCX: only segments (runs of slots) are wrapped, see segment_views."""
+    """Where one slot view lies (``obj`` keeps it alive)."""
 
     __slots__ = ("obj", "ptr", "nbytes", "cuda")
 
@@ -386,84 +426,54 @@ class SlotRef:
         self.obj, self.ptr, self.nbytes, self.cuda = obj, ptr, nbytes, cuda
 
 
-def slot_ref(buf: Any, writable: bool) -> SlotRef:
+def slot_ref(buf: Any) -> SlotRef:
     """Address and size of a contiguous slot view (numpy, torch CPU/CUDA, cupy)."""
-    if type(buf) is np.ndarray:  # fast paths: no UCX wrapper per slot
+    if type(buf) is np.ndarray:
         if not buf.flags.c_contiguous:
             raise ValueError("slot views must be contiguous")
-        if writable and not buf.flags.writeable:
-            raise ValueError("reserved slot views must be writable")
         return SlotRef(buf, buf.__array_interface__["data"][0], buf.nbytes, False)
     if type(buf).__module__.startswith("torch") and buf.device.type in ("cpu", "cuda"):
         if not buf.is_contiguous():
             raise ValueError("slot views must be contiguous")
         return SlotRef(buf, buf.data_ptr(), buf.numel() * buf.element_size(), buf.is_cuda)
-    arr = _as_array(buf, writable)
+    from ucxx._lib.arr import Array
+
+    arr = Array(buf)
+    if not arr.c_contiguous:
+        raise ValueError("slot views must be contiguous")
     return SlotRef(buf, arr.ptr, arr.nbytes, arr.cuda)
 
 
-def flat_views(buffers: list[list[Any]], slot_sizes: list[list[int]],
-               writable: bool) -> list[SlotRef]:
-    """Flatten per-block views, checking each one has exactly the announced size."""
-    if len(buffers) != len(slot_sizes):
-        raise ValueError(f"{len(buffers)} blocks of views for {len(slot_sizes)} blocks")
-    flat = []
-    for b, (views, sizes) in enumerate(zip(buffers, slot_sizes, strict=True)):
-        if len(views) != len(sizes):
-            raise ValueError(f"block {b}: {len(views)} views for {len(sizes)} slots")
-        for s, (view, size) in enumerate(zip(views, sizes, strict=True)):
-            arr = slot_ref(view, writable)
-            if arr.nbytes != size:
-                raise ValueError(f"block {b} slot {s}: view of {arr.nbytes} bytes, expected {size}")
-            flat.append(arr)
-    return flat
-
-
-def _alloc_key(arr: Any) -> int:
+def _alloc_key(ref: SlotRef) -> int:
     """Which allocation a CUDA view lies in (adjacent allocations must not be merged),
-    or a unique negative number when that cannot be told (or cupy, which builds
-    CUDA segment views, is missing)."""
-    obj = arr.obj
+    or a unique negative number when that cannot be told."""
+    obj = ref.obj
     try:
-        import cupy  # noqa: F401
-
         if type(obj).__module__.startswith("torch"):
-            return int(obj.untyped_storage().data_ptr())
+            return int(obj.untyped_storage().data_ptr()) or -1 - id(ref)
         mem = getattr(getattr(obj, "data", None), "mem", None)  # cupy
         if mem is not None and getattr(mem, "ptr", 0):
             return int(mem.ptr)
-    except Exception:  # ImportError included: then CUDA slots travel one by one
+    except Exception:
         log.debug("cannot tell the allocation of a CUDA view", exc_info=True)
-    return -1 - id(arr)
+    return -1 - id(ref)
 
 
-def run_starts(views: list[Any], cap: int | None = None) -> np.ndarray:
+def run_starts(ptr: np.ndarray, size: np.ndarray, memory: np.ndarray,
+               cap: int | None = None) -> np.ndarray:
     """Indices ``i > 0`` where slot ``i`` does not continue slot ``i - 1`` in memory.
 
-    ``views`` are SlotRefs (or UCX-wrapped arrays). A run also breaks between host and
-    CUDA memory, between CUDA allocations, and before it would pass ``cap`` bytes.
+    A run also breaks between host and CUDA memory, between CUDA allocations,
+    and before it would pass ``cap`` bytes (MAX_SEGMENT_BYTES).
     """
-    return _run_starts(*_memory_map(views), cap)
-
-
-def _memory_map(views: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per view: address, size, and allocation key (0 for host memory)."""
-    n = len(views)
-    ptr = np.fromiter((a.ptr for a in views), dtype=np.uint64, count=n)
-    size = np.fromiter((a.nbytes for a in views), dtype=np.uint64, count=n)
-    key = np.fromiter((_alloc_key(a) if a.cuda else 0 for a in views), dtype=np.int64, count=n)
-    return ptr, size, key
-
-
-def _run_starts(ptr: np.ndarray, size: np.ndarray, key: np.ndarray,
-                cap: int | None = None) -> np.ndarray:
     n = len(ptr)
     if n < 2:
         return np.zeros(0, dtype=np.int64)
     cap = MAX_SEGMENT_BYTES if cap is None else cap
-    breaks = (ptr[1:] != ptr[:-1] + size[:-1]) | (key[1:] != key[:-1])
+    size = size.astype(np.uint64, copy=False)
+    breaks = (ptr[1:] != ptr[:-1] + size[:-1]) | (memory[1:] != memory[:-1])
     starts = (np.nonzero(breaks)[0] + 1).astype(np.int64)
-    # Cut runs longer than cap (rare: only a run's own slots need walking).
+    # Cut runs longer than cap (only a long run's own slots need walking).
     edges = np.concatenate(([0], starts, [n]))
     csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64))).astype(np.int64)
     long_runs = np.nonzero(csum[edges[1:]] - csum[edges[:-1]] > cap)[0]
@@ -496,15 +506,14 @@ def transfer_order(slot_counts: Sequence[int], lanes: int) -> np.ndarray:
                            for f, c in zip(first.tolist(), counts.tolist(), strict=True)])
 
 
-def choose_lanes(views: list[Any], slot_counts: Sequence[int]) -> int:
+def choose_lanes(table: SlotTable) -> int:
     """The lane count (a power of two dividing every block's slot count) whose
     transfer order leaves the fewest runs in this side's memory."""
     best, fewest = 1, None
     lanes = 1
-    ptr, size, key = _memory_map(views)
-    while lanes <= MAX_LANES and all(c % lanes == 0 for c in slot_counts):
-        order = transfer_order(slot_counts, lanes)
-        runs = len(_run_starts(ptr[order], size[order], key[order]))
+    counts = table.counts.tolist()
+    while lanes <= MAX_LANES and all(c % lanes == 0 for c in counts):
+        runs = len(run_starts(*table.take(transfer_order(counts, lanes))))
         if fewest is None or runs < fewest:
             best, fewest = lanes, runs
         if runs == 0:
@@ -522,43 +531,35 @@ def segment_bounds(num_slots: int, *lists: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-class _HostSpan:
-    """A host byte range exposed to numpy; keeps the views it spans alive."""
+class _Span:
+    """A byte range exposed through the array interface UCX reads (host or CUDA);
+    ``owner`` keeps the memory it lies in alive."""
 
-    def __init__(self, ptr: int, nbytes: int, readonly: bool, owners: list[Any]):
-        self.__array_interface__ = {"data": (ptr, readonly), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
-        self.owners = owners
+    def __init__(self, ptr: int, nbytes: int, cuda: bool, readonly: bool, owner: Any):
+        face = {"data": (ptr, readonly), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        if cuda:  # no "stream": the slots' writers finished before they were offered
+            self.__cuda_array_interface__ = face
+        else:
+            self.__array_interface__ = face
+        self.owner = owner
 
 
-def _span(views: list[Any], writable: bool) -> Any:
-    """One UCX-wrapped view over ``views`` (SlotRefs), which lie back to back in memory."""
-    if len(views) == 1:
-        arr = _as_array(views[0].obj, writable)
-        if arr.ptr != views[0].ptr or arr.nbytes != views[0].nbytes:
-            raise ValueError("slot view moved")
-        return arr
+def segment_views(ptr: np.ndarray, size: np.ndarray, memory: np.ndarray,
+                  bounds: list[tuple[int, int]], writable: bool, owner: Any) -> list[Any]:
+    """One UCX-wrapped view per segment [a, b) of slots that lie back to back."""
     from ucxx._lib.arr import Array
 
-    first, nbytes = views[0], sum(a.nbytes for a in views)
-    if first.cuda:
-        import cupy
-
-        mem = cupy.cuda.UnownedMemory(first.ptr, nbytes, owner=views)
-        span = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    else:
-        span = np.asarray(_HostSpan(first.ptr, nbytes, not writable, views))
-    arr = Array(span)
-    if arr.ptr != first.ptr or arr.nbytes != nbytes:
-        raise ValueError("segment view does not cover its slots")
-    return arr
-
-
-def segment_views(views: list[Any], bounds: list[tuple[int, int]], writable: bool) -> list[Any]:
-    return [_span(views[a:b], writable) for a, b in bounds]
-
-
-# ---- UCX plumbing -------------------------------------------------------------
+    csum = np.concatenate(([0], np.cumsum(size, dtype=np.int64))).tolist()
+    starts, cuda = ptr.tolist(), (memory != 0).tolist()
+    views = []
+    for a, b in bounds:
+        nbytes = csum[b] - csum[a]
+        span = _Span(starts[a], nbytes, cuda[a], not writable, owner)
+        arr = Array(span if cuda[a] else np.asarray(span))  # host: UCX reads the buffer protocol
+        if arr.ptr != starts[a] or arr.nbytes != nbytes:
+            raise ValueError("segment view does not cover its slots")
+        views.append(arr)
+    return views
 
 
 def _ucxx() -> Any:
@@ -795,26 +796,26 @@ class PeerServer:
     async def _send_lease(self, conn: Conn, lease: Lease, hashes: list[int],
                           deadline: float) -> None:
         try:
-            blocks = _offerable(lease, hashes)
+            table = _offerable(lease, hashes)
         except (KVError, ValueError) as e:
             log.error("SlotSource returned a bad lease: %s", e)
             await self._refuse(conn, grpc.StatusCode.INTERNAL, f"bad lease: {e}", deadline)
             return
-        sizes = [[a.nbytes for a in block] for block in blocks]
-        flat = [a for block in blocks for a in block]
-        counts = [len(s) for s in sizes]
-        lanes = choose_lanes(flat, counts)
-        flat = [flat[i] for i in transfer_order(counts, lanes).tolist()]
-        mine = run_starts(flat)
+        sizes = table.block_sizes()
+        lanes = choose_lanes(table)
+        order = transfer_order(table.counts.tolist(), lanes)
+        ptr, size, memory = table.take(order)
+        mine = run_starts(ptr, size, memory)
         await send_frame(conn, Kind.REPLY, deadline, body=encode_offer(sizes, mine, lanes))
         if not sizes:
             return
         _, _, body = await recv_frame(conn, [Kind.GO], deadline)
         accepted, packed = decode_go(body, len(sizes))
         if accepted:  # GO accepts all that was offered, or nothing
-            theirs = decode_run_starts(packed, len(flat))
-            bounds = segment_bounds(len(flat), mine, theirs)
-            await self._send_slots(conn, segment_views(flat, bounds, writable=False), deadline)
+            theirs = decode_run_starts(packed, len(order))
+            bounds = segment_bounds(len(order), mine, theirs)
+            views = segment_views(ptr, size, memory, bounds, writable=False, owner=table.owner)
+            await self._send_slots(conn, views, deadline)
 
     async def _send_slots(self, conn: Conn, views: list[Any], deadline: float,
                           first: int = 0) -> None:
@@ -832,21 +833,19 @@ class PeerServer:
         await send_frame(conn, Kind.ERROR, deadline, body=encode_error(code, message))
 
 
-def _offerable(lease: Lease, hashes: list[int]) -> list[list[Any]]:
-    """UCX-wrapped views of the leased prefix, trimmed to the per-fetch slot bound."""
-    n = len(lease.hashes)
-    if n > len(hashes) or list(lease.hashes) != hashes[:n] or len(lease.buffers) != n:
+def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:
+    """The leased prefix's slots, trimmed to the per-fetch bounds."""
+    table, n = lease.slots, len(lease.hashes)
+    if n > len(hashes) or list(lease.hashes) != hashes[:n] or table.num_blocks != n:
         raise ValueError("lease is not a prefix of the request")
-    blocks, total = [], 0
-    for views in lease.buffers:
-        total += len(views)
-        if total > MAX_SLOTS_PER_FETCH or not 0 < len(views) <= MAX_SLOTS_PER_BLOCK:
-            break
-        block = [slot_ref(v, writable=False) for v in views]
-        if any(not 0 < a.nbytes <= MAX_SLOT_BYTES for a in block):
-            raise ValueError("slot size out of bounds")
-        blocks.append(block)
-    return blocks
+    counts = table.counts
+    fits = (counts > 0) & (counts <= MAX_SLOTS_PER_BLOCK) & (np.cumsum(counts) <= MAX_SLOTS_PER_FETCH)
+    keep = n if bool(fits.all()) else int(np.argmin(fits))
+    table = table.prefix(keep)
+    if len(table.nbytes) and not (int(table.nbytes.min()) > 0
+                                  and int(table.nbytes.max()) <= MAX_SLOT_BYTES):
+        raise ValueError("slot size out of bounds")
+    return table
 
 
 # ---- fetching side ------------------------------------------------------------
@@ -978,12 +977,12 @@ async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSin
         await _cancel_offer(conn, deadline)
         raise
     try:
-        views = _reserved_views(reservation, offer)
-        order = transfer_order([len(s) for s in offer.slot_sizes], offer.lanes)
-        views = [views[i] for i in order.tolist()]
-        mine = run_starts(views)
-        bounds = segment_bounds(len(views), offer.run_starts, mine)
-        segments = segment_views(views, bounds, writable=True)
+        table = _reserved_table(reservation, offer)
+        order = transfer_order(table.counts.tolist(), offer.lanes)
+        ptr, size, memory = table.take(order)
+        mine = run_starts(ptr, size, memory)
+        bounds = segment_bounds(len(order), offer.run_starts, mine)
+        segments = segment_views(ptr, size, memory, bounds, writable=True, owner=table.owner)
         await _receive_segments(conn, segments, encode_go(len(offer.slot_sizes), mine),
                                 deadline)
     except BaseException:
@@ -1002,11 +1001,16 @@ async def _cancel_offer(conn: Conn, deadline: float) -> None:
         conn.abort()  # the caller reports the sink's error, not this one
 
 
-def _reserved_views(reservation: Reservation, offer: Offer) -> list[Any]:
-    try:
-        return flat_views(reservation.buffers, offer.slot_sizes, writable=True)
-    except ValueError as e:
-        raise KVError(grpc.StatusCode.INTERNAL, f"sink reservation does not match: {e}") from None
+def _reserved_table(reservation: Reservation, offer: Offer) -> SlotTable:
+    """The sink's slots, checked against the offer: same blocks, same slot sizes."""
+    table = reservation.slots
+    counts = [len(s) for s in offer.slot_sizes]
+    offered = np.fromiter((x for s in offer.slot_sizes for x in s), dtype=np.int64,
+                          count=sum(counts))
+    if table.counts.tolist() != counts or not np.array_equal(table.nbytes, offered):
+        raise KVError(grpc.StatusCode.INTERNAL,
+                      "sink reservation does not match the offer's blocks and slot sizes")
+    return table
 
 
 async def _recv_reply(conn: Conn, deadline: float) -> tuple[Kind, int, bytes]:

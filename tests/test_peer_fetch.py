@@ -138,3 +138,33 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
     finally:
         src.close()
         dst.close()
+
+
+@pytest.mark.gpu
+def test_gpu_pools_fetch_gpu_to_gpu_every_byte():
+    """Two servers with GPU pools and GPU workers, peers by --peer: the fetch goes
+    pool to pool over UCX (CUDA IPC on one GPU), then into the worker by the CUDA kernel."""
+    ports = [free_port() for _ in range(4)]
+    a_addr, b_addr = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+    common = ("--device", "cuda:0", "--pool-size", "256MiB", "--fetch-timeout", "20")
+    procs = [spawn("serve", "--port", str(ports[0]), "--ucx-port", str(ports[2]), *common),
+             spawn("serve", "--port", str(ports[1]), "--ucx-port", str(ports[3]), *common,
+                   "--peer", f"127.0.0.1:{ports[2]}")]
+    try:
+        a, b = ready(a_addr, procs[0]), ready(b_addr, procs[1])
+        src = WorkerGroup(a_addr, "gsrc", 2, device="cuda", **LAYOUT)
+        dst = WorkerGroup(b_addr, "gdst", 2, device="cuda", **LAYOUT)
+        try:
+            hashes = [5000 + i for i in range(10)]
+            src.each("fill", [(h, i) for i, h in enumerate(hashes)])
+            src.each("save", [(h, i) for i, h in enumerate(hashes)])
+            dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes)])
+            assert dst.each("digest", list(range(16, 26))) == src.each("digest", list(range(10)))
+            assert b.stats().fetched_blocks == 10 and a.stats().served_blocks == 10
+        finally:
+            src.close()
+            dst.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)

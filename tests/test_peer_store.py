@@ -20,14 +20,27 @@ def setup(pool_bytes=256 << 10):
     return registry, store, ranks, seal
 
 
+def fill(store, table, value: int) -> None:
+    """Write ``value`` into every slot of ``table`` through the pool, by address."""
+    pool = store.pools["cpu"]
+    for ptr, n in zip(table.ptr.tolist(), table.nbytes.tolist(), strict=True):
+        pool.buffer[ptr - pool.base: ptr - pool.base + n].fill_(value)
+
+
 def test_lease_keeps_blocks_through_eviction_pressure():
     registry, store, ranks, seal = setup()
     ns = seal.final_namespace
     run(save_all(store, registry, ranks, [(h, h) for h in range(8)]))
     lease = StoreSource(store).lease(ns, [0, 1, 2, 99])
     assert lease.hashes == [0, 1, 2]
-    assert [len(v) for v in lease.buffers] == [4, 4, 4]  # 2 layers x 2 ranks
-    assert all(int(x.numel()) == 1024 for v in lease.buffers for x in v)
+    assert lease.slots.counts.tolist() == [4, 4, 4]  # 2 layers x 2 ranks
+    assert lease.slots.nbytes.tolist() == [1024] * 12
+    assert lease.slots.memory.tolist() == [0] * 12  # host memory
+    pool = store.pools["cpu"]
+    blocks = store.sealed_prefix(ns, [0, 1, 2])
+    expect = [pool.base + int(o) for b in blocks for o in b.offsets]
+    assert lease.slots.ptr.tolist() == expect
+    assert lease.slots.block_sizes() == [[1024] * 4] * 3
     # fill the pool far past capacity: only unleased blocks may go
     for start in range(100, 228, 16):
         run(save_all(store, registry, ranks, [(h, h - 100) for h in range(start, start + 16)]))
@@ -48,15 +61,11 @@ def test_reservation_invisible_until_commit_and_abort_frees():
     used = store.pools["cpu"].used_bytes
     assert used == 3 * 4 * 1024
     assert store.query(ns, [10])[0] == 0 and store.inflight_blocks == 0
-    for views in res.buffers:
-        for v in views:
-            v.fill_(7)
+    fill(store, res.slots, 7)
     res.abort()
     assert store.pools["cpu"].used_bytes == 0 and store.query(ns, [10])[0] == 0
     res = sink.reserve(ns, [10, 11], sizes[:2])
-    for views in res.buffers:
-        for v in views:
-            v.fill_(9)
+    fill(store, res.slots, 9)
     res.commit()
     assert store.query(ns, [10, 11])[0] == 2
     run(store.load(seal, ranks[1].reg, [(10, 50)]))

@@ -71,6 +71,12 @@ class MemLease:
     buffers: list[list[np.ndarray]]
     source: MemorySource
 
+    @property
+    def slots(self):
+        from kvstore.transfer import SlotTable
+
+        return SlotTable.from_views(self.buffers)
+
     def release(self) -> None:
         self.source.active -= 1
         self.source.released += 1
@@ -117,6 +123,12 @@ class MemReservation:
     buffers: list[list[np.ndarray]]
     sink: MemorySink
     state: str = "reserved"
+
+    @property
+    def slots(self):
+        from kvstore.transfer import SlotTable
+
+        return SlotTable.from_views(self.buffers)
 
     def commit(self) -> None:
         assert self.state == "reserved"

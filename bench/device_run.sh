@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: install the carried wheels, build the kernel for
+# sm_90, run the GPU tests, then the GPU benchmarks. Every step runs under its own
+# timeout and a failing step does not stop the next; results land in $OUT.
+#
+#   STEPS="tests copy transfer" bash bench/device_run.sh      (the default: all)
+#
+# Wheels: the image has torch, cupy-cuda13x, numpy, msgpack but not ucxx (CUDA 13
+# build), blake3, or our grpcio/protobuf pins; carry them in .whl/ (see README).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"tests copy transfer"}
+LOG="$OUT/log.txt"
+exec > >(tee -a "$LOG") 2>&1
+
+step() { echo; echo "=== $1 ($(date +%T))"; }
+run() { # run LIMIT_S cmd...: a step that may fail
+    local limit=$1; shift
+    timeout -k 5 "$limit" "$@"; local rc=$?
+    echo "--- rc=$rc: $*"
+    return 0
+}
+
+step setup
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || echo "wheel install failed"
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 - <<'EOF'
+import importlib
+for m in ("torch", "cupy", "ucxx", "grpc", "google.protobuf", "blake3", "msgpack", "numpy"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m:16} {getattr(mod, '__version__', '?')}")
+    except Exception as e:
+        print(f"{m:16} IMPORT FAILED: {e!r}")
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+EOF
+
+step "nvcc sm_90 resource report"
+run 60 nvcc -arch=sm_90 -Xptxas -v -c kernels/copy.cu -o /tmp/copy.o
+
+if [[ " $STEPS " == *" tests "* ]]; then
+    step "GPU tests"
+    run 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 90 -rs \
+        tests/test_copy.py tests/test_blocks_e2e.py tests/test_peer_fetch.py \
+        tests/test_kernels_compile.py
+fi
+
+if [[ " $STEPS " == *" copy "* ]]; then
+    step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
+    run 120 python3 bench/copy.py --device cuda --no-progress
+    cp bench/results/copy.json bench/results/copy.png "$OUT/" 2>/dev/null
+fi
+
+if [[ " $STEPS " == *" transfer "* ]]; then
+    step "transfer bench, GPU pools (fetch vs raw ucxx vs device memcpy)"
+    run 120 python3 bench/transfer.py --mem cuda --total-mib 256 --repeats 7 --latency-iters 50
+    cp bench/results/transfer.json bench/results/transfer.png "$OUT/" 2>/dev/null
+fi
+
+if [[ " $STEPS " == *" host "* ]]; then
+    step "transfer bench, host pools, 16 cores"
+    run 90 python3 bench/transfer.py --quick --out "$OUT/transfer_host16.json"
+fi
+step done

@@ -1,0 +1,95 @@
+"""SlotTable and the run / segment arithmetic of peer transfer, without a network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.transfer import (
+    SlotTable,
+    choose_lanes,
+    run_starts,
+    segment_bounds,
+    segment_views,
+    transfer_order,
+)
+
+pytest.importorskip("ucxx")
+
+
+def table_of(mem: np.ndarray, layout: list[tuple[int, int]], counts: list[int]) -> SlotTable:
+    views = [mem[o:o + n] for o, n in layout]
+    blocks, i = [], 0
+    for c in counts:
+        blocks.append(views[i:i + c])
+        i += c
+    return SlotTable.from_views(blocks)
+
+
+def test_from_views_reads_addresses_sizes_and_memory_kind():
+    mem = np.zeros(1 << 12, dtype=np.uint8)
+    base = mem.__array_interface__["data"][0]
+    t = table_of(mem, [(0, 16), (16, 32), (100, 8)], [2, 1])
+    assert t.ptr.tolist() == [base, base + 16, base + 100]
+    assert t.nbytes.tolist() == [16, 32, 8]
+    assert t.memory.tolist() == [0, 0, 0]
+    assert t.block_sizes() == [[16, 32], [8]]
+    assert t.prefix(1).counts.tolist() == [2] and t.prefix(1).nbytes.tolist() == [16, 32]
+    tt = SlotTable.from_views([[torch.zeros(8, dtype=torch.uint8)]])
+    assert tt.nbytes.tolist() == [8] and tt.memory.tolist() == [0]
+
+
+def test_table_columns_must_agree():
+    with pytest.raises(ValueError, match="disagree"):
+        SlotTable(np.zeros(2, np.uint64), np.ones(2, np.int64), np.zeros(2, np.int64),
+                  np.array([3]))
+
+
+def test_non_contiguous_view_is_refused():
+    mem = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="contiguous"):
+        SlotTable.from_views([[mem[::2]]])
+
+
+def test_runs_break_at_gaps_memory_changes_and_the_cap():
+    ptr = np.array([0, 10, 20, 35, 45, 55], dtype=np.uint64) + np.uint64(1 << 20)
+    size = np.full(6, 10, dtype=np.int64)
+    host = np.zeros(6, dtype=np.int64)
+    assert run_starts(ptr, size, host).tolist() == [3]  # 20 + 10 != 35
+    cuda = np.array([0, 0, 0, 7, 7, 9], dtype=np.int64)
+    assert run_starts(ptr, size, cuda).tolist() == [3, 5]
+    assert run_starts(ptr, size, host, cap=20).tolist() == [2, 3, 5]
+    assert segment_bounds(6, np.array([3]), np.array([1, 3])) == [(0, 1), (1, 3), (3, 6)]
+
+
+def test_segments_cover_their_slots_and_carry_bytes():
+    mem = np.arange(256, dtype=np.uint8)
+    t = table_of(mem, [(0, 16), (16, 16), (64, 32)], [3])
+    order = transfer_order(t.counts.tolist(), 1)
+    ptr, size, memory = t.take(order)
+    bounds = segment_bounds(3, run_starts(ptr, size, memory))
+    assert bounds == [(0, 2), (2, 3)]
+    views = segment_views(ptr, size, memory, bounds, writable=False, owner=mem)
+    assert [v.nbytes for v in views] == [32, 32]
+    assert [v.ptr for v in views] == [int(ptr[0]), int(ptr[2])]
+    assert all(v.readonly and not v.cuda for v in views)
+    assert np.array_equal(np.asarray(views[1].obj), mem[64:96])
+
+
+def test_lanes_follow_a_tp_layout():
+    """Two ranks: rank r's slots of consecutive blocks lie back to back (rank 1's
+    after rank 0's), so two lanes turn 8 blocks x 4 slots into one run; one lane
+    breaks at nearly every slot."""
+    mem = np.zeros(1 << 12, dtype=np.uint8)
+    layout, counts = [None] * 32, [4] * 8
+    off = 0
+    for r in range(2):
+        for b in range(8):
+            for s in range(r, 4, 2):
+                layout[b * 4 + s] = (off, 16)
+                off += 16
+    t = table_of(mem, layout, counts)
+    assert choose_lanes(t) == 2
+    assert len(run_starts(*t.take(transfer_order(counts, 2)))) == 0
+    assert len(run_starts(*t.take(transfer_order(counts, 1)))) == 31
