@@ -54,18 +54,25 @@ fi
 
 if [[ " $STEPS " == *" copy "* ]]; then
     step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
-    run 120 python3 bench/copy.py --device cuda --no-progress
+    run 100 python3 bench/copy.py --device cuda --no-progress
     cp bench/results/copy.json bench/results/copy.png "$OUT/" 2>/dev/null
 fi
 
 if [[ " $STEPS " == *" transfer "* ]]; then
     step "transfer bench, GPU pools (fetch vs raw ucxx vs device memcpy)"
-    run 120 python3 bench/transfer.py --mem cuda --total-mib 256 --repeats 7 --latency-iters 50
+    run 60 python3 bench/transfer.py --mem cuda --total-mib 256 --repeats 7 --latency-iters 50
     cp bench/results/transfer.json bench/results/transfer.png "$OUT/" 2>/dev/null
+fi
+
+if [[ " $STEPS " == *" cuda_thread "* ]]; then
+    step "transfer bench, GPU pools, UCX progress thread instead of the loop"
+    UCXPY_PROGRESS_MODE=thread run 60 python3 bench/transfer.py --mem cuda --total-mib 256 \
+        --repeats 7 --latency-iters 50 --out /tmp/transfer_cuda_thread.json
+    cp /tmp/transfer_cuda_thread.json "$OUT/" 2>/dev/null
 fi
 
 if [[ " $STEPS " == *" host "* ]]; then
     step "transfer bench, host pools, 16 cores"
-    run 90 python3 bench/transfer.py --quick --out "$OUT/transfer_host16.json"
+    run 60 python3 bench/transfer.py --quick --out "$OUT/transfer_host16.json"
 fi
 step done

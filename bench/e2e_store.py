@@ -67,6 +67,7 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     address = f"127.0.0.1:{port}"
     layers = make_layers(device, cache_blocks)
     client = StoreClient(address, timeout=120)
+    sess = None
     try:
         sess = client.register("bench", "bench", layers, block_size=BLOCK)
         ns = sess.wait_sealed(30).final_namespace
@@ -85,7 +86,8 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
         t_copy = copy_only(layers, device, nbytes, repeats)
         t_base = contiguous(device, nbytes, repeats)
     finally:
-        sess.close()
+        if sess is not None:
+            sess.close()
         client.close()
         proc.terminate()
         proc.wait(timeout=30)

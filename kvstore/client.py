@@ -26,7 +26,7 @@ from ._proto import store_pb2_grpc as pb_grpc
 from .copy import region_from_tensor
 from .errors import KVError
 from .hashing import HASH_FORMAT
-from .memory import ShmTensor, device_uuid_of, shm_empty
+from .memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,11 @@ class KVLayer:
     def _memory(self) -> pb.MemoryHandle:
         t = self.tensor
         if t.is_cuda:
-            storage = t.untyped_storage()
-            # the handle names the whole caching-allocator block; the storage
-            # sits at storage_offset inside it
-            _, handle, storage_size, storage_offset, *_ = storage._share_cuda_()
-            offset = storage_offset + t.storage_offset() * t.element_size()
+            ptr = t.data_ptr()
+            handle, base, size = cuda_ipc_export(ptr, t.device.index)
             return pb.MemoryHandle(cuda=pb.CudaIpc(
-                handle=handle, device_uuid=device_uuid_of(t.device.index),
-                size=storage_offset + storage_size, offset=offset))
+                handle=handle, device_uuid=device_uuid_of(t.device.index), size=size,
+                offset=ptr - base))
         if self.shm is None:
             raise ValueError(f"layer {self.name!r}: a host KV tensor must live in shared "
                              "memory; allocate it with kvstore.client.kv_cache_shm")

@@ -13,6 +13,7 @@ when the server exits.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -148,6 +149,33 @@ def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
     shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     tensor = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     return ShmTensor(tensor=tensor, shm=shm)
+
+
+def cuda_ipc_export(ptr: int, device: int) -> tuple[bytes, int, int]:
+    """(IPC handle, base, size) of the CUDA allocation that holds ``ptr``.
+
+    The handle comes from the CUDA runtime itself (64 bytes), not from a
+    framework's private serialisation of it (torch prefixes its own bytes), and
+    names the whole allocation: the caller sends ``ptr - base`` as the offset.
+    """
+    import cupy
+
+    with cupy.cuda.Device(device):
+        base, size = _allocation_range(ptr)
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
+    return handle, base, size
+
+
+def _allocation_range(ptr: int) -> tuple[int, int]:
+    """Base and size of the device allocation holding ``ptr`` (cuMemGetAddressRange)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                   ctypes.c_uint64]
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise RuntimeError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}")
+    return base.value, size.value
 
 
 # ------------------------------------------------------------ handle records

@@ -93,3 +93,13 @@ def test_lanes_follow_a_tp_layout():
     assert choose_lanes(t) == 2
     assert len(run_starts(*t.take(transfer_order(counts, 2)))) == 0
     assert len(run_starts(*t.take(transfer_order(counts, 1)))) == 31
+
+
+def test_frames_travel_as_one_message_unless_long():
+    from kvstore import transfer as t
+
+    short = t.encode_frame(t.Kind.GO, b"x" * 100)
+    assert len(short) == 1 and len(short[0]) == 116
+    assert t.decode_preamble(short[0][:16], [t.Kind.GO]) == (t.Kind.GO, 100)
+    long = t.encode_frame(t.Kind.REPLY, b"y" * t.INLINE_FRAME_BYTES)
+    assert [len(m) for m in long] == [16, t.INLINE_FRAME_BYTES]

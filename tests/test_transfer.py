@@ -482,8 +482,7 @@ def test_malformed_run_starts_in_go_are_rejected(nodes):
     request = t.encode_request(NS, HASHES[:2])
     for accepted, starts in ((2, [5, 3]), (2, [1, 8]), (2, [4, 4]), (1, [])):
         go = t.encode_go(accepted, starts)
-        frames = [t.encode_preamble(t.Kind.REQUEST, len(request)), request,
-                  t.encode_preamble(t.Kind.GO, len(go)), go]
+        frames = t.encode_frame(t.Kind.REQUEST, request) + t.encode_frame(t.Kind.GO, go)
         replies = client.call("raw", address=address, frames=frames, replies=2)
         assert replies[0][0] == "REPLY" and replies[1][0] == "failed", replies
     assert wait_until(lambda: server.call("leases")["released"] == 4)
@@ -504,7 +503,7 @@ def test_bad_requests_are_refused_and_the_server_survives(nodes):
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]))
 
     def request(body: bytes) -> list[bytes]:
-        return [t.encode_preamble(t.Kind.REQUEST, len(body)), body]
+        return t.encode_frame(t.Kind.REQUEST, body)
 
     too_many = t.encode_request(NS, list(range(t.MAX_BLOCKS_PER_FETCH + 1)))
     garbage = b"\xc1\xff\x00not msgpack"
