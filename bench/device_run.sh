@@ -66,7 +66,7 @@ fi
 
 if [[ " $STEPS " == *" cuda_thread "* ]]; then
     step "transfer bench, GPU pools, UCX progress thread instead of the loop"
-    UCXPY_PROGRESS_MODE=thread run 60 python3 bench/transfer.py --mem cuda --total-mib 256 \
+    run 60 env UCXPY_PROGRESS_MODE=thread python3 bench/transfer.py --mem cuda --total-mib 256 \
         --repeats 7 --latency-iters 50 --out /tmp/transfer_cuda_thread.json
     cp /tmp/transfer_cuda_thread.json "$OUT/" 2>/dev/null
 fi
