@@ -47,14 +47,14 @@ run 60 nvcc -arch=sm_90 -Xptxas -v -c kernels/copy.cu -o /tmp/copy.o
 
 if [[ " $STEPS " == *" tests "* ]]; then
     step "GPU tests"
-    run 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 90 -rs \
+    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 90 -rs \
         tests/test_copy.py tests/test_blocks_e2e.py tests/test_peer_fetch.py \
         tests/test_kernels_compile.py
 fi
 
 if [[ " $STEPS " == *" copy "* ]]; then
     step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
-    run 100 python3 bench/copy.py --device cuda --no-progress
+    run 90 python3 bench/copy.py --device cuda --no-progress
     cp bench/results/copy.json bench/results/copy.png "$OUT/" 2>/dev/null
 fi
 
