@@ -80,7 +80,7 @@ class StoreReservation:
         self.done = True
         kept = 0
         for block in self.blocks:
-            block.written[:] = True
+            block.written = block.all_slots
             kept += self.store.adopt(block)
         log.info("fetched %d blocks from a peer (%d already here)", kept,
                  len(self.blocks) - kept)

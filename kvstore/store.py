@@ -39,7 +39,7 @@ DEFAULT_LEASE_MS = 30_000
 INFLIGHT_TIMEOUT_S = 120.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """One block's slot array and its life-cycle state."""
 
@@ -48,19 +48,23 @@ class Block:
     tp_size: int
     offsets: np.ndarray = None      # int64 per slot, -1 while unallocated
     devices: list = None            # device of each tp_rank's slots
-    claimed: np.ndarray = None      # bool per slot: a writer has taken it
-    written: np.ndarray = None      # bool per slot: its bytes are in
+    # Bit s set: slot s has a writer (claimed) / its bytes are in (written).
+    # Python ints, not bool arrays: a save tests and sets them for hundreds of
+    # blocks, and a numpy reduction over 64 bools costs ~2 us, an int op ~50 ns.
+    claimed: int = 0
+    written: int = 0
     writers: set = field(default_factory=set)
     sealed: bool = False
     pins: int = 0
     created: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
-        n = len(self.slot_bytes)
-        self.offsets = np.full(n, -1, dtype=np.int64)
-        self.claimed = np.zeros(n, dtype=bool)
-        self.written = np.zeros(n, dtype=bool)
+        self.offsets = np.full(len(self.slot_bytes), -1, dtype=np.int64)
         self.devices = [None] * self.tp_size
+
+    @property
+    def all_slots(self) -> int:
+        return (1 << len(self.slot_bytes)) - 1
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +146,7 @@ class BlockStore:
                       result: SaveResult) -> _Copy | None:
         check_refs(reg, refs)
         slots = caller_slots(seal, reg)
+        mask = slot_mask(slots)
         device = reg.device
         todo: list[tuple[Block, int]] = []
         created: list[Block] = []
@@ -151,19 +156,20 @@ class BlockStore:
             if block is None:
                 block = Block(key, seal.slot_bytes, seal.tp_size)
                 created.append(block)
-            if block.sealed or block.claimed[slots].any():
+            elif block.sealed or block.claimed & mask:
                 result.skipped += 1
                 continue
             todo.append((block, block_id))
         if not todo:
             return None
         self._allocate(todo, slots, device, created)
+        mine = self.by_session.setdefault(reg.session, set())
         for block, _ in todo:
-            block.claimed[slots] = True
+            block.claimed |= mask
             block.devices[reg.tp_rank] = device
             block.writers.add(reg.session)
             self.blocks.setdefault(block.key, block)
-            self.by_session.setdefault(reg.session, set()).add(block.key)
+            mine.add(block.key)
         nbytes = len(todo) * int(seal.slot_bytes[slots].sum())
         return _Copy([b for b, _ in todo], np.array([i for _, i in todo], dtype=np.int64),
                      slots, device, nbytes)
@@ -184,8 +190,9 @@ class BlockStore:
                 offsets = self._alloc_or_evict(pool, size, count)
                 taken.append((size, offsets))
                 grid = offsets.reshape(len(todo), len(where))
+                cells = slots[where]
                 for row, (block, _) in enumerate(todo):
-                    block.offsets[slots[where]] = grid[row]
+                    block.offsets[cells] = grid[row]
         except BaseException:
             for size, offsets in taken:
                 pool.free(size, offsets)
@@ -204,27 +211,35 @@ class BlockStore:
 
     def _finish_save(self, job: _Copy, reg: Registration, result: SaveResult) -> None:
         alive = reg.session in self.by_session
+        mask = slot_mask(job.slots)
+        sealed: list[Block] = []
         for block in job.blocks:
             if self.blocks.get(block.key) is not block:
                 continue  # dropped while we copied (writer died, instance cleared)
             if not alive:
                 self._drop(block)
                 continue
-            block.written[job.slots] = True
+            block.written |= mask
             result.written += 1
-            if block.written.all():
-                self._seal(block)
-                result.sealed += 1
+            if block.written == block.all_slots:
+                sealed.append(block)
+        self._seal(sealed)
+        result.sealed += len(sealed)
         result.bytes = job.nbytes
         self.counters.bytes_saved += job.nbytes
 
-    def _seal(self, block: Block) -> None:
-        block.sealed = True
-        for session in block.writers:
-            self.by_session.get(session, set()).discard(block.key)
-        block.writers.clear()
-        self.lru[block.key] = block
-        self._emit(STORED, block.key[0], [block.key[1]])
+    def _seal(self, blocks: list[Block]) -> None:
+        """Make blocks visible; one STORED event per namespace for the lot."""
+        stored: dict[str, list[int]] = {}
+        for block in blocks:
+            block.sealed = True
+            for session in block.writers:
+                self.by_session.get(session, set()).discard(block.key)
+            block.writers.clear()
+            self.lru[block.key] = block
+            stored.setdefault(block.key[0], []).append(block.key[1])
+        for namespace, hashes in stored.items():
+            self._emit(STORED, namespace, hashes)
 
     def _abort(self, job: _Copy, session: str) -> None:
         for block in job.blocks:
@@ -371,7 +386,7 @@ class BlockStore:
             self.free_detached(block)
             return False
         self.blocks[block.key] = block
-        self._seal(block)
+        self._seal([block])
         return True
 
     def free_detached(self, block: Block) -> None:
@@ -514,6 +529,14 @@ def check_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:
         if block_hash in seen:
             raise invalid(f"block_hash {block_hash:#018x} appears twice in one request")
         seen.add(block_hash)
+
+
+def slot_mask(slots: np.ndarray) -> int:
+    """The bit set of ``slots`` (see Block.claimed)."""
+    mask = 0
+    for s in slots.tolist():
+        mask |= 1 << s
+    return mask
 
 
 def caller_slots(seal: Seal, reg: Registration) -> np.ndarray:

@@ -103,3 +103,19 @@ def test_frames_travel_as_one_message_unless_long():
     assert t.decode_preamble(short[0][:16], [t.Kind.GO]) == (t.Kind.GO, 100)
     long = t.encode_frame(t.Kind.REPLY, b"y" * t.INLINE_FRAME_BYTES)
     assert [len(m) for m in long] == [16, t.INLINE_FRAME_BYTES]
+
+
+def test_long_runs_are_cut_greedily_at_the_cap():
+    rng = np.random.default_rng(5)
+    size = rng.integers(1, 40, 2000).astype(np.int64)
+    ptr = (np.concatenate(([0], np.cumsum(size)[:-1])) + (1 << 20)).astype(np.uint64)
+    memory = np.zeros(2000, dtype=np.int64)
+    for cap in (1, 39, 40, 100, 1000):
+        starts = run_starts(ptr, size, memory, cap=cap).tolist()
+        expect, total = [], 0  # the plain greedy walk
+        for i, s in enumerate(size.tolist()):
+            if total + s > cap and i > 0 and total > 0:
+                expect.append(i)
+                total = 0
+            total += s
+        assert starts == expect, cap
