@@ -2,11 +2,8 @@
 // store's slots in ONE launch per request.
 //
 // The host plans the copies (kvstore/copy/plan.py) and cuts them into chunks
-// of at most a few tens of KiB, so every warp gets about the same work. Each
-// WARP copies one chunk at a time (not each block): with 4 KiB pieces a block
-// per chunk left most of the GPU waiting on one small copy and its table
-// loads; a warp per chunk keeps eight chunks per block in flight (H200: 4 KiB
-// pieces went at 0.04-0.18x a contiguous copy with a block per chunk).
+// of at most a few tens of KiB, so every CUDA block gets about the same work.
+// Each block copies one chunk at a time with all its threads.
 //
 // Loaded at run time by CuPy through NVRTC, so no includes: NVRTC provides the
 // built-in vector types (uint2, uint4) used for the wide loads and stores.
@@ -76,14 +73,11 @@ __host__ __device__ inline void copy_range(unsigned char* dst, const unsigned ch
 }
 
 // table = [src[0..count), dst[0..count), nbytes[0..count)]: one upload per request.
-// Warps stride over the chunks; chunks never overlap on the destination side.
-// blockDim.x must be a multiple of 32.
+// Blocks stride over the chunks; chunks never overlap on the destination side.
 extern "C" __global__ void kvstore_copy_chunks(const u64* __restrict__ table, u64 count) {
-    const unsigned lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
-    for (u64 c = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); c < count; c += warps) {
+    for (u64 c = blockIdx.x; c < count; c += gridDim.x) {
         copy_range(reinterpret_cast<unsigned char*>(table[count + c]),
                    reinterpret_cast<const unsigned char*>(table[c]),
-                   table[2 * count + c], lane, 32);
+                   table[2 * count + c], threadIdx.x, blockDim.x);
     }
 }

@@ -30,7 +30,7 @@ class CudaCopier:
 
     Pieces are cut into chunks of at most `chunk_bytes` (so a few huge pieces
     still spread over the whole GPU), uploaded as one table in one transfer,
-    and copied by a single kernel launch, one warp per chunk, on `stream` (per call, else the one
+    and copied by a single kernel launch on `stream` (per call, else the one
     given at construction, else CuPy's current stream). save/load return the
     bytes moved once the work is enqueued: synchronise the stream before
     relying on the data.
@@ -41,16 +41,13 @@ class CudaCopier:
         device: int = 0,
         stream: Any | None = None,
         threads_per_block: int = 256,
-        chunk_bytes: int = 16 << 10,
+        chunk_bytes: int = 64 << 10,
         check_overlap: bool = True,
     ) -> None:
         import cupy
 
         if chunk_bytes % 16:
             raise ValueError("chunk_bytes must be a multiple of 16 to keep 16-byte alignment")
-        if threads_per_block % 32 or threads_per_block <= 0:
-            raise ValueError("threads_per_block must be a positive multiple of 32 (a warp "
-                             "copies one chunk)")
         self._cp = cupy
         self.device = device
         self.stream = stream
@@ -86,8 +83,7 @@ class CudaCopier:
             with s:  # the table's memory belongs to this stream, so reuse is stream-ordered
                 d_table = cp.empty(table.size, dtype=cp.uint64)
                 d_table.set(table, stream=s)
-                warps = self.threads_per_block // 32
-                grid = (min(-(-count // warps), MAX_GRID),)
+                grid = (min(count, MAX_GRID),)
                 block = (self.threads_per_block,)
                 self._kernel(grid, block, (d_table, np.uint64(count)), stream=s)
         return total
