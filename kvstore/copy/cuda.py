@@ -19,7 +19,6 @@ KERNELS_DIR = Path(kvstore.__file__).resolve().parent.parent / "kernels"
 KERNEL_FILE = KERNELS_DIR / "copy.cu"
 KERNEL_NAME = "kvstore_copy_chunks"
 MAX_GRID = 65535  # CUDA blocks stride over chunks beyond this
-MAX_THREADS_PER_SM = 2048  # every CUDA GPU since Volta (sm_70) but Turing (1024)
 
 
 def kernel_source() -> str:
@@ -58,10 +57,6 @@ class CudaCopier:
         with cupy.cuda.Device(device):
             module = cupy.RawModule(code=kernel_source(), options=("--std=c++17",))
             self._kernel = module.get_function(KERNEL_NAME)
-            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-        # A persistent grid: as many blocks as the GPU holds at once, striding over
-        # the chunks, rather than one short-lived block per chunk.
-        self.grid_limit = min(MAX_GRID, sms * max(1, MAX_THREADS_PER_SM // threads_per_block))
 
     def save(self, pieces: Pieces, stream: Any | None = None) -> int:
         """Paged KV -> slots (enqueued on the stream)."""
@@ -88,7 +83,7 @@ class CudaCopier:
             with s:  # the table's memory belongs to this stream, so reuse is stream-ordered
                 d_table = cp.empty(table.size, dtype=cp.uint64)
                 d_table.set(table, stream=s)
-                grid = (min(count, self.grid_limit),)
+                grid = (min(count, MAX_GRID),)
                 block = (self.threads_per_block,)
                 self._kernel(grid, block, (d_table, np.uint64(count)), stream=s)
         return total
