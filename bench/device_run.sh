@@ -52,6 +52,11 @@ if [[ " $STEPS " == *" tests "* ]]; then
         tests/test_kernels_compile.py
 fi
 
+if [[ " $STEPS " == *" copytests "* ]]; then
+    step "GPU copy tests"
+    run 60 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 tests/test_copy.py
+fi
+
 if [[ " $STEPS " == *" copy "* ]]; then
     step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
     run 90 python3 bench/copy.py --device cuda --no-progress

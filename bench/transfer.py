@@ -379,17 +379,18 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
     keep = lambda items: [r for r in items if r.get("mem") != args.mem]  # noqa: E731
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = keep(old.get("rows", [])) + [r for s in sweeps for r in s["rows"]]
     latency = keep(old.get("latency", [])) + [s["latency"] for s in sweeps]
     doc = {
         "benchmark": "peer transfer (kvstore.transfer) vs raw ucxx, two processes on loopback",
         "note": GBPS_NOTE,
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                 "python": platform.python_version()},
+        "generated": now,
         "quick": args.quick,
         "ucx": [{"transport": s["rows"][0]["transport"] if s["rows"] else "", "mem": args.mem,
-                 "env": s["env"], "active_transports": s["active_transports"]}
+                 "env": s["env"], "active_transports": s["active_transports"],
+                 "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                          "python": platform.python_version(), "date": now}}
                 for s in sweeps] + [u for u in old.get("ucx", []) if u.get("mem") != args.mem],
         "rows": rows,
         "latency": latency,
@@ -415,11 +416,15 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
         line = ax.plot(x, [r["gbps"] for r in mine], "o-", label=f"fetch ({label})")[0]
         ax.plot(x, [r["baseline_gbps"] for r in mine], "s--", color=line.get_color(),
                 label=f"raw ucxx, one buffer ({label})")
+        if mine and mine[0].get("device_copy_gbps"):
+            ax.plot(x, [r["device_copy_gbps"] for r in mine], "^:", color=line.get_color(),
+                    label=f"cudaMemcpy in one process ({label})")
         ax_ratio.plot(x, [r["ratio"] for r in mine], "o-", color=line.get_color(), label=label)
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
         a.set_xlabel("slot size (KiB)")
         a.grid(True, alpha=0.3)
+    ax.set_yscale("log")
     ax.set_ylabel("GB/s")
     ax.set_title("pull throughput, two processes on loopback")
     ax.legend(fontsize=7)

@@ -529,8 +529,9 @@ class _FakeKernel:
         count, table = int(count), d_table.host
         assert table.dtype == np.uint64 and len(table) == 3 * count
         assert 1 <= grid[0] <= 65535 and block == (256,)
-        for c in range(count):
-            ctypes.memmove(int(table[count + c]), int(table[c]), int(table[2 * count + c]))
+        for b in range(grid[0]):  # blocks stride over the chunks
+            for c in range(b, count, grid[0]):
+                ctypes.memmove(int(table[count + c]), int(table[c]), int(table[2 * count + c]))
         self.launches.append(count)
 
 
