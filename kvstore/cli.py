@@ -56,7 +56,10 @@ def add_serve(sub) -> None:
     p.add_argument("--no-transfer", action="store_true",
                    help="do not serve or fetch blocks between store servers over UCX")
     p.add_argument("--ucx-port", type=int, default=0,
-                   help="UCX listener port for peer transfer (0 picks a free one)")
+                   help="UCX listener port for peer transfer (0 picks a free one). It listens "
+                   "on every interface (ucxx takes no bind address): firewall it. UCX_* "
+                   "variables pass through; UCXPY_PROGRESS_MODE=thread moves UCX progress "
+                   "off the event loop (default: blocking, on the loop)")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:UCXPORT",
                    help="a peer store's UCX address to fetch from when the router knows no "
                    "holder (repeatable)")
