@@ -91,6 +91,7 @@ MAX_GO_BYTES = 4 * MAX_SLOTS_PER_FETCH + 64
 INLINE_FRAME_BYTES = 64 << 10
 # A run of adjacent slots is cut at this many bytes (one UCX message at most).
 MAX_SEGMENT_BYTES = 64 << 20
+NO_CAP = 1 << 62  # run_starts without cuts at MAX_SEGMENT_BYTES
 MAX_LANES = limits.MAX_TP_SIZE
 MAX_HASH = (1 << 64) - 1
 
@@ -176,14 +177,22 @@ class SlotTable:
     def num_blocks(self) -> int:
         return len(self.counts)
 
-    def block_sizes(self) -> list[list[int]]:
-        """Per block, its slot sizes (the offer's layout)."""
-        if not len(self.counts):
-            return []
+    def layouts(self) -> tuple[list[list[int]], np.ndarray]:
+        """The distinct per-block slot-size lists and each block's index into them."""
+        n = len(self.counts)
+        if not n:
+            return [], np.zeros(0, dtype=np.int64)
         k = int(self.counts[0])
         if bool(np.all(self.counts == k)):
-            return self.nbytes.reshape(len(self.counts), k).tolist()
-        return [a.tolist() for a in np.split(self.nbytes, np.cumsum(self.counts)[:-1])]
+            rows = self.nbytes.reshape(n, k)
+            if bool(np.all(rows == rows[0])):
+                return [rows[0].tolist()], np.zeros(n, dtype=np.int64)
+            unique, index = np.unique(rows, axis=0, return_inverse=True)
+            return unique.tolist(), index.reshape(-1).astype(np.int64)
+        seen: dict[tuple[int, ...], int] = {}
+        blocks = np.split(self.nbytes, np.cumsum(self.counts)[:-1])
+        index = [seen.setdefault(tuple(b.tolist()), len(seen)) for b in blocks]
+        return [list(x) for x in seen], np.asarray(index, dtype=np.int64)
 
     def prefix(self, num_blocks: int) -> SlotTable:
         """The table of the first ``num_blocks`` blocks."""
@@ -319,26 +328,54 @@ def decode_request(body: bytes) -> tuple[str, list[int]]:
 
 @dataclass(frozen=True)
 class Offer:
-    """What the peer will send: per block, its slot sizes (a prefix of the request),
-    and where the peer's memory breaks runs of adjacent slots (see run_starts)."""
+    """What the peer will send: the distinct slot layouts, which one each offered
+    block has (a prefix of the request), and where the peer's memory breaks runs
+    of adjacent slots (see run_starts). Blocks of one namespace nearly always
+    share one layout, so nothing here is per slot unless asked for."""
 
-    slot_sizes: list[list[int]]
+    layouts: list[list[int]]
+    block_layout: np.ndarray  # int64 per block: index into layouts
     run_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     lanes: int = 1
 
     @property
-    def num_slots(self) -> int:
-        return sum(len(s) for s in self.slot_sizes)
+    def num_blocks(self) -> int:
+        return len(self.block_layout)
+
+    @property
+    def slot_counts(self) -> np.ndarray:
+        lens = np.array([len(x) for x in self.layouts], dtype=np.int64)
+        return lens[self.block_layout] if len(lens) else np.zeros(0, dtype=np.int64)
+
+    @property
+    def slot_sizes(self) -> list[list[int]]:
+        """Per block, its slot sizes (the blocks of one layout share one list)."""
+        return [self.layouts[i] for i in self.block_layout.tolist()]
+
+    def flat_sizes(self) -> np.ndarray:
+        """Every offered slot's size, block after block."""
+        if not self.num_blocks:
+            return np.zeros(0, dtype=np.int64)
+        arrays = [np.asarray(x, dtype=np.int64) for x in self.layouts]
+        if len(arrays) == 1:
+            return np.tile(arrays[0], self.num_blocks)
+        return np.concatenate([arrays[i] for i in self.block_layout.tolist()])
 
 
 def encode_offer(slot_sizes: list[list[int]], run_starts: Sequence[int] = (),
                  lanes: int = 1) -> bytes:
-    """Blocks of one namespace nearly always share one layout: send each distinct
-    layout once and an index per block, so a 64-slot x 8k-block reply stays small."""
+    """An offer of blocks given as per-block slot-size lists."""
     layouts: dict[tuple[int, ...], int] = {}
     index = [layouts.setdefault(tuple(s), len(layouts)) for s in slot_sizes]
+    return encode_layouts([list(k) for k in layouts], index, run_starts, lanes)
+
+
+def encode_layouts(layouts: Sequence[Sequence[int]], block_layout: Sequence[int] | np.ndarray,
+                   run_starts: Sequence[int] = (), lanes: int = 1) -> bytes:
+    """Each distinct layout once and an index per block, so a 64-slot x 8k-block
+    reply stays small."""
     packed = [np.asarray(k, dtype="<u8").tobytes() for k in layouts]
-    return msgpack.packb([packed, np.asarray(index, dtype="<u4").tobytes(), lanes,
+    return msgpack.packb([packed, np.asarray(block_layout, dtype="<u4").tobytes(), lanes,
                           encode_run_starts(run_starts)], use_bin_type=True)
 
 
@@ -350,7 +387,7 @@ def decode_offer(body: bytes, requested: int) -> Offer:
     packed_layouts, packed_index, lanes, packed_starts = reply
     if not isinstance(packed_index, bytes) or len(packed_index) % 4:
         raise ProtocolError("block_layout must be packed u32")
-    index = np.frombuffer(packed_index, dtype="<u4")
+    index = np.frombuffer(packed_index, dtype="<u4").astype(np.int64)
     if len(index) > requested:
         raise ProtocolError(f"peer offers {len(index)} blocks, {requested} were asked")
     if not isinstance(packed_layouts, list) or len(packed_layouts) > max(len(index), 1):
@@ -358,15 +395,15 @@ def decode_offer(body: bytes, requested: int) -> Offer:
     layouts = [_decode_layout(p) for p in packed_layouts]
     if len(index) and int(index.max()) >= len(layouts):
         raise ProtocolError("block_layout points past the layouts")
-    slot_sizes = [layouts[i] for i in index.tolist()]
-    num_slots = sum(len(s) for s in slot_sizes)
+    offer = Offer(layouts, index, lanes=lanes)
+    num_slots = int(offer.slot_counts.sum())
     if num_slots > MAX_SLOTS_PER_FETCH:
         raise ProtocolError(f"{num_slots} slots, limit {MAX_SLOTS_PER_FETCH}")
     if not (isinstance(lanes, int) and 1 <= lanes <= MAX_LANES
             and all(len(s) % lanes == 0 for s in layouts)):
         raise ProtocolError(f"lanes {lanes!r} must be 1..{MAX_LANES} and divide every "
                             "block's slot count")
-    return Offer(slot_sizes, decode_run_starts(packed_starts, num_slots), lanes)
+    return Offer(layouts, index, decode_run_starts(packed_starts, num_slots), lanes)
 
 
 def encode_run_starts(starts: Sequence[int]) -> bytes:
@@ -530,12 +567,14 @@ def transfer_order(slot_counts: Sequence[int], lanes: int) -> np.ndarray:
 
 def choose_lanes(table: SlotTable) -> int:
     """The lane count (a power of two dividing every block's slot count) whose
-    transfer order leaves the fewest runs in this side's memory."""
+    transfer order leaves the fewest runs in this side's memory. Cuts at the
+    segment cap do not count: every order has those."""
     best, fewest = 1, None
     lanes = 1
-    counts = table.counts.tolist()
-    while lanes <= MAX_LANES and all(c % lanes == 0 for c in counts):
-        runs = len(run_starts(*table.take(transfer_order(counts, lanes))))
+    counts = table.counts
+    while lanes <= MAX_LANES and bool(np.all(counts % lanes == 0)):
+        order = transfer_order(counts.tolist(), lanes)
+        runs = len(run_starts(*table.take(order), cap=NO_CAP))
         if fewest is None or runs < fewest:
             best, fewest = lanes, runs
         if runs == 0:
@@ -831,18 +870,18 @@ class PeerServer:
             log.error("SlotSource returned a bad lease: %s", e)
             await self._refuse(conn, grpc.StatusCode.INTERNAL, f"bad lease: {e}", deadline)
             return
-        sizes = table.block_sizes()
+        layouts, block_layout = table.layouts()
         lanes = choose_lanes(table)
         order = transfer_order(table.counts.tolist(), lanes)
         ptr, size, memory = table.take(order)
         mine = run_starts(ptr, size, memory)
-        offer = encode_offer(sizes, mine, lanes)
-        if not sizes:
+        offer = encode_layouts(layouts, block_layout, mine, lanes)
+        if not table.num_blocks:
             await send_frame(conn, Kind.REPLY, deadline, body=offer)
             return
         _, _, body = await recv_frame(conn, [Kind.GO], deadline,
                                       after=frame_sends(conn, Kind.REPLY, offer))
-        accepted, packed = decode_go(body, len(sizes))
+        accepted, packed = decode_go(body, table.num_blocks)
         if accepted:  # GO accepts all that was offered, or nothing
             theirs = decode_run_starts(packed, len(order))
             bounds = segment_bounds(len(order), mine, theirs)
@@ -1001,10 +1040,10 @@ async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSin
     if kind is Kind.ERROR:
         raise decode_error(body, conn.peer)
     offer = _decode_offer(conn, body, len(hashes))
-    if not offer.slot_sizes:
+    if not offer.num_blocks:
         return 0
     try:
-        reservation = sink.reserve(namespace, hashes[:len(offer.slot_sizes)], offer.slot_sizes)
+        reservation = sink.reserve(namespace, hashes[:offer.num_blocks], offer.slot_sizes)
     except BaseException:
         await _cancel_offer(conn, deadline)
         raise
@@ -1015,14 +1054,13 @@ async def _fetch_on(conn: Conn, namespace: str, hashes: list[int], sink: SlotSin
         mine = run_starts(ptr, size, memory)
         bounds = segment_bounds(len(order), offer.run_starts, mine)
         segments = segment_views(ptr, size, memory, bounds, writable=True, owner=table.owner)
-        await _receive_segments(conn, segments, encode_go(len(offer.slot_sizes), mine),
-                                deadline)
+        await _receive_segments(conn, segments, encode_go(offer.num_blocks, mine), deadline)
     except BaseException:
         conn.abort()  # a half-finished exchange: this endpoint cannot be reused
         when_settled(conn, reservation.abort)
         raise
     reservation.commit()
-    return len(offer.slot_sizes)
+    return offer.num_blocks
 
 
 async def _cancel_offer(conn: Conn, deadline: float) -> None:
@@ -1036,10 +1074,8 @@ async def _cancel_offer(conn: Conn, deadline: float) -> None:
 def _reserved_table(reservation: Reservation, offer: Offer) -> SlotTable:
     """The sink's slots, checked against the offer: same blocks, same slot sizes."""
     table = reservation.slots
-    counts = [len(s) for s in offer.slot_sizes]
-    offered = np.fromiter((x for s in offer.slot_sizes for x in s), dtype=np.int64,
-                          count=sum(counts))
-    if table.counts.tolist() != counts or not np.array_equal(table.nbytes, offered):
+    if (not np.array_equal(table.counts, offer.slot_counts)
+            or not np.array_equal(table.nbytes, offer.flat_sizes())):
         raise KVError(grpc.StatusCode.INTERNAL,
                       "sink reservation does not match the offer's blocks and slot sizes")
     return table

@@ -40,7 +40,8 @@ def test_lease_keeps_blocks_through_eviction_pressure():
     blocks = store.sealed_prefix(ns, [0, 1, 2])
     expect = [pool.base + int(o) for b in blocks for o in b.offsets]
     assert lease.slots.ptr.tolist() == expect
-    assert lease.slots.block_sizes() == [[1024] * 4] * 3
+    layouts, block_layout = lease.slots.layouts()
+    assert layouts == [[1024] * 4] and block_layout.tolist() == [0, 0, 0]
     # fill the pool far past capacity: only unleased blocks may go
     for start in range(100, 228, 16):
         run(save_all(store, registry, ranks, [(h, h - 100) for h in range(start, start + 16)]))

@@ -34,7 +34,8 @@ def test_from_views_reads_addresses_sizes_and_memory_kind():
     assert t.ptr.tolist() == [base, base + 16, base + 100]
     assert t.nbytes.tolist() == [16, 32, 8]
     assert t.memory.tolist() == [0, 0, 0]
-    assert t.block_sizes() == [[16, 32], [8]]
+    layouts, block_layout = t.layouts()
+    assert [layouts[i] for i in block_layout] == [[16, 32], [8]]
     assert t.prefix(1).counts.tolist() == [2] and t.prefix(1).nbytes.tolist() == [16, 32]
     tt = SlotTable.from_views([[torch.zeros(8, dtype=torch.uint8)]])
     assert tt.nbytes.tolist() == [8] and tt.memory.tolist() == [0]
@@ -119,3 +120,24 @@ def test_long_runs_are_cut_greedily_at_the_cap():
                 total = 0
             total += s
         assert starts == expect, cap
+
+
+def test_layouts_and_offers_round_trip():
+    """Distinct layouts travel once; the fetcher rebuilds every block's sizes."""
+    from kvstore import transfer as t
+
+    mem = np.zeros(1 << 12, dtype=np.uint8)
+    for sizes in ([[16, 16]] * 5, [[16, 16], [16, 32], [16, 16], [16, 32]], [[8], [8, 8], [8]]):
+        layout, off = [], 0
+        for block in sizes:
+            for n in block:
+                layout.append((off, n))
+                off += n
+        table = table_of(mem, layout, [len(b) for b in sizes])
+        layouts, block_layout = table.layouts()
+        assert len(layouts) == len({tuple(b) for b in sizes})
+        offer = t.decode_offer(t.encode_layouts(layouts, block_layout), len(sizes))
+        assert offer.slot_sizes == sizes and offer.num_blocks == len(sizes)
+        assert offer.slot_counts.tolist() == [len(b) for b in sizes]
+        assert offer.flat_sizes().tolist() == [n for b in sizes for n in b]
+        assert t.decode_offer(t.encode_offer(sizes), len(sizes)).slot_sizes == sizes
