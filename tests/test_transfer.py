@@ -35,6 +35,12 @@ pytestmark = pytest.mark.timeout(60)
 # ---- test-only store: a numpy pool behind SlotSource / SlotSink ------------------
 
 
+def torch_from(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(a)
+
+
 def slot_content(h: int, slot: int, size: int) -> np.ndarray:
     """Deterministic bytes for (block hash, slot), the same in every process."""
     rng = np.random.default_rng([h & 0xFFFFFFFF, h >> 32, slot])
@@ -181,7 +187,7 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
 
         async def _send_slots(self, conn, views, deadline, first=0):
             self.segments.extend(v.nbytes for v in views)
-            if behaviour not in ("die_half", "hang_half", "pause_half", "oversend"):
+            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long", "oversend"):
                 return await super()._send_slots(conn, views, deadline)
             if behaviour == "oversend":  # every slot one byte longer than announced
                 views = [np.zeros(v.nbytes + 1, np.uint8) for v in views]
@@ -192,7 +198,7 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
             self.sent_half = True
             if behaviour == "die_half":
                 os.kill(os.getpid(), signal.SIGKILL)
-            await asyncio.sleep(3600 if behaviour == "hang_half" else 1.0)
+            await asyncio.sleep({"hang_half": 3600, "pause_long": 3.0}.get(behaviour, 1.0))
             await super()._send_slots(conn, views[half:], deadline, first=half)
 
         async def _serve(self, conn, body):
@@ -229,6 +235,43 @@ class NodeState:
         await self.server.start()
         return self.server.address
 
+    async def serve_store(self, hashes: list[int], behaviour: str = "normal",
+                          slot_bytes: int = 4096, pool_blocks: int = 32) -> tuple[str, str]:
+        """Serve from a real BlockStore (TP1, two layers) whose sealed blocks hold
+        slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
+        from kvstore.peer_store import StoreSource
+
+        from .store_kit import make_instance, make_store
+
+        self.registry, self.store = make_store(pool_bytes=pool_blocks * 2 * slot_bytes,
+                                               slab_bytes=8 * slot_bytes)
+        self.ranks = make_instance(self.registry, "peer", tp_size=1, layers=2,
+                                   num_blocks=16, block_bytes=slot_bytes)
+        self.seal = self.registry.instances["peer"].seal
+        await self._save_store(hashes)
+        self.server = make_server(behaviour, StoreSource(self.store), 30.0)
+        await self.server.start()
+        return self.server.address, self.seal.final_namespace
+
+    async def _save_store(self, hashes: list[int]) -> None:
+        rank = self.ranks[0]
+        for start in range(0, len(hashes), 16):
+            batch = hashes[start:start + 16]
+            for i, h in enumerate(batch):
+                for s, t in enumerate(rank.tensors):  # slot s = layer s (TP1)
+                    t[:, i] = torch_from(slot_content(h, s, t[:, i].numel())).view(2, -1)
+            await self.store.save(self.seal, rank.reg, [(h, i) for i, h in enumerate(batch)])
+
+    async def evict_with(self, hashes: list[int]) -> dict:
+        """Save ``hashes`` too, pushing older unpinned blocks out of the pool."""
+        await self._save_store(hashes)
+        return await self.store_state()
+
+    async def store_state(self) -> dict:
+        return {"evictions": self.store.counters.evictions,
+                "sent_half": self.server.sent_half,
+                "held": [k[1] for k, b in self.store.blocks.items() if b.sealed and b.pins]}
+
     async def leases(self) -> dict:
         return {"active": self.source.active, "released": self.source.released,
                 "sent_half": self.server.sent_half, "segments": list(self.server.segments)}
@@ -240,7 +283,7 @@ class NodeState:
 
     async def fetch(self, address: str, hashes: list[int], timeout_s: float = 10.0,
                     on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20,
-                    gap_every: int = 0, lanes: int = 1) -> dict:
+                    gap_every: int = 0, lanes: int = 1, namespace: str = NS) -> dict:
         from kvstore.errors import KVError
         from kvstore.transfer import fetch
 
@@ -249,7 +292,8 @@ class NodeState:
         start = time.monotonic()
         try:
             for _ in range(repeat):
-                out["n"].append(await fetch(address, NS, hashes, sink, timeout_s=timeout_s))
+                out["n"].append(await fetch(address, namespace, hashes, sink,
+                                            timeout_s=timeout_s))
         except KVError as e:
             out["error"] = type(e).__name__
             out["code"] = e.code.name
@@ -618,3 +662,18 @@ def test_lease_released_when_fetcher_killed_mid_transfer(nodes):
     # The server still serves others.
     out = nodes().call("fetch", address=address, hashes=HASHES[:1])
     assert out["n"] == [1] and out["corrupt"] == [], out
+
+
+def test_transfer_racing_an_eviction_on_the_peer_is_safe(nodes):
+    """A real BlockStore serves: while the fetch is paused half-way, the peer saves
+    enough new blocks to evict; the leased blocks stay pinned and every byte arrives."""
+    server, client = nodes(), nodes()
+    leased, pressure = HASHES[:8], [(1 << 40) + i for i in range(64)]
+    address, ns = server.call("serve_store", hashes=leased, behaviour="pause_long")
+    rid = client.submit("fetch", address=address, hashes=leased, gap_every=5, namespace=ns)
+    assert wait_until(lambda: server.call("store_state")["sent_half"])
+    state = server.call("evict_with", hashes=pressure)
+    assert state["evictions"] > 0 and sorted(state["held"]) == sorted(leased)
+    out = client.result(rid)
+    assert out["n"] == [8] and out["corrupt"] == [] and out["visible"] == sorted(leased), out
+    assert wait_until(lambda: server.call("store_state")["held"] == [])  # lease released
