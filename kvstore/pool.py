@@ -119,10 +119,6 @@ class SlotPool:
         self._class_free[size] += len(offsets)
         self.used_bytes -= len(offsets) * size
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """The bytes of one slot, as a uint8 tensor view into the pool."""
-        return self.buffer[offset:offset + nbytes]
-
     def _partial_slab(self, size: int) -> int:
         partial = self._partial.setdefault(size, {})
         if partial:
