@@ -22,10 +22,10 @@ Every control frame is a fixed 16-byte preamble (magic, version, kind, arg)
 then a msgpack body of ``arg`` bytes, sent as ONE message when both fit
 INLINE_FRAME_BYTES (else as two). A frame sent and the answer awaited are one
 wait, so a fetch costs two waits on each side before the data. Counts, sizes
-and string lengths are bounded on both sides, msgpack is decoded with explicit limits, nothing is
-unpickled. A UCX receive never writes past the view it was posted with (a
-longer message fails as truncated), and every slot size the peer announces
-must equal what the sink reserved.
+and string lengths are bounded on both sides, msgpack is decoded with explicit
+limits, nothing is unpickled. A UCX receive never writes past the view it was
+posted with (a longer message fails as truncated), and every slot size the
+peer announces must equal what the sink reserved.
 
 Coalescing: slots travel in *transfer order*: with ``lanes`` L (chosen by the
 peer, a divisor of every block's slot count), lane 0 of every block, then lane
