@@ -250,7 +250,7 @@ class BlockStore:
 
     async def load(self, seal: Seal, reg: Registration, refs: list[tuple[int, int]]) -> int:
         """Copy the caller's slots of sealed blocks ``refs`` into its paged cache."""
-        check_refs(reg, refs)
+        check_load_refs(reg, refs)
         slots = caller_slots(seal, reg)
         blocks = []
         for block_hash, _ in refs:
@@ -529,6 +529,17 @@ def check_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:
         if block_hash in seen:
             raise invalid(f"block_hash {block_hash:#018x} appears twice in one request")
         seen.add(block_hash)
+
+
+def check_load_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:
+    """check_refs, and distinct targets: a load writes each ref's block into the
+    caller's cache, so two refs into one block_id would race on the same bytes."""
+    check_refs(reg, refs)
+    seen: set[int] = set()
+    for _, block_id in refs:
+        if block_id in seen:
+            raise invalid(f"block_id {block_id} is the target of two blocks in one load")
+        seen.add(block_id)
 
 
 def slot_mask(slots: np.ndarray) -> int:

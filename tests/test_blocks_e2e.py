@@ -86,6 +86,10 @@ def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
             _call(client.stub.Save, pb.SaveRequest(instance_id="a", rank=1, session=session,
                                                    blocks=[pb.BlockRef(block_hash=1)]), 5)
         assert client.stats().used_bytes == 0
+        a.each("save", [(1, 0), (2, 1)])  # a load into one block_id twice is refused
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*block_id 5 is the target"):
+            a[0].call("load", [(1, 5), (2, 5)])
+        assert client.stats().bytes_loaded == 0
     finally:
         a.close()
 

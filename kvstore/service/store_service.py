@@ -18,7 +18,7 @@ from ..errors import KVError, precondition
 from ..events import StoreEvent
 from ..limits import MAX_NAMESPACE_LEN
 from ..registry import Instance, Registry
-from ..store import BlockStore, check_count
+from ..store import BlockStore, check_count, check_load_refs
 from . import codec
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             inst, reg = self.registry.caller(request.instance_id, request.rank, request.session)
             refs = codec.refs(request.blocks)
+            check_load_refs(reg, refs)  # before a fetch brings anything in
             await self._fetch_missing(inst.seal.final_namespace, [h for h, _ in refs])
             nbytes = await self.store.load(inst.seal, reg, refs)
         except KVError as err:
