@@ -6,7 +6,7 @@
 #   STEPS="tests copy transfer" bash bench/device_run.sh      (the default: all)
 #
 # Wheels: the image has torch, cupy-cuda13x, numpy, msgpack but not ucxx (CUDA 13
-# build), blake3, or our grpcio/protobuf pins; carry them in .whl/ (see README).
+# build), blake3, or our grpcio/protobuf pins; carry them in .whl/ (bench/H200_NOTES.md says how).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
