@@ -3,10 +3,14 @@
 # sm_90, run the GPU tests, then the GPU benchmarks. Every step runs under its own
 # timeout and a failing step does not stop the next; results land in $OUT.
 #
-#   STEPS="tests copy transfer" bash bench/device_run.sh      (the default: all)
+#   STEPS="tests copy transfer" bash bench/device_run.sh      (the default)
+#   steps: tests (all GPU tests), copytests (copy kernel tests only), copy (copy +
+#   Save/Load bench), transfer (GPU-to-GPU fetch bench), cuda_thread (the same with
+#   UCX's progress thread), host (host-pool fetch bench on the device's CPUs)
 #
 # Wheels: the image has torch, cupy-cuda13x, numpy, msgpack but not ucxx (CUDA 13
-# build), blake3, or our grpcio/protobuf pins; carry them in .whl/ (bench/H200_NOTES.md says how).
+# build), blake3, or our grpcio/protobuf pins; carry them in .whl/
+# (bench/H200_NOTES.md says how).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
