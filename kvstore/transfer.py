@@ -61,7 +61,7 @@ import logging
 import os
 import struct
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -189,10 +189,8 @@ class SlotTable:
                 return [rows[0].tolist()], np.zeros(n, dtype=np.int64)
             unique, index = np.unique(rows, axis=0, return_inverse=True)
             return unique.tolist(), index.reshape(-1).astype(np.int64)
-        seen: dict[tuple[int, ...], int] = {}
-        blocks = np.split(self.nbytes, np.cumsum(self.counts)[:-1])
-        index = [seen.setdefault(tuple(b.tolist()), len(seen)) for b in blocks]
-        return [list(x) for x in seen], np.asarray(index, dtype=np.int64)
+        return distinct_layouts(b.tolist() for b in np.split(self.nbytes,
+                                                             np.cumsum(self.counts)[:-1]))
 
     def prefix(self, num_blocks: int) -> SlotTable:
         """The table of the first ``num_blocks`` blocks."""
@@ -365,9 +363,14 @@ class Offer:
 def encode_offer(slot_sizes: list[list[int]], run_starts: Sequence[int] = (),
                  lanes: int = 1) -> bytes:
     """An offer of blocks given as per-block slot-size lists."""
-    layouts: dict[tuple[int, ...], int] = {}
-    index = [layouts.setdefault(tuple(s), len(layouts)) for s in slot_sizes]
-    return encode_layouts([list(k) for k in layouts], index, run_starts, lanes)
+    return encode_layouts(*distinct_layouts(slot_sizes), run_starts, lanes)
+
+
+def distinct_layouts(blocks: Iterable[Sequence[int]]) -> tuple[list[list[int]], np.ndarray]:
+    """Each distinct per-block slot-size list once, and each block's index into them."""
+    seen: dict[tuple[int, ...], int] = {}
+    index = [seen.setdefault(tuple(b), len(seen)) for b in blocks]
+    return [list(x) for x in seen], np.asarray(index, dtype=np.int64)
 
 
 def encode_layouts(layouts: Sequence[Sequence[int]], block_layout: Sequence[int] | np.ndarray,
