@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from kvstore.client import KVLayer, StoreClient, kv_cache_shm
+from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
 from kvstore.copy import copier_for, plan, region_from_tensor
 from kvstore.demo import free_port, start_server
 

@@ -45,12 +45,12 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.events import StoreEvent  # noqa: E402
-from kvstore.hashing import block_hashes  # noqa: E402
 from kvstore.router.card import WorkerCard  # noqa: E402
-from kvstore.router.router import Router, RouterConfig  # noqa: E402
+from kvstore.router.core import Router, RouterConfig  # noqa: E402
 from kvstore.router.scoring import ScoringConfig  # noqa: E402
 from kvstore.router.vllm_events import BlockEvent, decode_batch, encode_batch  # noqa: E402
+from kvstore.wire.events import StoreEvent  # noqa: E402
+from kvstore.wire.hashing import block_hashes  # noqa: E402
 
 BLOCK = 16
 SESSION_RATE = 2.0        # new sessions per time unit; think time between turns ~30 units

@@ -177,9 +177,10 @@ def serve_main(pipe: Any, env: dict, mem: str, pool_bytes: int) -> None:
 
 
 async def _serve(pipe: Any, mem: str, pool_bytes: int) -> None:
-    from kvstore.transfer import PeerServer, _ucxx
+    from kvstore.transfer import PeerServer
+    from kvstore.transfer.ucx import ucxx_module
 
-    ucxx = _ucxx()
+    ucxx = ucxx_module()
     pool = make_pool(pool_bytes, mem, device=0)
     server = PeerServer(BenchSource(pool), timeout_s=60)
     await server.start()
@@ -228,9 +229,10 @@ def fetch_main(pipe: Any, env: dict, opts: dict) -> None:
 
 
 async def _measure(opts: dict) -> dict:
-    from kvstore.transfer import _ucxx, close_endpoints, fetch
+    from kvstore.transfer import close_endpoints, fetch
+    from kvstore.transfer.ucx import ucxx_module
 
-    ucxx = _ucxx()
+    ucxx = ucxx_module()
     mem, total = opts["mem"], opts["total_bytes"]
     pool = make_pool(total, mem, device=opts["fetch_device"])
     sink = BenchSink(pool)
@@ -325,7 +327,7 @@ def _quantile(sorted_samples: list[float], q: float) -> float:
 
 
 def ucx_env(tls: str, mem: str) -> dict:
-    from kvstore.transfer import UCX_DEFAULTS
+    from kvstore.transfer.ucx import UCX_DEFAULTS
 
     env = {k: os.environ.get(k, v) for k, v in UCX_DEFAULTS.items()}
     if tls != "default":

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .client import StoreClient
-from .hashing import block_hashes
-from .worker import WorkerGroup
+from kvstore.client.store_client import StoreClient
+from kvstore.testing.worker import WorkerGroup
+from kvstore.wire.hashing import block_hashes
 
 log = logging.getLogger("kvstore.demo")
 

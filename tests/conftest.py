@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.service.server import ServerConfig, StoreServer
+from kvstore.service.store_server import ServerConfig, StoreServer
 
 
 class ServerThread:

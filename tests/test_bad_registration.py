@@ -3,13 +3,12 @@ corrected registration still seals."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.client import KVLayer, StoreClient, _call, kv_cache_shm
-from kvstore.errors import KVError
+from kvstore.client.store_client import KVLayer, StoreClient, _call, kv_cache_shm
+from kvstore.wire.errors import Code, KVError
 
 LAYERS = 2
 
@@ -66,7 +65,7 @@ def still_waiting_then_seals(register, request, server, fix=None):
 def test_two_owners_for_one_cell(kit):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, tp_rank=0), grpc.StatusCode.ALREADY_EXISTS,
+    refused(register, request(rank=1, tp_rank=0), Code.ALREADY_EXISTS,
             "layer.0", "tp_rank 0", "rank 1")
     still_waiting_then_seals(register, request, server)
 
@@ -74,7 +73,7 @@ def test_two_owners_for_one_cell(kit):
 def test_same_rank_twice(kit):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=0), grpc.StatusCode.ALREADY_EXISTS, "rank 0")
+    refused(register, request(rank=0), Code.ALREADY_EXISTS, "rank 0")
     still_waiting_then_seals(register, request, server)
 
 
@@ -88,7 +87,7 @@ def test_geometry_disagreeing_across_ranks(kit, field, value):
     setattr(bad.layers[1], field, value)
     if field == "bytes_per_block":
         bad.layers[1].block_stride = 1024
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.1", field, "rank 1")
+    refused(register, bad, Code.INVALID_ARGUMENT, "layer.1", field, "rank 1")
     still_waiting_then_seals(register, request, server)
 
 
@@ -100,7 +99,7 @@ def test_segments_disagreeing_across_ranks(kit):
     bad.layers[0].layout_kind = pb.BLOCKS_FIRST
     bad.layers[0].block_stride = bad.layers[0].bytes_per_block
     bad.layers[0].segment_stride = 0
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.0", "segments", "rank 1")
+    refused(register, bad, Code.INVALID_ARGUMENT, "layer.0", "segments", "rank 1")
     still_waiting_then_seals(register, request, server)
 
 
@@ -111,7 +110,7 @@ def test_segments_disagreeing_across_ranks(kit):
 def test_instance_fields_disagreeing(kit, field, value):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, **{field: value}), grpc.StatusCode.INVALID_ARGUMENT,
+    refused(register, request(rank=1, **{field: value}), Code.INVALID_ARGUMENT,
             field, "rank 1")
     still_waiting_then_seals(register, request, server)
 
@@ -119,14 +118,14 @@ def test_instance_fields_disagreeing(kit, field, value):
 def test_tp_rank_outside_tp_size(kit):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, tp_rank=2), grpc.StatusCode.INVALID_ARGUMENT,
+    refused(register, request(rank=1, tp_rank=2), Code.INVALID_ARGUMENT,
             "tp_rank 2", "tp_size=2")
     still_waiting_then_seals(register, request, server)
 
 
 def test_world_size_not_multiple_of_tp(kit):
     request, register, server = kit
-    refused(register, request(rank=0, world_size=3), grpc.StatusCode.INVALID_ARGUMENT,
+    refused(register, request(rank=0, world_size=3), Code.INVALID_ARGUMENT,
             "world_size 3")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
@@ -135,7 +134,7 @@ def test_world_size_not_multiple_of_tp(kit):
 @pytest.mark.parametrize("ns", ["llama.v2", "", "a" * 129, "sp ace"])
 def test_bad_client_namespace(kit, ns):
     request, register, server = kit
-    refused(register, request(rank=0, client_namespace=ns), grpc.StatusCode.INVALID_ARGUMENT,
+    refused(register, request(rank=0, client_namespace=ns), Code.INVALID_ARGUMENT,
             "client_namespace")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
@@ -145,7 +144,7 @@ def test_empty_layer_list(kit):
     request, register, server = kit
     bad = request(rank=0)
     del bad.layers[:]
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layers is empty", "rank 0")
+    refused(register, bad, Code.INVALID_ARGUMENT, "layers is empty", "rank 0")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -155,7 +154,7 @@ def test_missing_layer_would_fail_the_seal(kit):
     register(request(rank=0))
     bad = request(rank=1)
     del bad.layers[1]
-    refused(register, bad, grpc.StatusCode.FAILED_PRECONDITION, "layer.1", "tp_rank 1")
+    refused(register, bad, Code.FAILED_PRECONDITION, "layer.1", "tp_rank 1")
     still_waiting_then_seals(register, request, server)
 
 
@@ -175,7 +174,7 @@ def test_out_of_bounds_fields(kit, mutate, words):
     request, register, server = kit
     bad = request(rank=0)
     mutate(bad)
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, *words)
+    refused(register, bad, Code.INVALID_ARGUMENT, *words)
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -184,11 +183,11 @@ def test_unmappable_shared_memory(kit):
     request, register, server = kit
     bad = request(rank=0)
     bad.layers[0].memory.host.name = "kvstore-no-such-object"
-    refused(register, bad, grpc.StatusCode.FAILED_PRECONDITION, "layer.0",
+    refused(register, bad, Code.FAILED_PRECONDITION, "layer.0",
             "cannot open shared memory")
     bad = request(rank=0)
     bad.layers[1].memory.host.name = "../etc/passwd"
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "not a valid shared-memory name")
+    refused(register, bad, Code.INVALID_ARGUMENT, "not a valid shared-memory name")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -197,10 +196,10 @@ def test_layer_larger_than_its_memory(kit):
     request, register, server = kit
     bad = request(rank=0)
     bad.layers[0].memory.host.offset = 4096
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layer.0", "exceed")
+    refused(register, bad, Code.INVALID_ARGUMENT, "layer.0", "exceed")
     bad = request(rank=0)
     bad.layers[0].memory.host.size = 1 << 40
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "size")
+    refused(register, bad, Code.INVALID_ARGUMENT, "size")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -209,7 +208,7 @@ def test_missing_memory_handle(kit):
     request, register, server = kit
     bad = request(rank=0)
     bad.layers[0].ClearField("memory")
-    refused(register, bad, grpc.StatusCode.INVALID_ARGUMENT, "layers[0].memory")
+    refused(register, bad, Code.INVALID_ARGUMENT, "layers[0].memory")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -220,4 +219,4 @@ def test_unknown_instance(kit):
     with pytest.raises(KVError) as info:
         _call(client.stub.Save, pb.SaveRequest(instance_id="ghost", rank=0, session="x",
                                                blocks=[pb.BlockRef(block_hash=1, block_id=0)]), 5)
-    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.code == Code.NOT_FOUND

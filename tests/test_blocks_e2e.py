@@ -9,12 +9,11 @@ import pytest
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.client import StoreClient, _call
-from kvstore.errors import KVError
-from kvstore.events import StoreEvent
-from kvstore.worker import WorkerGroup
-
-from .conftest import wait_for
+from kvstore.client.store_client import StoreClient, _call
+from kvstore.testing.worker import WorkerGroup
+from kvstore.wire.errors import KVError
+from kvstore.wire.events import StoreEvent
+from tests.conftest import wait_for
 
 LAYOUT = dict(layers=4, heads=4, head_dim=32, block_size=4, num_blocks=32)
 
@@ -149,7 +148,7 @@ def test_concurrent_instances_save_and_load_every_byte(server):
 @pytest.mark.gpu
 def test_gpu_save_and_load_through_cuda_ipc():
     """Workers with CUDA KV caches shared by IPC handle; the pool on the GPU."""
-    from .conftest import ServerThread
+    from tests.conftest import ServerThread
 
     server = ServerThread(pool_size=256 << 20, device="cuda:0")
     try:

@@ -4,7 +4,7 @@ import blake3
 import msgpack
 import pytest
 
-from kvstore.layout import (
+from kvstore.wire.fingerprint import (
     LayerGeometry,
     final_namespace,
     fingerprint,

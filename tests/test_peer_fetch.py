@@ -8,11 +8,10 @@ import time
 
 import pytest
 
-from kvstore.client import StoreClient
+from kvstore.client.store_client import StoreClient
 from kvstore.demo import free_port
-from kvstore.worker import WorkerGroup
-
-from .conftest import wait_for
+from kvstore.testing.worker import WorkerGroup
+from tests.conftest import wait_for
 
 pytest.importorskip("ucxx")
 
@@ -105,7 +104,7 @@ def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
 
 def _router_knows(b_addr, ns, hashes) -> bool:
     from kvstore._proto import store_pb2 as pb
-    from kvstore.client import _call
+    from kvstore.client.store_client import _call
 
     client = StoreClient(b_addr)
     try:

@@ -3,14 +3,12 @@ reservations stay invisible until commit and free everything on abort."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from kvstore.errors import KVError
-from kvstore.peer_store import StoreSink, StoreSource, local_layout_from
-
-from .store_kit import make_instance, make_store, run
-from .test_store import save_all
+from kvstore.store.peer_store import StoreSink, StoreSource, local_layout_from
+from kvstore.testing.store import make_instance, make_store, run
+from kvstore.wire.errors import Code, KVError
+from tests.test_store import save_all
 
 
 def setup(pool_bytes=256 << 10):
@@ -89,8 +87,8 @@ def test_reserve_refuses_unknown_namespace_and_wrong_sizes():
     sink = StoreSink(store, local_layout_from(registry))
     with pytest.raises(KVError) as info:
         sink.reserve("other.0123456789abcdef", [1], [[1024] * 4])
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.code == Code.FAILED_PRECONDITION
     with pytest.raises(KVError) as info:
         sink.reserve(seal.final_namespace, [1], [[2048] * 4])
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == Code.INVALID_ARGUMENT
     assert store.pools["cpu"].used_bytes == 0

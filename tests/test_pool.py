@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.pool import ALIGN, SlotPool, round_size
+from kvstore.store.pool import ALIGN, SlotPool, round_size
 
 SLAB = 64 << 10
 SIZES = [100, 4096, 5000, 16384, 40000, SLAB]

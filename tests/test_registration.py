@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client import StoreClient
-from kvstore.layout import LayerGeometry, final_namespace, fingerprint
-from kvstore.worker import WorkerProcess, WorkerSpec
-
-from .conftest import wait_for
+from kvstore.client.store_client import StoreClient
+from kvstore.testing.worker import WorkerProcess, WorkerSpec
+from kvstore.wire.fingerprint import LayerGeometry, final_namespace, fingerprint
+from tests.conftest import wait_for
 
 
 def spec(server, instance, tp_rank, tp_size=2, **kw):

@@ -6,16 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.transfer import (
+from kvstore.transfer.slots import (
     SlotTable,
     choose_lanes,
     run_starts,
     segment_bounds,
-    segment_views,
     transfer_order,
 )
-
-pytest.importorskip("ucxx")
+from kvstore.transfer.testing import table_from_views
 
 
 def table_of(mem: np.ndarray, layout: list[tuple[int, int]], counts: list[int]) -> SlotTable:
@@ -24,7 +22,7 @@ def table_of(mem: np.ndarray, layout: list[tuple[int, int]], counts: list[int]) 
     for c in counts:
         blocks.append(views[i:i + c])
         i += c
-    return SlotTable.from_views(blocks)
+    return table_from_views(blocks)
 
 
 def test_from_views_reads_addresses_sizes_and_memory_kind():
@@ -37,7 +35,7 @@ def test_from_views_reads_addresses_sizes_and_memory_kind():
     layouts, block_layout = t.layouts()
     assert [layouts[i] for i in block_layout] == [[16, 32], [8]]
     assert t.prefix(1).counts.tolist() == [2] and t.prefix(1).nbytes.tolist() == [16, 32]
-    tt = SlotTable.from_views([[torch.zeros(8, dtype=torch.uint8)]])
+    tt = table_from_views([[torch.zeros(8, dtype=torch.uint8)]])
     assert tt.nbytes.tolist() == [8] and tt.memory.tolist() == [0]
 
 
@@ -50,7 +48,7 @@ def test_table_columns_must_agree():
 def test_non_contiguous_view_is_refused():
     mem = np.zeros(64, dtype=np.uint8)
     with pytest.raises(ValueError, match="contiguous"):
-        SlotTable.from_views([[mem[::2]]])
+        table_from_views([[mem[::2]]])
 
 
 def test_runs_break_at_gaps_memory_changes_and_the_cap():
@@ -71,6 +69,9 @@ def test_segments_cover_their_slots_and_carry_bytes():
     ptr, size, memory = t.take(order)
     bounds = segment_bounds(3, run_starts(ptr, size, memory))
     assert bounds == [(0, 2), (2, 3)]
+    pytest.importorskip("ucxx")
+    from kvstore.transfer.ucx import segment_views
+
     views = segment_views(ptr, size, memory, bounds, writable=False, owner=mem)
     assert [v.nbytes for v in views] == [32, 32]
     assert [v.ptr for v in views] == [int(ptr[0]), int(ptr[2])]
@@ -97,13 +98,13 @@ def test_lanes_follow_a_tp_layout():
 
 
 def test_frames_travel_as_one_message_unless_long():
-    from kvstore import transfer as t
+    from kvstore.transfer import wire
 
-    short = t.encode_frame(t.Kind.GO, b"x" * 100)
+    short = wire.encode_frame(wire.Kind.GO, b"x" * 100)
     assert len(short) == 1 and len(short[0]) == 116
-    assert t.decode_preamble(short[0][:16], [t.Kind.GO]) == (t.Kind.GO, 100)
-    long = t.encode_frame(t.Kind.REPLY, b"y" * t.INLINE_FRAME_BYTES)
-    assert [len(m) for m in long] == [16, t.INLINE_FRAME_BYTES]
+    assert wire.decode_preamble(short[0][:16], [wire.Kind.GO]) == (wire.Kind.GO, 100)
+    long = wire.encode_frame(wire.Kind.REPLY, b"y" * wire.INLINE_FRAME_BYTES)
+    assert [len(m) for m in long] == [16, wire.INLINE_FRAME_BYTES]
 
 
 def test_long_runs_are_cut_greedily_at_the_cap():
@@ -124,7 +125,7 @@ def test_long_runs_are_cut_greedily_at_the_cap():
 
 def test_layouts_and_offers_round_trip():
     """Distinct layouts travel once; the fetcher rebuilds every block's sizes."""
-    from kvstore import transfer as t
+    from kvstore.transfer import wire
 
     mem = np.zeros(1 << 12, dtype=np.uint8)
     for sizes in ([[16, 16]] * 5, [[16, 16], [16, 32], [16, 16], [16, 32]], [[8], [8, 8], [8]]):
@@ -136,8 +137,8 @@ def test_layouts_and_offers_round_trip():
         table = table_of(mem, layout, [len(b) for b in sizes])
         layouts, block_layout = table.layouts()
         assert len(layouts) == len({tuple(b) for b in sizes})
-        offer = t.decode_offer(t.encode_layouts(layouts, block_layout), len(sizes))
+        offer = wire.decode_offer(wire.encode_layouts(layouts, block_layout), len(sizes))
         assert offer.slot_sizes == sizes and offer.num_blocks == len(sizes)
         assert offer.slot_counts.tolist() == [len(b) for b in sizes]
         assert offer.flat_sizes().tolist() == [n for b in sizes for n in b]
-        assert t.decode_offer(t.encode_offer(sizes), len(sizes)).slot_sizes == sizes
+        assert wire.decode_offer(wire.encode_offer(sizes), len(sizes)).slot_sizes == sizes

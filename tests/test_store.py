@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import KVError
-
-from .store_kit import make_instance, make_store, run
+from kvstore.testing.store import make_instance, make_store, run
+from kvstore.wire.errors import Code, KVError
 
 
 def fill(rank, block_id, value):
@@ -64,7 +62,7 @@ def test_bad_saves_change_nothing():
                         ([], "blocks is empty")]:
         with pytest.raises(KVError) as info:
             run(store.save(seal, ranks[0].reg, refs))
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code == Code.INVALID_ARGUMENT
         assert words in info.value.message
     assert store.blocks == {} and store.pools["cpu"].used_bytes == 0
 
@@ -78,7 +76,7 @@ def test_load_of_missing_block_loads_nothing():
     ranks[0].tensors[0][:, 5] = 9
     with pytest.raises(KVError) as info:
         run(store.load(seal, ranks[0].reg, [(1, 5), (2, 6)]))
-    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.code == Code.NOT_FOUND
     assert (ranks[0].tensors[0][:, 5] == 9).all()  # untouched
 
 
@@ -154,7 +152,7 @@ def test_everything_pinned_gives_resource_exhausted():
     _, lease = store.query(seal.final_namespace, list(range(16)), lease=True)
     with pytest.raises(KVError) as info:
         run(store.save(seal, ranks[0].reg, [(99, 20)]))
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
     assert store.sealed_blocks == 16 and store.inflight_blocks == 0
     store.release(lease)
     run(save_all(store, registry, ranks, [(99, 20)]))
@@ -189,7 +187,7 @@ def test_lru_invariants(ops):
             try:
                 run(save_all(store, registry, ranks, refs))
             except KVError as err:
-                assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert err.code == Code.RESOURCE_EXHAUSTED
         elif op == "lease":
             n, lease = store.query(ns, hashes, lease=True)
             if lease:

@@ -19,11 +19,13 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+
+from kvstore.transfer.testing import GAP, MemorySink, MemorySource, Pool, slot_content
 
 CTX = mp.get_context("spawn")
 NS = "model-a.0123456789abcdef"
@@ -32,156 +34,20 @@ CALL_TIMEOUT = 20.0
 pytestmark = pytest.mark.timeout(60)
 
 
-# ---- test-only store: a numpy pool behind SlotSource / SlotSink ------------------
-
-
 def torch_from(a: np.ndarray):
     import torch
 
     return torch.from_numpy(a)
 
 
-def slot_content(h: int, slot: int, size: int) -> np.ndarray:
-    """Deterministic bytes for (block hash, slot), the same in every process."""
-    rng = np.random.default_rng([h & 0xFFFFFFFF, h >> 32, slot])
-    return rng.integers(0, 256, size, dtype=np.uint8)
-
-
-GAP = 64
-
-
-class Pool:
-    """A bump allocator over one numpy array: slots are views into it, never copies.
-
-    Slots follow each other with no gap, except after every ``gap_every``-th one."""
-
-    def __init__(self, nbytes: int, gap_every: int = 0):
-        self.mem = np.zeros(nbytes, dtype=np.uint8)
-        self.top = 0
-        self.gap_every = gap_every
-        self.count = 0
-
-    def alloc(self, size: int) -> np.ndarray:
-        assert self.top + size <= len(self.mem), "test pool exhausted"
-        view = self.mem[self.top:self.top + size]
-        self.top += size
-        self.count += 1
-        if self.gap_every and self.count % self.gap_every == 0:
-            self.top += GAP
-        return view
-
-
-@dataclass
-class MemLease:
-    hashes: list[int]
-    buffers: list[list[np.ndarray]]
-    source: MemorySource
-
-    @property
-    def slots(self):
-        from kvstore.transfer import SlotTable
-
-        return SlotTable.from_views(self.buffers)
-
-    def release(self) -> None:
-        self.source.active -= 1
-        self.source.released += 1
-
-
-def lane_major(slot_counts: list[int], lanes: int) -> list[tuple[int, int]]:
-    """(block, slot) in the order a store with tp_size ``lanes`` allocates them."""
-    return [(b, s) for r in range(lanes) for b, n in enumerate(slot_counts)
-            for s in range(r, n, lanes)]
-
-
-class MemorySource:
-    def __init__(self, blocks: dict[int, list[int]], pool_bytes: int, gap_every: int = 0,
-                 lanes: int = 1):
-        self.pool = Pool(pool_bytes, gap_every)
-        hashes = list(blocks)
-        views: list[list[Any]] = [[None] * len(blocks[h]) for h in hashes]
-        for b, s in lane_major([len(blocks[h]) for h in hashes], lanes):
-            views[b][s] = self._fill(hashes[b], s, blocks[hashes[b]][s])
-        self.blocks = dict(zip(hashes, views, strict=True))
-        self.active = 0
-        self.released = 0
-
-    def _fill(self, h: int, slot: int, size: int) -> np.ndarray:
-        view = self.pool.alloc(size)
-        view[:] = slot_content(h, slot, size)
-        return view
-
-    def lease(self, namespace: str, hashes: list[int]) -> MemLease | None:
-        prefix = []
-        for h in hashes:
-            if namespace != NS or h not in self.blocks:
-                break
-            prefix.append(h)
-        if not prefix:
-            return None
-        self.active += 1
-        return MemLease(prefix, [self.blocks[h] for h in prefix], self)
-
-
-@dataclass
-class MemReservation:
-    hashes: list[int]
-    buffers: list[list[np.ndarray]]
-    sink: MemorySink
-    state: str = "reserved"
-
-    @property
-    def slots(self):
-        from kvstore.transfer import SlotTable
-
-        return SlotTable.from_views(self.buffers)
-
-    def commit(self) -> None:
-        assert self.state == "reserved"
-        self.state = "committed"
-        self.sink.visible.update(zip(self.hashes, self.buffers, strict=True))
-
-    def abort(self) -> None:
-        assert self.state == "reserved"
-        self.state = "aborted"
-
-
-@dataclass
-class MemorySink:
-    pool: Pool
-    visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    reservations: list[MemReservation] = field(default_factory=list)
-    on_reserve: str = ""  # "die": kill this process; "hang": block its loop
-    lanes: int = 1
-
-    def reserve(self, namespace: str, hashes: list[int],
-                slot_sizes: list[list[int]]) -> MemReservation:
-        if self.on_reserve == "die":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.on_reserve == "hang":
-            time.sleep(3600)
-        buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]
-        for b, s in lane_major([len(sizes) for sizes in slot_sizes], self.lanes):
-            buffers[b][s] = self.pool.alloc(slot_sizes[b][s])
-        r = MemReservation(list(hashes), buffers, self)
-        self.reservations.append(r)
-        return r
-
-    def report(self) -> dict:
-        bad = [h for h, views in self.visible.items()
-               if not all(np.array_equal(v, slot_content(h, s, len(v)))
-                          for s, v in enumerate(views))]
-        return {"visible": sorted(self.visible), "corrupt": bad,
-                "states": [r.state for r in self.reservations]}
-
-
 # ---- misbehaving peers --------------------------------------------------------------
 
 
 def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
-    from kvstore import transfer as t
+    from kvstore.transfer import server as peer_server
+    from kvstore.transfer import ucx, wire
 
-    class Server(t.PeerServer):
+    class Server(peer_server.PeerServer):
         sent_half = False
         segments: list[int] = []  # bytes of each segment message sent
 
@@ -206,13 +72,13 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
                 await asyncio.sleep(3600)
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
-                return await t.send_frame(conn, t.Kind.REPLY, None, body=t.encode_offer(sizes))
+                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=wire.encode_offer(sizes))
             if behaviour.startswith("bad_runs"):  # sane sizes, malformed run starts
                 starts = {"bad_runs_unsorted": [3, 1], "bad_runs_range": [1, 99],
                           "bad_runs_dup": [2, 2], "bad_runs_zero": [0], "bad_runs_lanes": []}
                 lanes = 3 if behaviour == "bad_runs_lanes" else 1
-                body = t.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
-                return await t.send_frame(conn, t.Kind.REPLY, None, body=body)
+                body = wire.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
+                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
             return await super()._serve(conn, body)
 
     return Server(source, timeout_s=timeout_s)
@@ -230,7 +96,7 @@ class NodeState:
                     timeout_s: float = 30.0, gap_every: int = 0, lanes: int = 1) -> str:
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
-        self.source = MemorySource(blocks, pool_bytes, gap_every, lanes)
+        self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
         self.server = make_server(behaviour, self.source, timeout_s)
         await self.server.start()
         return self.server.address
@@ -239,9 +105,8 @@ class NodeState:
                           slot_bytes: int = 4096, pool_blocks: int = 32) -> tuple[str, str]:
         """Serve from a real BlockStore (TP1, two layers) whose sealed blocks hold
         slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
-        from kvstore.peer_store import StoreSource
-
-        from .store_kit import make_instance, make_store
+        from kvstore.store.peer_store import StoreSource
+        from kvstore.testing.store import make_instance, make_store
 
         self.registry, self.store = make_store(pool_bytes=pool_blocks * 2 * slot_bytes,
                                                slab_bytes=8 * slot_bytes)
@@ -277,15 +142,15 @@ class NodeState:
                 "sent_half": self.server.sent_half, "segments": list(self.server.segments)}
 
     async def set_max_segment_bytes(self, nbytes: int) -> None:
-        from kvstore import transfer as t
+        import kvstore.transfer.slots
 
-        t.MAX_SEGMENT_BYTES = nbytes
+        kvstore.transfer.slots.MAX_SEGMENT_BYTES = nbytes
 
     async def fetch(self, address: str, hashes: list[int], timeout_s: float = 10.0,
                     on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20,
                     gap_every: int = 0, lanes: int = 1, namespace: str = NS) -> dict:
-        from kvstore.errors import KVError
         from kvstore.transfer import fetch
+        from kvstore.wire.errors import KVError
 
         sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
         out: dict[str, Any] = {"n": [], "error": None}
@@ -303,17 +168,17 @@ class NodeState:
 
     async def raw(self, address: str, frames: list[bytes], replies: int) -> list:
         """Send hand-made control frames; collect [kind, arg, body] replies or the error."""
-        from kvstore import transfer as t
+        from kvstore.transfer import ucx, wire
 
-        conn = await t.connect(address, asyncio.get_running_loop().time() + 5)
+        conn = await ucx.connect(address, asyncio.get_running_loop().time() + 5)
         for f in frames:
-            await conn.ep.send(np.frombuffer(f, np.uint8), tag=t.CONTROL_TAG)
+            await conn.ep.send(np.frombuffer(f, np.uint8), tag=ucx.CONTROL_TAG)
         out = []
         for _ in range(replies):
             deadline = asyncio.get_running_loop().time() + 3
             try:
-                kind, arg, body = await t.recv_frame(conn, list(t.Kind), deadline)
-                out.append([kind.name, arg, t.msgpack.unpackb(body) if body else None])
+                kind, arg, body = await ucx.recv_frame(conn, list(wire.Kind), deadline)
+                out.append([kind.name, arg, msgpack.unpackb(body) if body else None])
             except Exception as e:
                 out.append(["failed", type(e).__name__])
                 break
@@ -519,14 +384,14 @@ def test_malformed_run_starts_in_offer_are_rejected(nodes, behaviour):
 
 def test_malformed_run_starts_in_go_are_rejected(nodes):
     """The peer drops a fetcher whose GO carries a bad run list, and frees the lease."""
-    from kvstore import transfer as t
+    from kvstore.transfer import wire
 
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 4))
-    request = t.encode_request(NS, HASHES[:2])
+    request = wire.encode_request(NS, HASHES[:2])
     for accepted, starts in ((2, [5, 3]), (2, [1, 8]), (2, [4, 4]), (1, [])):
-        go = t.encode_go(accepted, starts)
-        frames = t.encode_frame(t.Kind.REQUEST, request) + t.encode_frame(t.Kind.GO, go)
+        go = wire.encode_go(accepted, starts)
+        frames = wire.encode_frame(wire.Kind.REQUEST, request) + wire.encode_frame(wire.Kind.GO, go)
         replies = client.call("raw", address=address, frames=frames, replies=2)
         assert replies[0][0] == "REPLY" and replies[1][0] == "failed", replies
     assert wait_until(lambda: server.call("leases")["released"] == 4)
@@ -541,18 +406,18 @@ def test_malformed_run_starts_in_go_are_rejected(nodes):
 def test_bad_requests_are_refused_and_the_server_survives(nodes):
     import msgpack
 
-    from kvstore import transfer as t
+    from kvstore.transfer import wire
 
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]))
 
     def request(body: bytes) -> list[bytes]:
-        return t.encode_frame(t.Kind.REQUEST, body)
+        return wire.encode_frame(wire.Kind.REQUEST, body)
 
-    too_many = t.encode_request(NS, list(range(t.MAX_BLOCKS_PER_FETCH + 1)))
+    too_many = wire.encode_request(NS, list(range(wire.MAX_BLOCKS_PER_FETCH + 1)))
     garbage = b"\xc1\xff\x00not msgpack"
-    bad_ns = msgpack.packb([t.PROTOCOL_VERSION, "x" * 1000, b"\0" * 8])
-    good = t.encode_request(NS, HASHES[:2])
+    bad_ns = msgpack.packb([wire.PROTOCOL_VERSION, "x" * 1000, b"\0" * 8])
+    good = wire.encode_request(NS, HASHES[:2])
     replies = client.call("raw", address=address, replies=4,
                           frames=request(too_many) + request(garbage) + request(bad_ns)
                           + request(good))
@@ -560,8 +425,8 @@ def test_bad_requests_are_refused_and_the_server_survives(nodes):
     assert all(r[2][0] == "INVALID_ARGUMENT" for r in replies[:3])
 
     # Broken framing: the server drops that connection and allocates nothing.
-    huge = [t.encode_preamble(t.Kind.REQUEST, 1 << 40)]
-    bad_magic = [b"XXXX" + t.encode_preamble(t.Kind.REQUEST, 8)[4:]]
+    huge = [wire.encode_preamble(wire.Kind.REQUEST, 1 << 40)]
+    bad_magic = [b"XXXX" + wire.encode_preamble(wire.Kind.REQUEST, 8)[4:]]
     for frames in (huge, bad_magic):
         replies = client.call("raw", address=address, frames=frames, replies=1)
         assert replies[0][0] == "failed", replies

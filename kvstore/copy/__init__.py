@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 
 from kvstore.copy.cuda import CudaCopier
+from kvstore.copy.geometry import KINDS, LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier
-from kvstore.copy.layout import KINDS, LayerRegion, region_from_tensor
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
 from kvstore.copy.reference import reference_gather, reference_scatter
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.copy.layout import LayerRegion
+from kvstore.copy.geometry import LayerRegion
 
 U64 = np.uint64
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.copy.layout import physical_order, region_from_tensor
+from kvstore.copy.geometry import physical_order, region_from_tensor
 
 
 def reference_gather(

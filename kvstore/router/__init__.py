@@ -17,12 +17,12 @@ Layers, one concept per module:
     cli.py               `kvstore router`, and the hooks `kvstore serve` embeds
 """
 
-from .admission import WorkerRef, WorkerSetKey
-from .card import WorkerCard, card_checksum
-from .identity import Domain, IdentityAlgorithm
-from .peers import PeerPrefix
-from .router import Router, RouterConfig, RouteResult
-from .scoring import ScoringConfig
+from kvstore.router.admission import WorkerRef, WorkerSetKey
+from kvstore.router.card import WorkerCard, card_checksum
+from kvstore.router.core import Router, RouterConfig, RouteResult
+from kvstore.router.identity import Domain, IdentityAlgorithm
+from kvstore.router.peers import PeerPrefix
+from kvstore.router.scoring import ScoringConfig
 
 __all__ = [
     "Domain", "IdentityAlgorithm", "PeerPrefix", "Router", "RouterConfig", "RouteResult",

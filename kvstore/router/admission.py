@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..errors import not_found, precondition
-from .card import WorkerCard, card_checksum, describe_difference, differences
-from .identity import Domain, IdentityAlgorithm, domain_of
+from kvstore.router.card import WorkerCard, card_checksum, describe_difference, differences
+from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
+from kvstore.wire.errors import not_found, precondition
 
 
 @dataclass(frozen=True, order=True)

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, fields
 
 import blake3
 
-from ..errors import invalid
-from . import limits
-from .framing import frame
+from kvstore.wire import limits
+from kvstore.wire.errors import invalid
+from kvstore.wire.framing import frame
 
 CARD_MARKER = "kvstore/card/v1"
 NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}")

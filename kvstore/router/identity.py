@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import blake3
 
-from .framing import frame
+from kvstore.wire.framing import frame
 
 R2_MARKER = "kvstore/model-name/v1"
 R1_MARKER = "kvstore/card-checksum/v1"

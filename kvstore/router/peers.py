@@ -17,10 +17,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from ..errors import exhausted, invalid, not_found
-from . import limits
-from .card import FINAL_NAMESPACE_RE
-from .index import SlotIndex
+from kvstore.router.card import FINAL_NAMESPACE_RE
+from kvstore.router.holders import SlotIndex
+from kvstore.wire import limits
+from kvstore.wire.errors import exhausted, invalid, not_found
 
 STORE_TIER = "store"
 

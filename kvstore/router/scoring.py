@@ -32,8 +32,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from . import limits
-from .admission import WorkerRef
+from kvstore.router.admission import WorkerRef
+from kvstore.wire import limits
 
 
 @dataclass

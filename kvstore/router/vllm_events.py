@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from . import limits
+from kvstore.wire import limits
 
 STORED = "stored"
 REMOVED = "removed"

@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from .._proto import store_pb2 as pb
-from .._proto import store_pb2_grpc as pb_grpc
-from ..errors import KVError, precondition
-from ..events import StoreEvent
-from ..limits import MAX_NAMESPACE_LEN
-from ..registry import Instance, Registry
-from ..store import BlockStore, check_count, check_load_refs
-from . import codec
+from kvstore._proto import store_pb2 as pb
+from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.service import status
+from kvstore.service import store_codec as codec
+from kvstore.store.blocks import BlockStore, check_count, check_load_refs
+from kvstore.store.registry import Instance, Registry
+from kvstore.wire.errors import KVError, precondition
+from kvstore.wire.events import StoreEvent
+from kvstore.wire.limits import MAX_NAMESPACE_LEN
 
 log = logging.getLogger(__name__)
 EVENT_QUEUE_MAX = 65536
@@ -45,7 +46,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             inst = self.registry.register(reg)
         except KVError as err:
             log.warning("RegisterLayers refused: %s", err)
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         queue: asyncio.Queue = asyncio.Queue()
         self._watchers[reg.session] = queue
         was_sealed = False
@@ -77,7 +78,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             inst, reg = self.registry.caller(request.instance_id, request.rank, request.session)
             res = await self.store.save(inst.seal, reg, codec.refs(request.blocks))
         except KVError as err:
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         return pb.SaveResponse(written=res.written, skipped=res.skipped, sealed=res.sealed,
                                bytes=res.bytes)
 
@@ -89,7 +90,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await self._fetch_missing(inst.seal.final_namespace, [h for h, _ in refs])
             nbytes = await self.store.load(inst.seal, reg, refs)
         except KVError as err:
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         return pb.LoadResponse(loaded=len(request.blocks), bytes=nbytes)
 
     async def _fetch_missing(self, namespace: str, hashes: list[int]) -> None:
@@ -104,7 +105,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             check_count("block_hashes", len(request.block_hashes))
             result = await self.fetcher.prefetch(request.namespace, list(request.block_hashes))
         except KVError as err:
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         return pb.PrefetchResponse(local_blocks=result.local_blocks,
                                    fetched_blocks=result.fetched_blocks, peer=result.peer)
 
@@ -113,14 +114,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             n, lease_id = self.store.query(request.namespace, list(request.block_hashes),
                                            request.lease, request.lease_ms)
         except KVError as err:
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         return pb.QueryResponse(prefix_blocks=n, lease_id=lease_id)
 
     async def Release(self, request, context):
         try:
             n = self.store.release(request.lease_id)
         except KVError as err:
-            await context.abort(err.code, err.message)
+            await status.abort(context, err)
         return pb.ReleaseResponse(released_blocks=n)
 
     async def Clear(self, request, context):

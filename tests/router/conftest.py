@@ -14,10 +14,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from kvstore.cli.router import add_router_to_server, close_router
+from kvstore.client.router_client import RouterClient
 from kvstore.router.card import WorkerCard
-from kvstore.router.cli import add_router_to_server, close_router
-from kvstore.router.client import RouterClient
-from kvstore.router.router import Router, RouterConfig
+from kvstore.router.core import Router, RouterConfig
 
 BASE = WorkerCard(
     display_name="llama-8b",

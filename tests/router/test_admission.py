@@ -10,13 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import KVError
 from kvstore.router.admission import WorkerRef, WorkerSetKey
 from kvstore.router.card import card_checksum
-from kvstore.router.router import Router
+from kvstore.router.core import Router
 from kvstore.router.vllm_events import BlockEvent
-
-from .conftest import card
+from kvstore.wire.errors import KVError
+from tests.router.conftest import card
 
 HASHES = [11, 22, 33, 44]
 

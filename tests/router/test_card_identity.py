@@ -8,9 +8,7 @@ from dataclasses import fields
 import blake3
 import pytest
 
-from kvstore.errors import KVError
 from kvstore.router.card import NON_INPUTS, WorkerCard, card_checksum, validate_card
-from kvstore.router.framing import frame
 from kvstore.router.identity import (
     Domain,
     IdentityAlgorithm,
@@ -19,8 +17,9 @@ from kvstore.router.identity import (
     routing_scope_id,
     semantics_material,
 )
-
-from .conftest import BASE, card
+from kvstore.wire.errors import KVError
+from kvstore.wire.framing import frame
+from tests.router.conftest import BASE, card
 
 R1, R2 = IdentityAlgorithm.R1, IdentityAlgorithm.R2
 

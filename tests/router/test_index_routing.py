@@ -8,14 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import KVError
-from kvstore.hashing import block_hashes
-from kvstore.router.index import SlotIndex
-from kvstore.router.router import Router, RouterConfig
+from kvstore.router.core import Router, RouterConfig
+from kvstore.router.holders import SlotIndex
 from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import BlockEvent
-
-from .conftest import Clock, card
+from kvstore.wire.errors import KVError
+from kvstore.wire.hashing import block_hashes
+from tests.router.conftest import Clock, card
 
 PROMPT = list(range(16 * 8))              # 8 blocks of 16 tokens
 HASHES = block_hashes(PROMPT, 16)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import KVError
-from kvstore.events import StoreEvent
-from kvstore.router.router import Router
-
-from .conftest import Clock, card
+from kvstore.router.core import Router
+from kvstore.wire.errors import KVError
+from kvstore.wire.events import StoreEvent
+from tests.router.conftest import Clock, card
 
 NS = "tenant.0123456789abcdef"
 NS_MTP = "tenant.fedcba9876543210"     # same client namespace, other layout

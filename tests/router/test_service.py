@@ -17,14 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
-from kvstore.events import StoreEvent
-from kvstore.hashing import block_hashes
-from kvstore.router.cli import add_router_arguments, build_router
-from kvstore.router.client import RouterClient
-from kvstore.router.service import card_from_proto, card_to_proto
+from kvstore.cli.router import add_router_arguments, build_router
+from kvstore.client.router_client import RouterClient
 from kvstore.router.vllm_events import BlockEvent
-
-from .conftest import card
+from kvstore.service.router_service import card_from_proto, card_to_proto
+from kvstore.wire.events import StoreEvent
+from kvstore.wire.hashing import block_hashes
+from tests.router.conftest import card
 
 NS = "tenant.0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,9 +140,9 @@ def test_store_client_advertise_publish_query(served):
 
 
 def test_router_follows_a_real_store_servers_event_stream(served):
-    """The store server's own Events RPC (kvstore.service.server.StoreServer)
+    """The store server's own Events RPC (kvstore.service.store_server.StoreServer)
     feeds the router; when the store goes away its blocks go with it."""
-    server_mod = pytest.importorskip("kvstore.service.server")
+    server_mod = pytest.importorskip("kvstore.service.store_server")
     router, client, server = served
 
     async def start_store():
@@ -200,7 +199,7 @@ def test_flags_standalone_and_embedded():
 
 def test_standalone_router_serves_health_and_stops_on_sigterm():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.router", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "router", "--port", "0",
                              "--log-level", "WARNING"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -13,11 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from kvstore.router.client import RouterClient
-from kvstore.router.router import Router
+from kvstore.client.router_client import RouterClient
+from kvstore.router.core import Router
 from kvstore.router.vllm_events import decode_batch, decode_message
-
-from .conftest import ServerThread, card
+from tests.router.conftest import ServerThread, card
 
 H = [0x1111, 0x2222, 0x3333, 0xFFFF_FFFF_FFFF_FFFF]
 

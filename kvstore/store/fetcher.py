@@ -15,11 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .errors import KVError, unavailable
-from .peer_store import StoreSink
-from .router.peers import PeerPrefix
-from .store import BlockStore
-from .transfer import PeerTimeout, PeerUnavailable, fetch
+from kvstore.router.peers import PeerPrefix
+from kvstore.store.blocks import BlockStore
+from kvstore.store.peer_store import StoreSink
+from kvstore.transfer import PeerTimeout, PeerUnavailable, fetch
+from kvstore.wire.errors import KVError, unavailable
 
 log = logging.getLogger(__name__)
 

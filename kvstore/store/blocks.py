@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .copy import plan
-from .errors import exhausted, invalid, not_found
-from .events import CLEARED, REMOVED, STORED, StoreEvent
-from .limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS
-from .pool import SlotPool
-from .registry import Registration, Seal
+from kvstore.copy import plan
+from kvstore.store.pool import SlotPool
+from kvstore.store.registry import Registration, Seal
+from kvstore.wire.errors import exhausted, invalid, not_found
+from kvstore.wire.events import CLEARED, REMOVED, STORED, StoreEvent
+from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS
 
 log = logging.getLogger(__name__)
 

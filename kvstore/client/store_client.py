@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from ._proto import store_pb2 as pb
-from ._proto import store_pb2_grpc as pb_grpc
-from .copy import region_from_tensor
-from .errors import KVError
-from .hashing import HASH_FORMAT
-from .memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
+from kvstore._proto import store_pb2 as pb
+from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.copy import region_from_tensor
+from kvstore.store.memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
+from kvstore.wire.errors import Code, KVError
+from kvstore.wire.hashing import HASH_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class KVLayer:
                 offset=ptr - base))
         if self.shm is None:
             raise ValueError(f"layer {self.name!r}: a host KV tensor must live in shared "
-                             "memory; allocate it with kvstore.client.kv_cache_shm")
+                             "memory; allocate it with kvstore.client.store_client.kv_cache_shm")
         base = torch.frombuffer(self.shm.shm.buf, dtype=torch.uint8).data_ptr()
         return pb.MemoryHandle(host=pb.HostShm(name=self.shm.name, size=self.shm.shm.size,
                                                offset=t.data_ptr() - base))
@@ -128,9 +128,9 @@ class RankSession:
         try:
             for update in self.call:
                 self._apply(update)
-            err = KVError(grpc.StatusCode.UNAVAILABLE, "registration stream ended")
+            err = KVError(Code.UNAVAILABLE, "registration stream ended")
         except grpc.RpcError as exc:
-            err = KVError(exc.code(), exc.details() or "registration stream failed")
+            err = KVError(Code.from_name(exc.code().name), exc.details() or "registration stream failed")
         with self._cond:
             self._error = err
             self.seal = None
@@ -140,7 +140,7 @@ class RankSession:
         """Block until every rank is in; raise KVError(DEADLINE_EXCEEDED) otherwise."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.seal or self._error, timeout):
-                raise KVError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise KVError(Code.DEADLINE_EXCEEDED,
                               f"instance {self.instance_id!r} not sealed after {timeout}s: "
                               f"{self.ranks_registered} ranks registered")
             if self.seal is None:
@@ -196,7 +196,7 @@ class StoreClient:
         try:
             sess._apply(next(call))
         except grpc.RpcError as exc:
-            raise KVError(exc.code(), exc.details()) from None
+            raise KVError(Code.from_name(exc.code().name), exc.details()) from None
         sess._thread = threading.Thread(target=sess._follow, daemon=True,
                                         name=f"kvstore-session-{request.rank}")
         sess._thread.start()
@@ -228,4 +228,4 @@ def _call(method, request, timeout: float):
     try:
         return method(request, timeout=timeout)
     except grpc.RpcError as exc:
-        raise KVError(exc.code(), exc.details() or str(exc.code())) from None
+        raise KVError(Code.from_name(exc.code().name), exc.details() or str(exc.code())) from None

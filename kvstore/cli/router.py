@@ -18,12 +18,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from .._proto import router_pb2, router_pb2_grpc
-from .identity import IdentityAlgorithm
-from .router import Router, RouterConfig
-from .scoring import ScoringConfig
-from .service import RouterService
-from .subscribers import Subscriptions
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.router.core import Router, RouterConfig
+from kvstore.router.identity import IdentityAlgorithm
+from kvstore.router.scoring import ScoringConfig
+from kvstore.service.feeds import Subscriptions
+from kvstore.service.router_service import RouterService
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061

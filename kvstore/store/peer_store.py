@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import invalid, precondition
-from .registry import Seal
-from .store import Block, BlockStore
-from .transfer import SlotTable
+from kvstore.store.blocks import Block, BlockStore
+from kvstore.store.registry import Seal
+from kvstore.transfer import SlotTable
+from kvstore.wire.errors import invalid, precondition
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .client import KVLayer, StoreClient, kv_cache_shm
+from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "uint8": torch.uint8}

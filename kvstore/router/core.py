@@ -24,17 +24,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import invalid, precondition
-from ..events import CLEARED, REMOVED, STORED, StoreEvent
-from ..hashing import HASH_FORMAT, block_hashes
-from . import limits
-from .admission import Admission, Worker, WorkerRef, WorkerSet, WorkerSetKey
-from .card import WorkerCard, validate_card
-from .identity import Domain, IdentityAlgorithm
-from .index import SlotIndex
-from .peers import STORE_TIER, Peer, PeerPrefix, Peers, check_final_namespace
-from .scoring import Candidate, LoadTracker, ScoringConfig, choose, score_all
-from .vllm_events import BlockEvent, VllmBatch
+from kvstore.router.admission import Admission, Worker, WorkerRef, WorkerSet, WorkerSetKey
+from kvstore.router.card import WorkerCard, validate_card
+from kvstore.router.holders import SlotIndex
+from kvstore.router.identity import Domain, IdentityAlgorithm
+from kvstore.router.peers import STORE_TIER, Peer, PeerPrefix, Peers, check_final_namespace
+from kvstore.router.scoring import Candidate, LoadTracker, ScoringConfig, choose, score_all
+from kvstore.router.vllm_events import BlockEvent, VllmBatch
+from kvstore.wire import limits
+from kvstore.wire.errors import invalid, precondition
+from kvstore.wire.events import CLEARED, REMOVED, STORED, StoreEvent
+from kvstore.wire.hashing import HASH_FORMAT, block_hashes
 
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1

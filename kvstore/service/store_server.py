@@ -16,15 +16,15 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .._proto import store_pb2_grpc as pb_grpc
-from ..attach import attach
-from ..copy import copier_for
-from ..peering import LocalRouterLink, RemoteRouterLink, snapshot_events
-from ..pool import DEFAULT_SLAB_BYTES, SlotPool
-from ..registry import Registry
-from ..router.cli import add_router_to_server, close_router
-from ..store import BlockStore
-from .store_service import KVStoreService
+from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.cli.router import add_router_to_server, close_router
+from kvstore.copy import copier_for
+from kvstore.service.router_link import LocalRouterLink, RemoteRouterLink, snapshot_events
+from kvstore.service.store_service import KVStoreService
+from kvstore.store.attach import attach
+from kvstore.store.blocks import BlockStore
+from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
+from kvstore.store.registry import Registry
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "kvstore.v1.KVStore"
@@ -130,9 +130,9 @@ class StoreServer:
     async def _start_transfer(self) -> None:
         if not self.config.transfer:
             return
-        from ..fetcher import Fetcher
-        from ..peer_store import StoreSink, StoreSource, local_layout_from
-        from ..transfer import PeerServer
+        from kvstore.store.fetcher import Fetcher
+        from kvstore.store.peer_store import StoreSink, StoreSource, local_layout_from
+        from kvstore.transfer import PeerServer
 
         self.service.source = StoreSource(self.store)
         self.peer_server = PeerServer(self.service.source, self.config.host,
@@ -146,7 +146,7 @@ class StoreServer:
 
     async def _find_peers(self, namespace: str, hashes: list[int]) -> list:
         """Peers for a fetch: the router's answer, else the --peer list."""
-        from ..router.peers import PeerPrefix
+        from kvstore.router.peers import PeerPrefix
 
         peers = []
         if self.link is not None:
@@ -193,7 +193,7 @@ async def stop_ucx() -> None:
     """Close pooled endpoints and UCX's notifier thread so the process can exit."""
     import ucxx
 
-    from ..transfer import close_endpoints
+    from kvstore.transfer import close_endpoints
 
     await close_endpoints()
     try:

@@ -25,10 +25,10 @@ import grpc
 import zmq
 import zmq.asyncio
 
-from ..events import StoreEvent
-from .admission import Worker, WorkerRef
-from .router import Router
-from .vllm_events import decode_message
+from kvstore.router.admission import Worker, WorkerRef
+from kvstore.router.core import Router
+from kvstore.router.vllm_events import decode_message
+from kvstore.wire.events import StoreEvent
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def follow_vllm(router: Router, endpoint: str, ref: WorkerRef | None = Non
 
 async def follow_store(router: Router, address: str, retry_s: float = 1.0) -> None:
     """Follow one store server's Events stream until cancelled; reconnect on failure."""
-    from .._proto import store_pb2, store_pb2_grpc
+    from kvstore._proto import store_pb2, store_pb2_grpc
 
     while True:
         bound: tuple[str, int] | None = None  # (node id, peer generation) this stream feeds

@@ -12,11 +12,12 @@ import logging
 
 import grpc
 
-from .._proto import router_pb2, router_pb2_grpc
-from ..errors import KVError
-from .admission import Worker
-from .card import WorkerCard
-from .router import Router
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.router.admission import Worker
+from kvstore.router.card import WorkerCard
+from kvstore.router.core import Router
+from kvstore.service import status
+from kvstore.wire.errors import KVError
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             return fn(*args, **kwargs)
         except KVError as exc:
-            await context.abort(exc.code, exc.message)
+            await status.abort(context, exc)
 
     def _members(self, worker: Worker) -> int:
         wset = self.router.admission.sets.get(worker.key)

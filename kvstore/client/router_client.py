@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from .._proto import router_pb2, router_pb2_grpc
-from ..events import StoreEvent
-from .card import WorkerCard
-from .peers import PeerPrefix
-from .service import card_to_proto
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.router.card import WorkerCard
+from kvstore.router.peers import PeerPrefix
+from kvstore.service.router_service import card_to_proto
+from kvstore.wire.events import StoreEvent
 
 
 class RouterClient:

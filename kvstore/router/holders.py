@@ -22,8 +22,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import accumulate, groupby, repeat, takewhile
 from operator import and_
 
-from ..errors import exhausted
-from . import limits
+from kvstore.wire import limits
+from kvstore.wire.errors import exhausted
 
 
 class SlotIndex:

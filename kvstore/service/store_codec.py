@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .._proto import store_pb2 as pb
-from ..errors import invalid
-from ..layout import LayerGeometry
-from ..memory import CudaIpcRef, HostShmRef
-from ..registry import Instance, LayerReg, Registration
+from kvstore._proto import store_pb2 as pb
+from kvstore.store.memory import CudaIpcRef, HostShmRef
+from kvstore.store.registry import Instance, LayerReg, Registration
+from kvstore.wire.errors import invalid
+from kvstore.wire.fingerprint import LayerGeometry
 
 KIND_NAMES = {pb.KV_FIRST: "kv_first", pb.BLOCKS_FIRST: "blocks_first", pb.MLA: "mla"}
 KIND_VALUES = {v: k for k, v in KIND_NAMES.items()}

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.copy import copier_for, region_from_tensor
-from kvstore.layout import LayerGeometry
-from kvstore.pool import SlotPool
-from kvstore.registry import LayerReg, Registration, Registry
-from kvstore.store import BlockStore
+from kvstore.store.blocks import BlockStore
+from kvstore.store.pool import SlotPool
+from kvstore.store.registry import LayerReg, Registration, Registry
+from kvstore.wire.fingerprint import LayerGeometry
 
 
 @dataclass

@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import KVError, exists, invalid, not_found, precondition
-from .layout import KV_LAYOUTS, LayerGeometry, final_namespace, fingerprint, valid_client_namespace
-from .limits import (
+from kvstore.store.memory import MappedRegion
+from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
+from kvstore.wire.fingerprint import (
+    KV_LAYOUTS,
+    LayerGeometry,
+    final_namespace,
+    fingerprint,
+    valid_client_namespace,
+)
+from kvstore.wire.limits import (
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_BLOCK,
     MAX_LAYERS,
@@ -32,10 +39,9 @@ from .limits import (
     MAX_TP_SIZE,
     MAX_WORLD_SIZE,
 )
-from .memory import MappedRegion
 
 if TYPE_CHECKING:
-    from .copy import LayerRegion
+    from kvstore.copy import LayerRegion
 
 log = logging.getLogger(__name__)
 

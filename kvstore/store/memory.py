@@ -23,8 +23,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from .errors import invalid, precondition
-from .limits import MAX_SHM_NAME_LEN
+from kvstore.wire.errors import invalid, precondition
+from kvstore.wire.limits import MAX_SHM_NAME_LEN
 
 SHM_DIR = "/dev/shm"
 SHM_NAME_RE = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_SHM_NAME_LEN}}}")

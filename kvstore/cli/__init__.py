@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 
-from . import __version__
+from kvstore import __version__
 
 SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", re.I)
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -66,7 +66,7 @@ def add_serve(sub) -> None:
     p.add_argument("--fetch-timeout", type=float, default=10.0,
                    help="seconds a peer fetch may take before it fails over (10)")
     add_common(p)
-    from .router.cli import add_router_arguments
+    from kvstore.cli.router import add_router_arguments
 
     group = p.add_argument_group("embedded router (ignored with --router)")
     add_router_arguments(group, embedded=True)
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_router(sub) -> None:
-    from .router.cli import add_router_arguments
+    from kvstore.cli.router import add_router_arguments
 
     p = sub.add_parser(
         "router", help="run a standalone KV-aware router for several store servers",
@@ -145,23 +145,23 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level)
         return asyncio.run(_serve(args)) or 0
     if args.command == "router":
-        from .router.cli import run_router
+        from kvstore.cli.router import run_router
 
         setup_logging(args.log_level)
         asyncio.run(run_router(args))
         return 0
     if args.command == "demo":
-        from .demo import run_demo
+        from kvstore.demo import run_demo
 
         setup_logging(args.log_level)
         return run_demo(args)
     if args.command == "stats":
-        from .client import StoreClient
+        from kvstore.client.store_client import StoreClient
 
         print(StoreClient(args.address).stats())
         return 0
     if args.command == "clear":
-        from .client import StoreClient
+        from kvstore.client.store_client import StoreClient
 
         print(f"cleared {StoreClient(args.address).clear(args.namespace)} blocks")
         return 0
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(args) -> None:
-    from .service.server import ServerConfig, StoreServer, serve_until_signal
+    from kvstore.service.store_server import ServerConfig, StoreServer, serve_until_signal
 
     config = ServerConfig(host=args.host, port=args.port, pool_size=args.pool_size,
                           device=args.device, node_id=args.node_id,
@@ -181,7 +181,7 @@ async def _serve(args) -> None:
     try:
         router = None
         if not args.no_router and not args.router:
-            from .router.cli import build_router
+            from kvstore.cli.router import build_router
 
             router = build_router(args)
         server = StoreServer(config, router)
@@ -194,9 +194,9 @@ async def _serve(args) -> None:
 def _print_events(address: str) -> int:
     import grpc
 
-    from ._proto import store_pb2 as pb
-    from ._proto import store_pb2_grpc as pb_grpc
-    from .events import StoreEvent
+    from kvstore._proto import store_pb2 as pb
+    from kvstore._proto import store_pb2_grpc as pb_grpc
+    from kvstore.wire.events import StoreEvent
 
     stub = pb_grpc.KVStoreStub(grpc.insecure_channel(address))
     try:

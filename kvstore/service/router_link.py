@@ -13,8 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from .events import STORED, StoreEvent
-from .router.peers import PeerPrefix
+from kvstore.router.peers import PeerPrefix
+from kvstore.wire.events import STORED, StoreEvent
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RemoteRouterLink:
     """The router is another process: gRPC through RouterClient, off the loop."""
 
     def __init__(self, address: str, node_id: str):
-        from .router.client import RouterClient
+        from kvstore.client.router_client import RouterClient
 
         self.client = RouterClient(address, timeout_s=5.0)
         self.node_id = node_id

@@ -7,10 +7,10 @@ in its mapping, refuses the registration and leaves nothing mapped.
 
 from __future__ import annotations
 
-from .copy import LayerRegion
-from .errors import KVError, invalid
-from .memory import MappedRegion
-from .registry import Registration
+from kvstore.copy import LayerRegion
+from kvstore.store.memory import MappedRegion
+from kvstore.store.registry import Registration
+from kvstore.wire.errors import KVError, invalid
 
 
 def attach(reg: Registration) -> None:

@@ -1,0 +1,178 @@
+"""The fetching side: :func:`fetch` pulls a prefix from a peer into a SlotSink."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.transfer.errors import PeerUnavailable, ProtocolError
+from kvstore.transfer.slots import (
+    Reservation,
+    SlotSink,
+    SlotTable,
+    run_starts,
+    segment_bounds,
+    transfer_order,
+)
+from kvstore.transfer.ucx import (
+    DATA_TAG_BASE,
+    RECV_WINDOW,
+    Conn,
+    abort_and_settle,
+    endpoint_pool,
+    frame_sends,
+    pump,
+    recv_frame,
+    run_ops,
+    segment_views,
+    send_frame,
+    when_settled,
+)
+from kvstore.transfer.wire import (
+    MAX_BLOCKS_PER_FETCH,
+    MAX_HASH,
+    Kind,
+    Offer,
+    check_namespace,
+    decode_error,
+    decode_offer,
+    encode_go,
+    encode_request,
+)
+from kvstore.wire.errors import Code, KVError
+
+log = logging.getLogger(__name__)
+
+
+def _check_fetch_args(namespace: str, hashes: Sequence[int], timeout_s: float) -> list[int]:
+    def invalid(msg: str) -> KVError:
+        return KVError(Code.INVALID_ARGUMENT, msg)
+
+    check_namespace(namespace, invalid)
+    hashes = [int(h) for h in hashes]
+    if len(hashes) > MAX_BLOCKS_PER_FETCH:
+        raise invalid(f"{len(hashes)} hashes, limit {MAX_BLOCKS_PER_FETCH}")
+    if any(not 0 <= h <= MAX_HASH for h in hashes):
+        raise invalid("block hashes must be unsigned 64-bit")
+    if not timeout_s > 0:
+        raise invalid("timeout_s must be positive")
+    return hashes
+
+
+async def fetch(
+    peer_address: str,
+    namespace: str,
+    hashes: Sequence[int],
+    sink: SlotSink,
+    timeout_s: float = 10.0,
+) -> int:
+    """Pull the longest prefix of ``hashes`` the peer holds into slots of ``sink``.
+
+    Returns how many blocks were fetched and committed (a prefix of ``hashes``,
+    0 when the peer has none). Raises PeerUnavailable / PeerTimeout when the
+    peer fails or is too slow; then, as on any failure, the reservation is
+    aborted and nothing becomes visible. Errors raised by the sink propagate.
+    """
+    hashes = _check_fetch_args(namespace, hashes, timeout_s)
+    if not hashes:
+        return 0
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    pool = endpoint_pool()
+    conn = await pool.acquire(peer_address, deadline)
+    reusable = False
+    try:
+        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline)
+        reusable = True
+        return fetched
+    finally:
+        pool.release(conn, reusable)
+
+
+async def _fetch_on(
+    conn: Conn, namespace: str, hashes: list[int], sink: SlotSink, deadline: float
+) -> int:
+    request = frame_sends(conn, Kind.REQUEST, encode_request(namespace, hashes))
+    kind, _, body = await _recv_reply(conn, deadline, request)
+    if kind is Kind.ERROR:
+        raise decode_error(body, conn.peer)
+    offer = _decode_offer(conn, body, len(hashes))
+    if not offer.num_blocks:
+        return 0
+    try:
+        reservation = sink.reserve(namespace, hashes[: offer.num_blocks], offer.slot_sizes)
+    except BaseException:
+        await _cancel_offer(conn, deadline)
+        raise
+    try:
+        table = _reserved_table(reservation, offer)
+        order = transfer_order(table.counts.tolist(), offer.lanes)
+        ptr, size, memory = table.take(order)
+        mine = run_starts(ptr, size, memory)
+        bounds = segment_bounds(len(order), offer.run_starts, mine)
+        segments = segment_views(ptr, size, memory, bounds, writable=True, owner=table.owner)
+        await _receive_segments(conn, segments, encode_go(offer.num_blocks, mine), deadline)
+    except BaseException:
+        conn.abort()  # a half-finished exchange: this endpoint cannot be reused
+        when_settled(conn, reservation.abort)
+        raise
+    reservation.commit()
+    return offer.num_blocks
+
+
+async def _cancel_offer(conn: Conn, deadline: float) -> None:
+    """GO(0): the peer releases its lease and the endpoint stays reusable."""
+    try:
+        await send_frame(conn, Kind.GO, deadline, body=encode_go(0))
+    except KVError:
+        conn.abort()  # the caller reports the sink's error, not this one
+
+
+def _reserved_table(reservation: Reservation, offer: Offer) -> SlotTable:
+    """The sink's slots, checked against the offer: same blocks, same slot sizes."""
+    table = reservation.slots
+    if not np.array_equal(table.counts, offer.slot_counts) or not np.array_equal(
+        table.nbytes, offer.flat_sizes()
+    ):
+        raise KVError(
+            Code.INTERNAL, "sink reservation does not match the offer's blocks and slot sizes"
+        )
+    return table
+
+
+async def _recv_reply(
+    conn: Conn, deadline: float, request: list[Awaitable]
+) -> tuple[Kind, int, bytes]:
+    try:
+        return await recv_frame(conn, [Kind.REPLY, Kind.ERROR], deadline, after=request)
+    except ProtocolError as e:
+        conn.abort()
+        raise PeerUnavailable(f"peer {conn.peer}: bad reply: {e}") from None
+
+
+def _decode_offer(conn: Conn, body: bytes, requested: int) -> Offer:
+    try:
+        return decode_offer(body, requested)
+    except ProtocolError as e:
+        conn.abort()
+        raise PeerUnavailable(f"peer {conn.peer}: bad offer: {e}") from None
+
+
+async def _receive_segments(conn: Conn, views: list[Any], go_body: bytes, deadline: float) -> None:
+    """Post receives (a window ahead), then say GO, then wait for every segment."""
+
+    async def recv(i: int, view: Any) -> None:
+        await conn.ep.recv(view, tag=DATA_TAG_BASE + i)
+
+    receivers = [asyncio.ensure_future(c) for c in pump(recv, views, RECV_WINDOW)]
+    try:
+        await asyncio.sleep(0)  # let the first window of receives be posted
+    except BaseException:
+        await abort_and_settle(conn, receivers)
+        raise
+    await run_ops(
+        conn, [*receivers, *frame_sends(conn, Kind.GO, go_body)], deadline, "receiving slots"
+    )

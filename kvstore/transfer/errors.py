@@ -1,0 +1,27 @@
+"""How a fetch fails: the peer is gone or late, or it broke the protocol."""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.wire.errors import Code, KVError
+
+log = logging.getLogger(__name__)
+
+
+class PeerUnavailable(KVError):
+    """The peer refused, broke the connection, died, or spoke nonsense."""
+
+    def __init__(self, message: str):
+        super().__init__(Code.UNAVAILABLE, message)
+
+
+class PeerTimeout(KVError):
+    """The peer did not finish within the fetch deadline."""
+
+    def __init__(self, message: str):
+        super().__init__(Code.DEADLINE_EXCEEDED, message)
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the wire protocol (bad magic, kind, size or body)."""

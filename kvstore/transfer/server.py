@@ -1,0 +1,205 @@
+"""The serving side: a UCX listener that answers fetches from a SlotSource."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from kvstore.transfer.errors import ProtocolError
+from kvstore.transfer.slots import (
+    Lease,
+    SlotSource,
+    SlotTable,
+    choose_lanes,
+    run_starts,
+    segment_bounds,
+    transfer_order,
+)
+from kvstore.transfer.ucx import (
+    ABORT_GRACE_S,
+    DATA_TAG_BASE,
+    SEND_WINDOW,
+    Conn,
+    frame_sends,
+    pump,
+    recv_frame,
+    run_ops,
+    segment_views,
+    send_frame,
+    ucxx_module,
+    when_settled,
+)
+from kvstore.transfer.wire import (
+    MAX_SLOT_BYTES,
+    MAX_SLOTS_PER_BLOCK,
+    MAX_SLOTS_PER_FETCH,
+    Kind,
+    decode_go,
+    decode_request,
+    decode_run_starts,
+    encode_error,
+    encode_layouts,
+    encode_offer,
+)
+from kvstore.wire.errors import Code, KVError
+
+log = logging.getLogger(__name__)
+
+
+class PeerServer:
+    """UCX listener on a store server that serves fetch requests from a SlotSource.
+
+    One connection serves its fetches one after another; a fetcher that wants
+    parallelism opens more endpoints. ``timeout_s`` bounds how long a lease may
+    wait on a fetcher (for GO, then for all slot sends).
+    """
+
+    def __init__(
+        self,
+        source: SlotSource,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        send_window: int = SEND_WINDOW,
+    ):
+        self.source = source
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.send_window = send_window
+        self._listener: Any = None
+        self._conns: set[Conn] = set()
+        self._handlers: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to advertise to the router."""
+        if self._listener is None:
+            raise RuntimeError("PeerServer is not started")
+        return f"{self.host}:{self._listener.port}"
+
+    async def start(self) -> None:
+        ucxx = ucxx_module()
+        self._listener = ucxx.create_listener(self._on_connect, port=self.port)
+        self.port = self._listener.port
+
+    async def stop(self) -> None:
+        """Stop listening, cut every connection, and wait for leases to be released."""
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._conns):
+            conn.abort()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=ABORT_GRACE_S)
+        self._listener = None
+
+    async def _on_connect(self, ep: Any) -> None:
+        conn = Conn(ep, peer="fetcher")
+        task = asyncio.current_task()
+        self._conns.add(conn)
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            while conn.usable:
+                _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline=None)
+                await self._serve(conn, body)
+        except (KVError, ProtocolError) as e:
+            log.debug("connection from a fetcher ended: %s", e)
+        except Exception:
+            log.exception("peer transfer connection failed")
+        finally:
+            conn.abort()
+            self._conns.discard(conn)
+            if task is not None:
+                self._handlers.discard(task)
+
+    async def _serve(self, conn: Conn, body: bytes) -> None:
+        """One fetch: refuse, or lease, offer, await GO, send, release."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            namespace, hashes = decode_request(body)
+        except ProtocolError as e:
+            await self._refuse(conn, Code.INVALID_ARGUMENT, str(e), deadline)
+            return
+        try:
+            lease = self.source.lease(namespace, hashes)
+        except KVError as e:
+            await self._refuse(conn, e.code, e.message, deadline)
+            return
+        except Exception as e:
+            log.exception("SlotSource.lease failed")
+            await self._refuse(conn, Code.INTERNAL, f"lease failed: {e}", deadline)
+            return
+        if lease is None:
+            await send_frame(conn, Kind.REPLY, deadline, body=encode_offer([]))
+            return
+        try:
+            await self._send_lease(conn, lease, hashes, deadline)
+        finally:
+            when_settled(conn, lease.release)
+
+    async def _send_lease(
+        self, conn: Conn, lease: Lease, hashes: list[int], deadline: float
+    ) -> None:
+        try:
+            table = _offerable(lease, hashes)
+        except (KVError, ValueError) as e:
+            log.error("SlotSource returned a bad lease: %s", e)
+            await self._refuse(conn, Code.INTERNAL, f"bad lease: {e}", deadline)
+            return
+        layouts, block_layout = table.layouts()
+        lanes = choose_lanes(table)
+        order = transfer_order(table.counts.tolist(), lanes)
+        ptr, size, memory = table.take(order)
+        mine = run_starts(ptr, size, memory)
+        offer = encode_layouts(layouts, block_layout, mine, lanes)
+        if not table.num_blocks:
+            await send_frame(conn, Kind.REPLY, deadline, body=offer)
+            return
+        _, _, body = await recv_frame(
+            conn, [Kind.GO], deadline, after=frame_sends(conn, Kind.REPLY, offer)
+        )
+        accepted, packed = decode_go(body, table.num_blocks)
+        if accepted:  # GO accepts all that was offered, or nothing
+            theirs = decode_run_starts(packed, len(order))
+            bounds = segment_bounds(len(order), mine, theirs)
+            views = segment_views(ptr, size, memory, bounds, writable=False, owner=table.owner)
+            await self._send_slots(conn, views, deadline)
+
+    async def _send_slots(
+        self, conn: Conn, views: list[Any], deadline: float, first: int = 0
+    ) -> None:
+        """Send segments ``first``, ``first + 1``, ... each on its own tag.
+
+        A method of its own so that tests can make a peer fail half-way.
+        """
+
+        async def send(i: int, view: Any) -> None:
+            await conn.ep.send(view, tag=DATA_TAG_BASE + first + i)
+
+        await run_ops(conn, pump(send, views, self.send_window), deadline, "sending slots")
+
+    async def _refuse(self, conn: Conn, code: Code, message: str, deadline: float) -> None:
+        await send_frame(conn, Kind.ERROR, deadline, body=encode_error(code, message))
+
+
+def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:
+    """The leased prefix's slots, trimmed to the per-fetch bounds."""
+    table, n = lease.slots, len(lease.hashes)
+    if n > len(hashes) or list(lease.hashes) != hashes[:n] or table.num_blocks != n:
+        raise ValueError("lease is not a prefix of the request")
+    counts = table.counts
+    fits = (
+        (counts > 0) & (counts <= MAX_SLOTS_PER_BLOCK) & (np.cumsum(counts) <= MAX_SLOTS_PER_FETCH)
+    )
+    keep = n if bool(fits.all()) else int(np.argmin(fits))
+    table = table.prefix(keep)
+    if len(table.nbytes) and not (
+        int(table.nbytes.min()) > 0 and int(table.nbytes.max()) <= MAX_SLOT_BYTES
+    ):
+        raise ValueError("slot size out of bounds")
+    return table

@@ -1,0 +1,50 @@
+"""Bounds on every size and count a request may carry: the one bounds file.
+
+A request past a bound is refused with INVALID_ARGUMENT naming the field;
+nothing in it is acted on. The bounds sit far above any real deployment (a
+1k-layer model at TP64, a 1M-token prompt, hundreds of workers per model) and
+far below what would let one request exhaust a server's memory or CPU. The
+transfer protocol derives its own frame bounds from these
+(``kvstore.transfer.wire``).
+"""
+
+# ---- names, shared by store and router
+MAX_NAME_LEN = 256  # layer names, instance ids, dtypes, display names, worker names, node ids
+MAX_NAMESPACE_LEN = 128  # client namespace (docs/design.md §1)
+MAX_SHM_NAME_LEN = 200
+MAX_LEASE_MS = 10 * 60 * 1000
+
+# Tokens per block. The store and the router once disagreed (4096 vs 65536);
+# 65536 is the one bound because memory is bounded by MAX_BYTES_PER_BLOCK, not
+# by tokens, and hybrid attention/state-space models raise the attention block
+# size into the thousands to align with their state pages. A card the router
+# admits must also be registrable at the store.
+MAX_BLOCK_SIZE = 1 << 16
+
+# ---- a store server's registration and block requests
+MAX_LAYERS = 1024  # layers one rank registers
+MAX_TP_SIZE = 64
+MAX_WORLD_SIZE = 1024
+MAX_NUM_BLOCKS = 1 << 24  # blocks in one rank's paged cache
+MAX_BYTES_PER_BLOCK = 64 << 20  # one rank's bytes of one block of one layer
+MAX_BLOCKS_PER_REQUEST = 8192  # (hash, block_id) pairs in one Save/Load/Query
+
+# ---- the router's cards, routes and events
+MAX_ALIASES = 64
+MAX_LIST_ITEMS = 64  # needs, multimodal contracts
+MAX_EXTRA_FILES = 256
+MAX_TEXT_LEN = 64 * 1024  # prompt_context, router_config
+MAX_CHECKSUM_LEN = 256
+MAX_ADDRESS_LEN = 512
+MAX_CONTEXT_LENGTH = 1 << 31
+MAX_BLOCK_HASHES = 1 << 16  # hashes in one Route / QueryPrefix
+MAX_TOKEN_IDS = 1 << 20  # tokens in one Route
+MAX_DECODE_TOKENS = 1 << 24
+MAX_EVENTS_PER_PUBLISH = 4096
+MAX_EVENT_BYTES = 4 << 20  # one msgpack event / one vLLM batch
+MAX_HASHES_PER_EVENT = 1 << 16
+MAX_WORKERS_PER_DOMAIN = 4096  # bits in one holder mask
+MAX_PEERS = 4096
+MAX_NAMESPACES_PER_PEER = 256
+MAX_REQUEST_ID_LEN = 256
+MAX_ACTIVE_REQUESTS = 1 << 20  # tracked loads; the oldest are dropped past it
