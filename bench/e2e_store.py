@@ -35,8 +35,9 @@ def make_layers(device: str, cache_blocks: int) -> list[KVLayer]:
             shm.tensor.view(torch.uint8).random_(0, 255)
             layers.append(KVLayer(name, shm.tensor, "kv_first", "NHD", shm))
         else:
-            t = torch.randn(2, cache_blocks, BLOCK, HEADS, HEAD_DIM, dtype=torch.float16,
-                            device=device)
+            t = torch.randn(
+                2, cache_blocks, BLOCK, HEADS, HEAD_DIM, dtype=torch.float16, device=device
+            )
             layers.append(KVLayer(name, t, "kv_first", "NHD"))
     return layers
 
@@ -98,18 +99,35 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     rows = []
     for op, t in (("save", t_save), ("load", t_load)):
         gbps = nbytes / t / 1e9
-        rows.append({"section": "e2e", "device": device, "layout": "kv_first",
-                     "slot_bytes": slot, "num_blocks": SAVE_BLOCKS, "num_layers": LAYERS,
-                     "total_bytes": nbytes, "op": f"rpc_{op}", "gbps": round(gbps, 3),
-                     "baseline_gbps": round(base_gbps, 3), "ratio": round(gbps / base_gbps, 3),
-                     "ms": round(t * 1e3, 2), "copier_only_ms": round(t_copy * 1e3, 2),
-                     "overhead_ms": round((t - t_copy) * 1e3, 2)})
-    meta = {"save_call_ms_no_bytes": round(t_call * 1e3, 3), "repeats": repeats,
-            "what": "one Save / Load RPC of 256 blocks x 32 layers (TP1, 64 KiB slots) "
-                    "vs the copier alone and a contiguous copy of the same bytes"}
-    print(f"e2e: Save {t_save*1e3:.1f} ms, Load {t_load*1e3:.1f} ms, copier alone "
-          f"{t_copy*1e3:.1f} ms, contiguous {t_base*1e3:.1f} ms, empty Save call "
-          f"{t_call*1e3:.2f} ms for {nbytes >> 20} MiB")
+        rows.append(
+            {
+                "section": "e2e",
+                "device": device,
+                "layout": "kv_first",
+                "slot_bytes": slot,
+                "num_blocks": SAVE_BLOCKS,
+                "num_layers": LAYERS,
+                "total_bytes": nbytes,
+                "op": f"rpc_{op}",
+                "gbps": round(gbps, 3),
+                "baseline_gbps": round(base_gbps, 3),
+                "ratio": round(gbps / base_gbps, 3),
+                "ms": round(t * 1e3, 2),
+                "copier_only_ms": round(t_copy * 1e3, 2),
+                "overhead_ms": round((t - t_copy) * 1e3, 2),
+            }
+        )
+    meta = {
+        "save_call_ms_no_bytes": round(t_call * 1e3, 3),
+        "repeats": repeats,
+        "what": "one Save / Load RPC of 256 blocks x 32 layers (TP1, 64 KiB slots) "
+        "vs the copier alone and a contiguous copy of the same bytes",
+    }
+    print(
+        f"e2e: Save {t_save * 1e3:.1f} ms, Load {t_load * 1e3:.1f} ms, copier alone "
+        f"{t_copy * 1e3:.1f} ms, contiguous {t_base * 1e3:.1f} ms, empty Save call "
+        f"{t_call * 1e3:.2f} ms for {nbytes >> 20} MiB"
+    )
     return rows, meta
 
 
@@ -119,8 +137,9 @@ def copy_only(layers: list[KVLayer], device: str, nbytes: int, repeats: int) -> 
     pool.zero_()
     regions = [region_from_tensor(layer.tensor, "kv_first") for layer in layers]
     slot = regions[0].slot_bytes
-    addrs = (pool.data_ptr() + np.arange(LAYERS * SAVE_BLOCKS, dtype=np.uint64)
-             .reshape(LAYERS, SAVE_BLOCKS) * np.uint64(slot))
+    addrs = pool.data_ptr() + np.arange(LAYERS * SAVE_BLOCKS, dtype=np.uint64).reshape(
+        LAYERS, SAVE_BLOCKS
+    ) * np.uint64(slot)
     pieces = plan(regions, np.arange(SAVE_BLOCKS), addrs)
     copier = copier_for(device)
     return timed(lambda r: copier.save(pieces), repeats)

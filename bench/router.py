@@ -53,8 +53,8 @@ from kvstore.wire.events import StoreEvent  # noqa: E402
 from kvstore.wire.hashing import block_hashes  # noqa: E402
 
 BLOCK = 16
-SESSION_RATE = 2.0        # new sessions per time unit; think time between turns ~30 units
-CACHE_BLOCKS = 8192       # per worker: 128k tokens of KV, a modest GPU's prefix cache
+SESSION_RATE = 2.0  # new sessions per time unit; think time between turns ~30 units
+CACHE_BLOCKS = 8192  # per worker: 128k tokens of KV, a modest GPU's prefix cache
 RESULTS = ROOT / "bench" / "results"
 NS = "bench.0123456789abcdef"
 
@@ -69,24 +69,32 @@ def percentile(xs: list[float], q: float) -> float:
 
 # -- 1 + 2: a 64-worker, 1M-block index built through the event paths -----------
 
-def build_index(workers: int, blocks_per_worker: int, n_system: int, system_blocks: int,
-                seed: int = 0):
+
+def build_index(
+    workers: int, blocks_per_worker: int, n_system: int, system_blocks: int, seed: int = 0
+):
     """Returns (router, refs, system prompts, per-worker histories, ingest stats)."""
     rng = np.random.default_rng(seed)
     router = Router(RouterConfig())
-    refs = [router.register_worker(f"w{i}", WorkerCard("bench", BLOCK, hash_format="vllm-sha256")).ref
-            for i in range(workers)]
+    refs = [
+        router.register_worker(f"w{i}", WorkerCard("bench", BLOCK, hash_format="vllm-sha256")).ref
+        for i in range(workers)
+    ]
     systems = [u64s(rng, system_blocks) for _ in range(n_system)]
     histories, payloads = [], []
     for i in range(workers):
         own = u64s(rng, blocks_per_worker)
         histories.append(own)
-        events = [["BlockStored", systems[(i * 7 + k) % n_system], None, [], BLOCK, None, "GPU", None]
-                  for k in range(max(1, n_system // 4))]
+        events = [
+            ["BlockStored", systems[(i * 7 + k) % n_system], None, [], BLOCK, None, "GPU", None]
+            for k in range(max(1, n_system // 4))
+        ]
         for start in range(0, len(own), 64):  # vLLM stores a request's new blocks in one event
-            events.append(["BlockStored", own[start:start + 64], None, [], BLOCK, None, "GPU", None])
+            events.append(
+                ["BlockStored", own[start : start + 64], None, [], BLOCK, None, "GPU", None]
+            )
         for start in range(0, len(events), 32):  # a batch per engine step
-            payloads.append((refs[i], encode_batch(events[start:start + 32], ts=1.0)))
+            payloads.append((refs[i], encode_batch(events[start : start + 32], ts=1.0)))
     blocks = sum(len(e.hashes) for _, p in payloads for e in decode_batch(p).events)
     t0 = time.perf_counter()
     for ref, payload in payloads:
@@ -98,11 +106,13 @@ def build_index(workers: int, blocks_per_worker: int, n_system: int, system_bloc
 def ingest_store_events(router: Router, total_blocks: int, seed: int = 1) -> float:
     rng = np.random.default_rng(seed)
     peer = router.advertise_peer("store-0", "127.0.0.1:50051", "", [NS])
-    payloads = [StoreEvent("stored", NS, u64s(rng, 64), "store-0").encode()
-                for _ in range(total_blocks // 64)]
+    payloads = [
+        StoreEvent("stored", NS, u64s(rng, 64), "store-0").encode()
+        for _ in range(total_blocks // 64)
+    ]
     t0 = time.perf_counter()
     for start in range(0, len(payloads), 256):
-        router.publish_store_events("store-0", peer.generation, payloads[start:start + 256])
+        router.publish_store_events("store-0", peer.generation, payloads[start : start + 256])
     dt = time.perf_counter() - t0
     router.remove_peer("store-0")
     return len(payloads) * 64 / dt
@@ -116,10 +126,10 @@ def route_latency(router, systems, histories, prompt_tokens: int, samples: int, 
     for _ in range(samples):
         w = rng.randrange(len(histories))
         system = systems[(w * 7) % len(systems)]
-        sys_part = system[:min(len(system), n_blocks // 4)]
+        sys_part = system[: min(len(system), n_blocks // 4)]
         hist_len = rng.randint(0, max(0, n_blocks - len(sys_part)))
         start = rng.randrange(0, len(histories[w]) - hist_len + 1)
-        hist = histories[w][start:start + hist_len]
+        hist = histories[w][start : start + hist_len]
         tail = [rng.getrandbits(63) for _ in range(n_blocks - len(sys_part) - len(hist))]
         hashes = sys_part + hist + tail
         t0 = time.perf_counter()
@@ -141,6 +151,7 @@ def hashing_ms(prompt_tokens: int, samples: int) -> float:
 
 
 # -- 3: hit rate on a synthetic shared-prefix multi-turn trace -------------------
+
 
 def make_trace(sessions: int, seed: int = 3):
     """Requests as block-hash lists, in arrival order, plus each one's output blocks.
@@ -215,7 +226,9 @@ def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, se
     router = None
     if policy == "kv_aware":
         router = Router(RouterConfig(scoring=ScoringConfig(overlap_weight=1.0)))
-        refs = [router.register_worker(f"w{i}", WorkerCard("sim", BLOCK)).ref for i in range(workers)]
+        refs = [
+            router.register_worker(f"w{i}", WorkerCard("sim", BLOCK)).ref for i in range(workers)
+        ]
     hit = total = 0
     per_worker = [0] * workers
     window: deque[str] = deque()
@@ -225,8 +238,9 @@ def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, se
         elif policy == "random":
             w = rng.randrange(workers)
         else:
-            r = router.route("sim", hashes=prompt, request_id=f"r{i}",
-                             decode_tokens=len(output) * BLOCK)
+            r = router.route(
+                "sim", hashes=prompt, request_id=f"r{i}", decode_tokens=len(output) * BLOCK
+            )
             w = int(r.worker.name[1:])
             window.append(r.request_id)
             if len(window) > in_flight:  # the oldest in-flight request completes
@@ -247,6 +261,7 @@ def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, se
 
 # -- main ------------------------------------------------------------------------
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
@@ -258,24 +273,36 @@ def main() -> None:
     workers = 64
     per_worker = 16_000  # 64 x 16k unique blocks + shared system prompts > 1M
     print(f"building index: {workers} workers x {per_worker} blocks + shared system prompts ...")
-    router, refs, systems, histories, ing = build_index(workers, per_worker, n_system=64,
-                                                         system_blocks=256)
+    router, refs, systems, histories, ing = build_index(
+        workers, per_worker, n_system=64, system_blocks=256
+    )
     stats = router.stats()
     ingest_vllm = ing["vllm_blocks"] / ing["vllm_s"]
     ingest_store = ingest_store_events(router, 256_000 if quick else 1_024_000)
     index_bytes = router.index_bytes()
-    print(f"  indexed {stats.indexed_blocks:,} blocks, {index_bytes / 2**20:.0f} MiB; "
-          f"ingest vLLM {ingest_vllm:,.0f} blocks/s, store {ingest_store:,.0f} blocks/s")
+    print(
+        f"  indexed {stats.indexed_blocks:,} blocks, {index_bytes / 2**20:.0f} MiB; "
+        f"ingest vLLM {ingest_vllm:,.0f} blocks/s, store {ingest_store:,.0f} blocks/s"
+    )
 
     samples = 300 if quick else 2000
     rows = []
     for tokens in (1024, 2048, 4096, 8192, 16384):
         lat, mean_overlap = route_latency(router, systems, histories, tokens, samples)
-        rows.append({"prompt_tokens": tokens, "workers": workers,
-                     "indexed_blocks": stats.indexed_blocks, "p50": percentile(lat, 50),
-                     "p99": percentile(lat, 99), "mean_overlap_blocks": mean_overlap,
-                     "samples": samples})
-        print(f"  route {tokens:>5} tokens: p50 {rows[-1]['p50']:.3f} ms  p99 {rows[-1]['p99']:.3f} ms")
+        rows.append(
+            {
+                "prompt_tokens": tokens,
+                "workers": workers,
+                "indexed_blocks": stats.indexed_blocks,
+                "p50": percentile(lat, 50),
+                "p99": percentile(lat, 99),
+                "mean_overlap_blocks": mean_overlap,
+                "samples": samples,
+            }
+        )
+        print(
+            f"  route {tokens:>5} tokens: p50 {rows[-1]['p50']:.3f} ms  p99 {rows[-1]['p99']:.3f} ms"
+        )
     hash_8k = hashing_ms(8192, 50 if quick else 200)
     print(f"  hashing 8k tokens in the router (token_ids path): p50 {hash_8k:.3f} ms")
     del router, histories
@@ -286,14 +313,19 @@ def main() -> None:
     mean_prompt = float(np.mean([len(p) for p, _ in trace])) * BLOCK
     unique = len({h for p, o in trace for h in p + o})
     capacity = CACHE_BLOCKS
-    print(f"trace: {len(trace)} requests, {sessions} sessions, mean prompt {mean_prompt:.0f} tokens, "
-          f"{unique:,} unique blocks; {sim_workers} workers x {capacity:,} blocks of cache")
+    print(
+        f"trace: {len(trace)} requests, {sessions} sessions, mean prompt {mean_prompt:.0f} tokens, "
+        f"{unique:,} unique blocks; {sim_workers} workers x {capacity:,} blocks of cache"
+    )
     hit_rate, balance = {}, {}
     for policy in ("kv_aware", "round_robin", "random"):
-        hit_rate[policy], balance[policy] = simulate(trace, policy, sim_workers, capacity,
-                                                     in_flight=2 * sim_workers)
-        print(f"  {policy:>11}: hit rate {hit_rate[policy]:.3f}  (max/mean requests per worker "
-              f"{balance[policy]:.2f})")
+        hit_rate[policy], balance[policy] = simulate(
+            trace, policy, sim_workers, capacity, in_flight=2 * sim_workers
+        )
+        print(
+            f"  {policy:>11}: hit rate {hit_rate[policy]:.3f}  (max/mean requests per worker "
+            f"{balance[policy]:.2f})"
+        )
 
     result = {
         "ingest_blocks_per_s": min(ingest_vllm, ingest_store),
@@ -305,12 +337,21 @@ def main() -> None:
         "load_balance_max_over_mean": balance,
         "index_bytes": index_bytes,
         "indexed_blocks": stats.indexed_blocks,
-        "trace": {"requests": len(trace), "sessions": sessions, "mean_prompt_tokens": mean_prompt,
-                  "unique_blocks": unique, "workers": sim_workers, "cache_blocks_per_worker": capacity,
-                  "block_size": BLOCK},
+        "trace": {
+            "requests": len(trace),
+            "sessions": sessions,
+            "mean_prompt_tokens": mean_prompt,
+            "unique_blocks": unique,
+            "workers": sim_workers,
+            "cache_blocks_per_worker": capacity,
+            "block_size": BLOCK,
+        },
         "quick": quick,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "wall_s": time.perf_counter() - t_start,
     }
     out = Path(args.out)
@@ -322,6 +363,7 @@ def main() -> None:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -334,7 +376,9 @@ def plot(result: dict, path: Path) -> None:
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt tokens")
     a.set_ylabel("route latency (ms)")
-    a.set_title(f"{rows[0]['workers']} workers, {rows[0]['indexed_blocks'] / 1e6:.2f}M indexed blocks")
+    a.set_title(
+        f"{rows[0]['workers']} workers, {rows[0]['indexed_blocks'] / 1e6:.2f}M indexed blocks"
+    )
     a.legend()
     hr = result["hit_rate"]
     b.bar(list(hr), list(hr.values()), color=["tab:green", "tab:blue", "tab:orange"])
@@ -342,8 +386,10 @@ def plot(result: dict, path: Path) -> None:
         b.text(i, v, f"{v:.2f}", ha="center", va="bottom")
     b.set_ylabel("prefix hit rate (blocks)")
     t = result["trace"]
-    b.set_title(f"{t['requests']} requests, {t['workers']} workers, "
-                f"ingest {result['ingest_blocks_per_s'] / 1e6:.2f}M blocks/s")
+    b.set_title(
+        f"{t['requests']} requests, {t['workers']} workers, "
+        f"ingest {result['ingest_blocks_per_s'] / 1e6:.2f}M blocks/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

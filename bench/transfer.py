@@ -60,12 +60,14 @@ SLOTS_PER_BLOCK = 16  # throughput rows; the latency case uses 64
 # 32 layers * 2 ranks = 64 slots per block, 2 MiB per block, 64 MiB per prefix.
 LATENCY_LAYERS, LATENCY_TP, LATENCY_BLOCKS = 32, 2, 32
 LATENCY_SLOT = 16 * (8 // LATENCY_TP) * 128 * 2 * 2
-GBPS_NOTE = ("gbps = slot payload bytes / median wall time of one fetch (request, offer, "
-             "reserve, GO, all slots), 1 GB = 1e9 bytes; baseline_gbps = the same total bytes "
-             "as one ucxx message between the same two processes, request round trip "
-             "included, timed interleaved; ratio = gbps / baseline_gbps; for mem=cuda also "
-             "device_copy_gbps = one device-to-device cudaMemcpy of the same bytes in the "
-             "fetching process (bytes counted once) and ratio_device_copy = gbps / that")
+GBPS_NOTE = (
+    "gbps = slot payload bytes / median wall time of one fetch (request, offer, "
+    "reserve, GO, all slots), 1 GB = 1e9 bytes; baseline_gbps = the same total bytes "
+    "as one ucxx message between the same two processes, request round trip "
+    "included, timed interleaved; ratio = gbps / baseline_gbps; for mem=cuda also "
+    "device_copy_gbps = one device-to-device cudaMemcpy of the same bytes in the "
+    "fetching process (bytes counted once) and ratio_device_copy = gbps / that"
+)
 
 
 # ---- the two processes' pools: slot views carved from one array -------------------------
@@ -101,17 +103,22 @@ def pool_memory(pool: Any) -> tuple[int, int]:
     return int(pool.data.ptr), int(pool.data.mem.ptr)
 
 
-def tp_slots(pool: Any, region: int, slot: int, per_block: int, tp: int,
-             index: np.ndarray) -> SlotTable:
+def tp_slots(
+    pool: Any, region: int, slot: int, per_block: int, tp: int, index: np.ndarray
+) -> SlotTable:
     """Slots of blocks ``index`` where rank r owns the r-th ``region`` bytes of the
     pool and, there, block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
     base, key = pool_memory(pool)
     s = np.arange(per_block, dtype=np.int64)
     at = (s % tp) * region + (index[:, None] * (per_block // tp) + s // tp) * slot
     n = at.size
-    return SlotTable((np.uint64(base) + at.ravel().astype(np.uint64)),
-                     np.full(n, slot, dtype=np.int64), np.full(n, key, dtype=np.int64),
-                     np.full(len(index), per_block, dtype=np.int64), owner=pool)
+    return SlotTable(
+        (np.uint64(base) + at.ravel().astype(np.uint64)),
+        np.full(n, slot, dtype=np.int64),
+        np.full(n, key, dtype=np.int64),
+        np.full(len(index), per_block, dtype=np.int64),
+        owner=pool,
+    )
 
 
 @dataclass
@@ -158,8 +165,9 @@ class BenchSink:
     def __init__(self, pool: Any):
         self.pool = pool
 
-    def reserve(self, namespace: str, hashes: list[int],
-                slot_sizes: list[list[int]]) -> BenchReservation:
+    def reserve(
+        self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
+    ) -> BenchReservation:
         tp = decode_hash(hashes[0])[3]
         per_block, slot = len(slot_sizes[0]), slot_sizes[0][0]
         region = len(hashes) * (per_block // tp) * slot
@@ -279,35 +287,59 @@ async def _measure(opts: dict) -> dict:
                 dcopy.append(device_copy_once(nbytes))
         gbps = nbytes / statistics.median(fetched) / 1e9
         base = nbytes / statistics.median(raw) / 1e9
-        row = Row(opts["tls"], mem, slot, SLOTS_PER_BLOCK, num_blocks, nbytes,
-                  round(gbps, 3), round(base, 3), round(gbps / base, 3), opts["repeats"])
+        row = Row(
+            opts["tls"],
+            mem,
+            slot,
+            SLOTS_PER_BLOCK,
+            num_blocks,
+            nbytes,
+            round(gbps, 3),
+            round(base, 3),
+            round(gbps / base, 3),
+            opts["repeats"],
+        )
         if dcopy:
             dc = nbytes / statistics.median(dcopy) / 1e9
             row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps / dc, 3)
         rows.append(row)
         extra = f"  memcpy {row.device_copy_gbps} GB/s" if dcopy else ""
-        print(f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB x {num_blocks * SLOTS_PER_BLOCK:>5}"
-              f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}{extra}",
-              flush=True)
+        print(
+            f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB x {num_blocks * SLOTS_PER_BLOCK:>5}"
+            f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}{extra}",
+            flush=True,
+        )
 
     per_block = LATENCY_LAYERS * LATENCY_TP
     hashes = [encode_hash(LATENCY_SLOT, per_block, i, LATENCY_TP) for i in range(LATENCY_BLOCKS)]
     await fetch_once(hashes)
     samples = sorted([await fetch_once(hashes) for _ in range(opts["latency_iters"])])
     latency = {
-        "transport": opts["tls"], "mem": mem, "model": "32 layers, TP2, 8 KV heads x 128, fp16",
-        "block_tokens": 16, "slot_bytes": LATENCY_SLOT, "slots_per_block": per_block,
-        "num_blocks": LATENCY_BLOCKS, "total_bytes": LATENCY_SLOT * per_block * LATENCY_BLOCKS,
-        "iters": len(samples), "p50_ms": round(1e3 * _quantile(samples, 0.5), 3),
+        "transport": opts["tls"],
+        "mem": mem,
+        "model": "32 layers, TP2, 8 KV heads x 128, fp16",
+        "block_tokens": 16,
+        "slot_bytes": LATENCY_SLOT,
+        "slots_per_block": per_block,
+        "num_blocks": LATENCY_BLOCKS,
+        "total_bytes": LATENCY_SLOT * per_block * LATENCY_BLOCKS,
+        "iters": len(samples),
+        "p50_ms": round(1e3 * _quantile(samples, 0.5), 3),
         "p99_ms": round(1e3 * _quantile(samples, 0.99), 3),
         "min_ms": round(1e3 * samples[0], 3),
     }
-    print(f"  latency {LATENCY_BLOCKS}-block prefix ({latency['total_bytes'] >> 20} MiB): "
-          f"p50 {latency['p50_ms']} ms  p99 {latency['p99_ms']} ms", flush=True)
+    print(
+        f"  latency {LATENCY_BLOCKS}-block prefix ({latency['total_bytes'] >> 20} MiB): "
+        f"p50 {latency['p50_ms']} ms  p99 {latency['p99_ms']} ms",
+        flush=True,
+    )
     raw_ep.abort()
     await close_endpoints()
-    return {"rows": [asdict(r) for r in rows], "latency": latency,
-            "active_transports": sorted(ucxx.get_active_transports())}
+    return {
+        "rows": [asdict(r) for r in rows],
+        "latency": latency,
+        "active_transports": sorted(ucxx.get_active_transports()),
+    }
 
 
 def _synchronize(mem: str) -> Any:
@@ -341,16 +373,24 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
     total = args.total_mib << 20
     latency_bytes = LATENCY_SLOT * LATENCY_LAYERS * LATENCY_TP * LATENCY_BLOCKS
     serve_pipe, child = ctx.Pipe()
-    server = ctx.Process(target=serve_main, daemon=True,
-                         args=(child, env, args.mem, max(total, latency_bytes)))
+    server = ctx.Process(
+        target=serve_main, daemon=True, args=(child, env, args.mem, max(total, latency_bytes))
+    )
     server.start()
     fetcher = None
     try:
         address, raw_port, server_tls = serve_pipe.recv()
-        opts = {"mem": args.mem, "total_bytes": max(total, latency_bytes), "tls": tls,
-                "address": address, "raw_port": raw_port, "repeats": args.repeats,
-                "latency_iters": args.latency_iters, "slot_sizes": args.slot_sizes,
-                "fetch_device": 1 if args.mem == "cuda" and _gpu_count() > 1 else 0}
+        opts = {
+            "mem": args.mem,
+            "total_bytes": max(total, latency_bytes),
+            "tls": tls,
+            "address": address,
+            "raw_port": raw_port,
+            "repeats": args.repeats,
+            "latency_iters": args.latency_iters,
+            "slot_sizes": args.slot_sizes,
+            "fetch_device": 1 if args.mem == "cuda" and _gpu_count() > 1 else 0,
+        }
         fetch_pipe, child = ctx.Pipe()
         fetcher = ctx.Process(target=fetch_main, args=(child, env, opts), daemon=True)
         fetcher.start()
@@ -389,11 +429,22 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
         "note": GBPS_NOTE,
         "generated": now,
         "quick": args.quick,
-        "ucx": [{"transport": s["rows"][0]["transport"] if s["rows"] else "", "mem": args.mem,
-                 "env": s["env"], "active_transports": s["active_transports"],
-                 "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                          "python": platform.python_version(), "date": now}}
-                for s in sweeps] + [u for u in old.get("ucx", []) if u.get("mem") != args.mem],
+        "ucx": [
+            {
+                "transport": s["rows"][0]["transport"] if s["rows"] else "",
+                "mem": args.mem,
+                "env": s["env"],
+                "active_transports": s["active_transports"],
+                "host": {
+                    "machine": platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "date": now,
+                },
+            }
+            for s in sweeps
+        ]
+        + [u for u in old.get("ucx", []) if u.get("mem") != args.mem],
         "rows": rows,
         "latency": latency,
     }
@@ -411,16 +462,28 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r["transport"], r["mem"]) for r in rows})
     for transport, mem in series:
-        mine = sorted((r for r in rows if (r["transport"], r["mem"]) == (transport, mem)),
-                      key=lambda r: r["slot_bytes"])
+        mine = sorted(
+            (r for r in rows if (r["transport"], r["mem"]) == (transport, mem)),
+            key=lambda r: r["slot_bytes"],
+        )
         x = [r["slot_bytes"] >> 10 for r in mine]
         label = f"{mem}, UCX_TLS={transport}"
         line = ax.plot(x, [r["gbps"] for r in mine], "o-", label=f"fetch ({label})")[0]
-        ax.plot(x, [r["baseline_gbps"] for r in mine], "s--", color=line.get_color(),
-                label=f"raw ucxx, one buffer ({label})")
+        ax.plot(
+            x,
+            [r["baseline_gbps"] for r in mine],
+            "s--",
+            color=line.get_color(),
+            label=f"raw ucxx, one buffer ({label})",
+        )
         if mine and mine[0].get("device_copy_gbps"):
-            ax.plot(x, [r["device_copy_gbps"] for r in mine], "^:", color=line.get_color(),
-                    label=f"cudaMemcpy in one process ({label})")
+            ax.plot(
+                x,
+                [r["device_copy_gbps"] for r in mine],
+                "^:",
+                color=line.get_color(),
+                label=f"cudaMemcpy in one process ({label})",
+            )
         ax_ratio.plot(x, [r["ratio"] for r in mine], "o-", color=line.get_color(), label=label)
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
@@ -433,8 +496,9 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     ax_ratio.axhline(0.7, color="grey", linestyle=":", label="0.7 target")
     ax_ratio.set_ylabel("fetch / raw")
     ax_ratio.set_ylim(0, 1.2)
-    lat = "\n".join(f"{x['mem']}/{x['transport']}: p50 {x['p50_ms']} ms, p99 {x['p99_ms']} ms"
-                    for x in latency)
+    lat = "\n".join(
+        f"{x['mem']}/{x['transport']}: p50 {x['p50_ms']} ms, p99 {x['p99_ms']} ms" for x in latency
+    )
     ax_ratio.set_title(f"ratio to raw ucxx; 32-block prefix (64 MiB) latency:\n{lat}", fontsize=8)
     ax_ratio.legend(fontsize=7)
     fig.tight_layout()
@@ -445,13 +509,20 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min)")
     p.add_argument("--mem", choices=("host", "cuda"), default="host")
-    p.add_argument("--tls", action="append",
-                   help="UCX_TLS value per sweep (repeatable); 'default' leaves UCX to choose")
+    p.add_argument(
+        "--tls",
+        action="append",
+        help="UCX_TLS value per sweep (repeatable); 'default' leaves UCX to choose",
+    )
     p.add_argument("--total-mib", type=int, help="bytes per throughput measurement")
     p.add_argument("--repeats", type=int)
     p.add_argument("--latency-iters", type=int)
-    p.add_argument("--out", type=Path, default=RESULTS / "transfer.json",
-                   help="JSON to merge into (rows of the other mem kind are kept); PNG beside it")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / "transfer.json",
+        help="JSON to merge into (rows of the other mem kind are kept); PNG beside it",
+    )
     args = p.parse_args()
     args.tls = args.tls or [os.environ.get("UCX_TLS", "default")]
     args.total_mib = args.total_mib or (64 if args.quick else 256)
@@ -466,8 +537,11 @@ def main() -> None:
     start = time.monotonic()
     sweeps = []
     for tls in args.tls:
-        print(f"UCX_TLS={tls} mem={args.mem}: {args.total_mib} MiB per transfer, "
-              f"median of {args.repeats}", flush=True)
+        print(
+            f"UCX_TLS={tls} mem={args.mem}: {args.total_mib} MiB per transfer, "
+            f"median of {args.repeats}",
+            flush=True,
+        )
         sweeps.append(run_sweep(tls, args))
     write_results(sweeps, args)
     print(f"done in {time.monotonic() - start:.0f}s")

@@ -52,9 +52,22 @@ def free_port() -> int:
 
 
 def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--device", device,
-           "--pool-size", str(pool_size), "--no-router", "--no-transfer",
-           "--log-level", "error"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "serve",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--pool-size",
+        str(pool_size),
+        "--no-router",
+        "--no-transfer",
+        "--log-level",
+        "error",
+    ]
     proc = subprocess.Popen(cmd)
     client = StoreClient(f"127.0.0.1:{port}", timeout=2)
     deadline = time.monotonic() + 60
@@ -72,17 +85,28 @@ def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
 
 def make_prompts(args, rng: np.random.Generator) -> list[list[int]]:
     prefix = rng.integers(0, 128_000, args.prefix_tokens).tolist()
-    return [prefix + rng.integers(0, 128_000, args.suffix_tokens).tolist()
-            for _ in range(args.prompts)]
+    return [
+        prefix + rng.integers(0, 128_000, args.suffix_tokens).tolist() for _ in range(args.prompts)
+    ]
 
 
-def start_instance(name: str, address: str, args, device: str, extra_layers: int = 0,
-                   num_blocks: int = 0) -> WorkerGroup:
+def start_instance(
+    name: str, address: str, args, device: str, extra_layers: int = 0, num_blocks: int = 0
+) -> WorkerGroup:
     """Two TP worker processes that form one sealed instance."""
-    return WorkerGroup(address, name, 2, "demo-llama", layers=args.layers,
-                       extra_layers=extra_layers, heads=args.heads, head_dim=args.head_dim,
-                       block_size=args.block_size, num_blocks=num_blocks,
-                       device="cpu" if device == "cpu" else "cuda")
+    return WorkerGroup(
+        address,
+        name,
+        2,
+        "demo-llama",
+        layers=args.layers,
+        extra_layers=extra_layers,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        device="cpu" if device == "cpu" else "cuda",
+    )
 
 
 def run_demo(args) -> int:
@@ -131,32 +155,45 @@ def _cycle(args, address: str, device: str, instances: list) -> tuple[list[Row],
     for hs in per_prompt:
         reply = client.query(b.namespace, hs, lease=True)
         hits += reply.prefix_blocks
-        target = [(h, len(unique) + slot_of[h]) for h in hs[:reply.prefix_blocks]]
+        target = [(h, len(unique) + slot_of[h]) for h in hs[: reply.prefix_blocks]]
         moved += sum(b.each("load", target))
         client.release(reply.lease_id)
-    rows.append(Row("B", b.namespace, "load", sum(map(len, per_prompt)), hits, moved,
-                    time.perf_counter() - t0))
+    rows.append(
+        Row(
+            "B",
+            b.namespace,
+            "load",
+            sum(map(len, per_prompt)),
+            hits,
+            moved,
+            time.perf_counter() - t0,
+        )
+    )
     loaded = b.each("digest", [len(unique) + slot_of[h] for h in unique])
     ok = ok and loaded == saved and hits == sum(map(len, per_prompt))
 
-    c = start_instance("demo-c-mtp", address, args, device, extra_layers=1,
-                       num_blocks=num_blocks)
+    c = start_instance("demo-c-mtp", address, args, device, extra_layers=1, num_blocks=num_blocks)
     instances.append(c)
     misses = sum(client.query(c.namespace, hs).prefix_blocks for hs in per_prompt)
-    rows.append(Row("C (MTP on)", c.namespace, "query", sum(map(len, per_prompt)), misses,
-                    0, 0.0))
+    rows.append(Row("C (MTP on)", c.namespace, "query", sum(map(len, per_prompt)), misses, 0, 0.0))
     ok = ok and misses == 0 and c.namespace != a.namespace
     return rows, ok
 
 
 def print_table(rows: list[Row], device: str, args) -> None:
-    print(f"\nkvstore demo: {args.layers} layers, {args.heads} KV heads x {args.head_dim}, "
-          f"{args.block_size} tokens/block, fp16, TP 2, device {device}")
-    header = f"{'instance':<12} {'namespace':<36} {'step':<6} {'blocks':>6} {'hits':>6} " \
-             f"{'MiB moved':>10} {'GB/s':>7}"
+    print(
+        f"\nkvstore demo: {args.layers} layers, {args.heads} KV heads x {args.head_dim}, "
+        f"{args.block_size} tokens/block, fp16, TP 2, device {device}"
+    )
+    header = (
+        f"{'instance':<12} {'namespace':<36} {'step':<6} {'blocks':>6} {'hits':>6} "
+        f"{'MiB moved':>10} {'GB/s':>7}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.instance:<12} {r.namespace:<36} {r.step:<6} {r.blocks:>6} {r.hits:>6} "
-              f"{r.nbytes / 2**20:>10.1f} {r.gbps:>7.2f}")
+        print(
+            f"{r.instance:<12} {r.namespace:<36} {r.step:<6} {r.blocks:>6} {r.hits:>6} "
+            f"{r.nbytes / 2**20:>10.1f} {r.gbps:>7.2f}"
+        )
     print()

@@ -24,8 +24,13 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.name) for p in PROTO_DIR.glob("*.proto"))
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
     generated = sorted(out_dir.glob("*_pb2*.py"))

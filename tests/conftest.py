@@ -27,8 +27,10 @@ class ServerThread:
 
     def call(self, fn, *args):
         """Run a plain function on the server's loop (to read core state safely)."""
+
         async def wrap():
             return fn(*args)
+
         return self.run(wrap())
 
     def stop(self):

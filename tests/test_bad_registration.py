@@ -16,17 +16,28 @@ LAYERS = 2
 @pytest.fixture
 def kit(server):
     """Shared-memory KV caches for two ranks plus a request builder."""
-    caches = {r: [kv_cache_shm("kv_first", 8, 4, 2, 16, torch.float16) for _ in range(LAYERS)]
-              for r in range(2)}
+    caches = {
+        r: [kv_cache_shm("kv_first", 8, 4, 2, 16, torch.float16) for _ in range(LAYERS)]
+        for r in range(2)
+    }
     client = StoreClient(server.address)
 
     def request(rank=0, tp_rank=None, instance="inst", **fields) -> pb.RegisterLayersRequest:
-        layers = [KVLayer(f"layer.{i}", shm.tensor, "kv_first", "NHD", shm)
-                  for i, shm in enumerate(caches[rank])]
+        layers = [
+            KVLayer(f"layer.{i}", shm.tensor, "kv_first", "NHD", shm)
+            for i, shm in enumerate(caches[rank])
+        ]
         req = pb.RegisterLayersRequest(
-            instance_id=instance, client_namespace="llama", rank=rank,
-            tp_rank=rank if tp_rank is None else tp_rank, tp_size=2, world_size=2,
-            block_size=4, hash_format="kvstore-blake3-v1", layers=[x.spec() for x in layers])
+            instance_id=instance,
+            client_namespace="llama",
+            rank=rank,
+            tp_rank=rank if tp_rank is None else tp_rank,
+            tp_size=2,
+            world_size=2,
+            block_size=4,
+            hash_format="kvstore-blake3-v1",
+            layers=[x.spec() for x in layers],
+        )
         for key, value in fields.items():
             setattr(req, key, value)
         return req
@@ -65,8 +76,9 @@ def still_waiting_then_seals(register, request, server, fix=None):
 def test_two_owners_for_one_cell(kit):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, tp_rank=0), Code.ALREADY_EXISTS,
-            "layer.0", "tp_rank 0", "rank 1")
+    refused(
+        register, request(rank=1, tp_rank=0), Code.ALREADY_EXISTS, "layer.0", "tp_rank 0", "rank 1"
+    )
     still_waiting_then_seals(register, request, server)
 
 
@@ -77,9 +89,14 @@ def test_same_rank_twice(kit):
     still_waiting_then_seals(register, request, server)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("dtype", "bfloat16"), ("bytes_per_block", 1024), ("kv_layout", "HND"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dtype", "bfloat16"),
+        ("bytes_per_block", 1024),
+        ("kv_layout", "HND"),
+    ],
+)
 def test_geometry_disagreeing_across_ranks(kit, field, value):
     request, register, server = kit
     register(request(rank=0))
@@ -103,30 +120,32 @@ def test_segments_disagreeing_across_ranks(kit):
     still_waiting_then_seals(register, request, server)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_size", 8), ("hash_format", "vllm-sha256"), ("world_size", 4),
-    ("client_namespace", "other"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_size", 8),
+        ("hash_format", "vllm-sha256"),
+        ("world_size", 4),
+        ("client_namespace", "other"),
+    ],
+)
 def test_instance_fields_disagreeing(kit, field, value):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, **{field: value}), Code.INVALID_ARGUMENT,
-            field, "rank 1")
+    refused(register, request(rank=1, **{field: value}), Code.INVALID_ARGUMENT, field, "rank 1")
     still_waiting_then_seals(register, request, server)
 
 
 def test_tp_rank_outside_tp_size(kit):
     request, register, server = kit
     register(request(rank=0))
-    refused(register, request(rank=1, tp_rank=2), Code.INVALID_ARGUMENT,
-            "tp_rank 2", "tp_size=2")
+    refused(register, request(rank=1, tp_rank=2), Code.INVALID_ARGUMENT, "tp_rank 2", "tp_size=2")
     still_waiting_then_seals(register, request, server)
 
 
 def test_world_size_not_multiple_of_tp(kit):
     request, register, server = kit
-    refused(register, request(rank=0, world_size=3), Code.INVALID_ARGUMENT,
-            "world_size 3")
+    refused(register, request(rank=0, world_size=3), Code.INVALID_ARGUMENT, "world_size 3")
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -134,8 +153,9 @@ def test_world_size_not_multiple_of_tp(kit):
 @pytest.mark.parametrize("ns", ["llama.v2", "", "a" * 129, "sp ace"])
 def test_bad_client_namespace(kit, ns):
     request, register, server = kit
-    refused(register, request(rank=0, client_namespace=ns), Code.INVALID_ARGUMENT,
-            "client_namespace")
+    refused(
+        register, request(rank=0, client_namespace=ns), Code.INVALID_ARGUMENT, "client_namespace"
+    )
     register(request(rank=0))
     still_waiting_then_seals(register, request, server)
 
@@ -158,18 +178,21 @@ def test_missing_layer_would_fail_the_seal(kit):
     still_waiting_then_seals(register, request, server)
 
 
-@pytest.mark.parametrize("mutate,words", [
-    (lambda r: r.layers.extend([r.layers[0]] * 1100), ["layers has", "1024"]),
-    (lambda r: setattr(r.layers[0], "name", "x" * 300), ["layers.name"]),
-    (lambda r: setattr(r, "instance_id", "i" * 300), ["instance_id"]),
-    (lambda r: setattr(r.layers[0], "num_blocks", 1 << 30), ["num_blocks"]),
-    (lambda r: setattr(r.layers[0], "bytes_per_block", 1 << 40), ["bytes_per_block"]),
-    (lambda r: setattr(r, "tp_size", 1000), ["tp_size 1000"]),
-    (lambda r: setattr(r, "block_size", 0), ["block_size 0"]),
-    (lambda r: setattr(r.layers[0], "segments", 3), ["segments 3"]),
-    (lambda r: setattr(r.layers[0], "kv_layout", "XYZ"), ["kv_layout"]),
-    (lambda r: setattr(r.layers[1], "name", "layer.0"), ["appears twice"]),
-])
+@pytest.mark.parametrize(
+    "mutate,words",
+    [
+        (lambda r: r.layers.extend([r.layers[0]] * 1100), ["layers has", "1024"]),
+        (lambda r: setattr(r.layers[0], "name", "x" * 300), ["layers.name"]),
+        (lambda r: setattr(r, "instance_id", "i" * 300), ["instance_id"]),
+        (lambda r: setattr(r.layers[0], "num_blocks", 1 << 30), ["num_blocks"]),
+        (lambda r: setattr(r.layers[0], "bytes_per_block", 1 << 40), ["bytes_per_block"]),
+        (lambda r: setattr(r, "tp_size", 1000), ["tp_size 1000"]),
+        (lambda r: setattr(r, "block_size", 0), ["block_size 0"]),
+        (lambda r: setattr(r.layers[0], "segments", 3), ["segments 3"]),
+        (lambda r: setattr(r.layers[0], "kv_layout", "XYZ"), ["kv_layout"]),
+        (lambda r: setattr(r.layers[1], "name", "layer.0"), ["appears twice"]),
+    ],
+)
 def test_out_of_bounds_fields(kit, mutate, words):
     request, register, server = kit
     bad = request(rank=0)
@@ -183,8 +206,7 @@ def test_unmappable_shared_memory(kit):
     request, register, server = kit
     bad = request(rank=0)
     bad.layers[0].memory.host.name = "kvstore-no-such-object"
-    refused(register, bad, Code.FAILED_PRECONDITION, "layer.0",
-            "cannot open shared memory")
+    refused(register, bad, Code.FAILED_PRECONDITION, "layer.0", "cannot open shared memory")
     bad = request(rank=0)
     bad.layers[1].memory.host.name = "../etc/passwd"
     refused(register, bad, Code.INVALID_ARGUMENT, "not a valid shared-memory name")
@@ -217,6 +239,14 @@ def test_unknown_instance(kit):
     request, register, server = kit
     client = StoreClient(server.address)
     with pytest.raises(KVError) as info:
-        _call(client.stub.Save, pb.SaveRequest(instance_id="ghost", rank=0, session="x",
-                                               blocks=[pb.BlockRef(block_hash=1, block_id=0)]), 5)
+        _call(
+            client.stub.Save,
+            pb.SaveRequest(
+                instance_id="ghost",
+                rank=0,
+                session="x",
+                blocks=[pb.BlockRef(block_hash=1, block_id=0)],
+            ),
+            5,
+        )
     assert info.value.code == Code.NOT_FOUND

@@ -82,8 +82,13 @@ def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
         client = StoreClient(server.address)
         session = a[0].session
         with pytest.raises(KVError, match="not the caller's"):
-            _call(client.stub.Save, pb.SaveRequest(instance_id="a", rank=1, session=session,
-                                                   blocks=[pb.BlockRef(block_hash=1)]), 5)
+            _call(
+                client.stub.Save,
+                pb.SaveRequest(
+                    instance_id="a", rank=1, session=session, blocks=[pb.BlockRef(block_hash=1)]
+                ),
+                5,
+            )
         assert client.stats().used_bytes == 0
         a.each("save", [(1, 0), (2, 1)])  # a load into one block_id twice is refused
         with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*block_id 5 is the target"):
@@ -113,14 +118,24 @@ def test_concurrent_instances_save_and_load_every_byte(server):
         # every instance saves its own blocks and one shared run of blocks at once
         for k, (ws, _) in enumerate(insts):
             for w in ws.workers:
-                w.conn.send(("fill", [(9000 + j, j) for j in range(8)]
-                             + [(k * 100 + j, 8 + j) for j in range(8)]))
+                w.conn.send(
+                    (
+                        "fill",
+                        [(9000 + j, j) for j in range(8)]
+                        + [(k * 100 + j, 8 + j) for j in range(8)],
+                    )
+                )
         for ws, _ in insts:
             [w._reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
             for w in ws.workers:
-                w.conn.send(("save", [(9000 + j, j) for j in range(8)]
-                             + [(k * 100 + j, 8 + j) for j in range(8)]))
+                w.conn.send(
+                    (
+                        "save",
+                        [(9000 + j, j) for j in range(8)]
+                        + [(k * 100 + j, 8 + j) for j in range(8)],
+                    )
+                )
         for ws, _ in insts:
             [w._reply() for w in ws]
         ns = insts[0][1]
@@ -130,14 +145,20 @@ def test_concurrent_instances_save_and_load_every_byte(server):
         for k, (ws, _) in enumerate(insts):
             other = (k + 1) % 3
             for w in ws.workers:
-                w.conn.send(("load", [(other * 100 + j, 24 + j) for j in range(8)]
-                             + [(9000 + j, 32 + j) for j in range(8)]))
+                w.conn.send(
+                    (
+                        "load",
+                        [(other * 100 + j, 24 + j) for j in range(8)]
+                        + [(9000 + j, 32 + j) for j in range(8)],
+                    )
+                )
         for ws, _ in insts:
             [w._reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
             other = insts[(k + 1) % 3][0]
-            assert ws.each("digest", list(range(24, 32))) == other.each("digest",
-                                                                    list(range(8, 16)))
+            assert ws.each("digest", list(range(24, 32))) == other.each(
+                "digest", list(range(8, 16))
+            )
             assert ws.each("digest", list(range(32, 40))) == ws.each("digest", list(range(8)))
         assert client.query(ns, [9000 + j for j in range(8)]).prefix_blocks == 8
     finally:

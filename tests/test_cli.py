@@ -9,11 +9,14 @@ from kvstore.cli import parse_size
 
 
 def kvstore(*args):
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("cmd", [[], ["serve"], ["router"], ["demo"], ["stats"], ["events"], ["clear"]])
+@pytest.mark.parametrize(
+    "cmd", [[], ["serve"], ["router"], ["demo"], ["stats"], ["events"], ["clear"]]
+)
 def test_help(cmd):
     out = kvstore(*cmd, "--help")
     assert out.returncode == 0, out.stderr
@@ -33,10 +36,16 @@ def test_bad_pool_size_is_refused():
     assert "4GiB" in out.stderr
 
 
-@pytest.mark.parametrize("text,value", [
-    ("1048576", 1 << 20), ("4GiB", 4 << 30), ("512MiB", 512 << 20), ("2G", 2 << 30),
-    ("64KiB", 64 << 10),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1048576", 1 << 20),
+        ("4GiB", 4 << 30),
+        ("512MiB", 512 << 20),
+        ("2G", 2 << 30),
+        ("64KiB", 64 << 10),
+    ],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -52,16 +61,30 @@ def test_serve_is_healthy_then_exits_cleanly_on_sigterm(extra):
     from kvstore.demo import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
-                             "--pool-size", "16MiB", *extra], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--port",
+            str(port),
+            "--pool-size",
+            "16MiB",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, proc.stderr.read()
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"),
-                                   timeout=1)
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=1
+                )
                 break
             except grpc.RpcError:
                 assert time.monotonic() < deadline, "server never became healthy"

@@ -61,9 +61,23 @@ def cluster():
         wait_healthy(f"127.0.0.1:{rport}", procs[0])
         for i in range(3):
             port = free_port()
-            procs.append(spawn("serve", "--port", str(port), "--device", "cpu",
-                               "--pool-size", "64MiB", "--router", f"127.0.0.1:{rport}",
-                               "--node-id", f"node{i}", "--fetch-timeout", "5"))
+            procs.append(
+                spawn(
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--device",
+                    "cpu",
+                    "--pool-size",
+                    "64MiB",
+                    "--router",
+                    f"127.0.0.1:{rport}",
+                    "--node-id",
+                    f"node{i}",
+                    "--fetch-timeout",
+                    "5",
+                )
+            )
             address = f"127.0.0.1:{port}"
             stores.append((address, ready(address, procs[-1]), procs[-1]))
         yield stores
@@ -108,8 +122,9 @@ def _router_knows(b_addr, ns, hashes) -> bool:
 
     client = StoreClient(b_addr)
     try:
-        r = _call(client.stub.Prefetch, pb.PrefetchRequest(namespace=ns, block_hashes=hashes[:1]),
-                  10)
+        r = _call(
+            client.stub.Prefetch, pb.PrefetchRequest(namespace=ns, block_hashes=hashes[:1]), 10
+        )
         return r.fetched_blocks + r.local_blocks == 1
     except Exception:
         return False
@@ -146,9 +161,19 @@ def test_gpu_pools_fetch_gpu_to_gpu_every_byte():
     ports = [free_port() for _ in range(4)]
     a_addr, b_addr = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
     common = ("--device", "cuda:0", "--pool-size", "256MiB", "--fetch-timeout", "20")
-    procs = [spawn("serve", "--port", str(ports[0]), "--ucx-port", str(ports[2]), *common),
-             spawn("serve", "--port", str(ports[1]), "--ucx-port", str(ports[3]), *common,
-                   "--peer", f"127.0.0.1:{ports[2]}")]
+    procs = [
+        spawn("serve", "--port", str(ports[0]), "--ucx-port", str(ports[2]), *common),
+        spawn(
+            "serve",
+            "--port",
+            str(ports[1]),
+            "--ucx-port",
+            str(ports[3]),
+            *common,
+            "--peer",
+            f"127.0.0.1:{ports[2]}",
+        ),
+    ]
     try:
         a, b = ready(a_addr, procs[0]), ready(b_addr, procs[1])
         src = WorkerGroup(a_addr, "gsrc", 2, device="cuda", **LAYOUT)

@@ -22,7 +22,7 @@ def fill(store, table, value: int) -> None:
     """Write ``value`` into every slot of ``table`` through the pool, by address."""
     pool = store.pools["cpu"]
     for ptr, n in zip(table.ptr.tolist(), table.nbytes.tolist(), strict=True):
-        pool.buffer[ptr - pool.base: ptr - pool.base + n].fill_(value)
+        pool.buffer[ptr - pool.base : ptr - pool.base + n].fill_(value)
 
 
 def test_lease_keeps_blocks_through_eviction_pressure():

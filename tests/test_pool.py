@@ -18,11 +18,10 @@ def overlaps(live: dict[int, int]) -> bool:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.sampled_from(SIZES), st.integers(1, 40)),
-                max_size=60))
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(SIZES), st.integers(1, 40)), max_size=60))
 def test_random_alloc_free_keeps_invariants(ops):
     pool = SlotPool(16 * SLAB, slab_bytes=SLAB)
-    live: dict[int, int] = {}      # offset -> rounded size
+    live: dict[int, int] = {}  # offset -> rounded size
     batches: list[tuple[int, np.ndarray]] = []
     for do_alloc, size, count in ops:
         if do_alloc or not batches:

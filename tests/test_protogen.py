@@ -15,4 +15,5 @@ def test_committed_stubs_are_fresh(tmp_path: Path):
         committed = protogen.OUT_DIR / path.name
         assert committed.exists(), f"{committed} is missing: run `make protos`"
         assert committed.read_text() == path.read_text(), (
-            f"{committed} is stale: run `make protos` and commit the result")
+            f"{committed} is stale: run `make protos` and commit the result"
+        )

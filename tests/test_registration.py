@@ -6,7 +6,8 @@ import pytest
 
 from kvstore.client.store_client import StoreClient
 from kvstore.testing.worker import WorkerProcess, WorkerSpec
-from kvstore.wire.fingerprint import LayerGeometry, final_namespace, fingerprint
+from kvstore.wire.fingerprint import LayerGeometry, fingerprint
+from kvstore.wire.names import final_namespace
 from tests.conftest import wait_for
 
 
@@ -31,9 +32,17 @@ def test_two_ranks_in_two_processes_seal_with_one_namespace(server):
     workers, seals = start_instance(server, "a")
     try:
         assert seals[0] == seals[1]
-        expected = fingerprint(4, "kvstore-blake3-v1", 2, [
-            LayerGeometry(f"model.layers.{i}.self_attn", "float16", 2 * 4 * 2 * 16 * 2, 2, "NHD")
-            for i in range(3)])
+        expected = fingerprint(
+            4,
+            "kvstore-blake3-v1",
+            2,
+            [
+                LayerGeometry(
+                    f"model.layers.{i}.self_attn", "float16", 2 * 4 * 2 * 16 * 2, 2, "NHD"
+                )
+                for i in range(3)
+            ],
+        )
         assert seals[0]["final_namespace"] == final_namespace("llama", expected)
         assert seals[0]["layer_ids"] == {f"model.layers.{i}.self_attn": i for i in range(3)}
     finally:
@@ -50,14 +59,17 @@ def test_fingerprint_independent_of_registration_order(server):
         close_all(second)
 
 
-@pytest.mark.parametrize("change", [
-    dict(extra_layers=1),        # MTP on
-    dict(dtype="bfloat16", head_dim=16),
-    dict(head_dim=32),           # another bytes_per_block
-    dict(block_size=8),
-    dict(tp_size=1),
-    dict(kv_layout="HND"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(extra_layers=1),  # MTP on
+        dict(dtype="bfloat16", head_dim=16),
+        dict(head_dim=32),  # another bytes_per_block
+        dict(block_size=8),
+        dict(tp_size=1),
+        dict(kv_layout="HND"),
+    ],
+)
 def test_layout_changes_give_another_namespace(server, change):
     base, s1 = start_instance(server, "base")
     tp = change.pop("tp_size", 2)
@@ -76,8 +88,10 @@ def test_killing_a_rank_unseals_the_instance(server):
         sealed = server.call(lambda: server.server.registry.instances["a"].seal)
         assert sealed is not None
         workers[1].kill()
-        assert wait_for(lambda: server.call(
-            lambda: len(server.server.registry.instances["a"].ranks) == 1), timeout=10)
+        assert wait_for(
+            lambda: server.call(lambda: len(server.server.registry.instances["a"].ranks) == 1),
+            timeout=10,
+        )
         assert server.call(lambda: server.server.registry.instances["a"].seal) is None
         assert wait_for(lambda: workers[0].call("state")["state"] == 3)  # UNSEALED
         # a replacement rank re-seals the instance with the same namespace

@@ -17,10 +17,10 @@ from kvstore.transfer.testing import table_from_views
 
 
 def table_of(mem: np.ndarray, layout: list[tuple[int, int]], counts: list[int]) -> SlotTable:
-    views = [mem[o:o + n] for o, n in layout]
+    views = [mem[o : o + n] for o, n in layout]
     blocks, i = [], 0
     for c in counts:
-        blocks.append(views[i:i + c])
+        blocks.append(views[i : i + c])
         i += c
     return table_from_views(blocks)
 
@@ -41,8 +41,9 @@ def test_from_views_reads_addresses_sizes_and_memory_kind():
 
 def test_table_columns_must_agree():
     with pytest.raises(ValueError, match="disagree"):
-        SlotTable(np.zeros(2, np.uint64), np.ones(2, np.int64), np.zeros(2, np.int64),
-                  np.array([3]))
+        SlotTable(
+            np.zeros(2, np.uint64), np.ones(2, np.int64), np.zeros(2, np.int64), np.array([3])
+        )
 
 
 def test_non_contiguous_view_is_refused():

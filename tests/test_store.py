@@ -58,8 +58,11 @@ def test_bad_saves_change_nothing():
     registry, store = make_store()
     ranks = make_instance(registry, "a")
     seal = registry.instances["a"].seal
-    for refs, words in [([(1, 99)], "block_id 99"), ([(1, 0), (1, 1)], "appears twice"),
-                        ([], "blocks is empty")]:
+    for refs, words in [
+        ([(1, 99)], "block_id 99"),
+        ([(1, 0), (1, 1)], "appears twice"),
+        ([], "blocks is empty"),
+    ]:
         with pytest.raises(KVError) as info:
             run(store.save(seal, ranks[0].reg, refs))
         assert info.value.code == Code.INVALID_ARGUMENT
@@ -172,9 +175,15 @@ def test_expired_lease_and_stale_inflight_are_swept():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["save", "lease", "release", "load"]),
-                          st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True)),
-                max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["save", "lease", "release", "load"]),
+            st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+        ),
+        max_size=40,
+    )
+)
 def test_lru_invariants(ops):
     registry, store = make_store(pool_bytes=128 << 10, slab_bytes=32 << 10)
     ranks = make_instance(registry, "a", num_blocks=64)
@@ -207,8 +216,8 @@ def test_lru_invariants(ops):
         assert all(b.pins >= 0 for b in store.blocks.values())
         used = sum(b.nbytes for b in store.blocks.values() if b.sealed)
         assert store.pools["cpu"].used_bytes == used + sum(
-            int(b.slot_bytes[b.offsets >= 0].sum()) for b in store.blocks.values()
-            if not b.sealed)
+            int(b.slot_bytes[b.offsets >= 0].sum()) for b in store.blocks.values() if not b.sealed
+        )
 
 
 def test_cancelled_save_waits_for_its_copy_then_frees_everything():

@@ -72,10 +72,17 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
                 await asyncio.sleep(3600)
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
-                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=wire.encode_offer(sizes))
+                return await ucx.send_frame(
+                    conn, wire.Kind.REPLY, None, body=wire.encode_offer(sizes)
+                )
             if behaviour.startswith("bad_runs"):  # sane sizes, malformed run starts
-                starts = {"bad_runs_unsorted": [3, 1], "bad_runs_range": [1, 99],
-                          "bad_runs_dup": [2, 2], "bad_runs_zero": [0], "bad_runs_lanes": []}
+                starts = {
+                    "bad_runs_unsorted": [3, 1],
+                    "bad_runs_range": [1, 99],
+                    "bad_runs_dup": [2, 2],
+                    "bad_runs_zero": [0],
+                    "bad_runs_lanes": [],
+                }
                 lanes = 3 if behaviour == "bad_runs_lanes" else 1
                 body = wire.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
                 return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
@@ -92,8 +99,14 @@ class NodeState:
         self.source: MemorySource | None = None
         self.server: Any = None
 
-    async def serve(self, blocks: dict[int, list[int]], behaviour: str = "normal",
-                    timeout_s: float = 30.0, gap_every: int = 0, lanes: int = 1) -> str:
+    async def serve(
+        self,
+        blocks: dict[int, list[int]],
+        behaviour: str = "normal",
+        timeout_s: float = 30.0,
+        gap_every: int = 0,
+        lanes: int = 1,
+    ) -> str:
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
@@ -101,17 +114,24 @@ class NodeState:
         await self.server.start()
         return self.server.address
 
-    async def serve_store(self, hashes: list[int], behaviour: str = "normal",
-                          slot_bytes: int = 4096, pool_blocks: int = 32) -> tuple[str, str]:
+    async def serve_store(
+        self,
+        hashes: list[int],
+        behaviour: str = "normal",
+        slot_bytes: int = 4096,
+        pool_blocks: int = 32,
+    ) -> tuple[str, str]:
         """Serve from a real BlockStore (TP1, two layers) whose sealed blocks hold
         slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
         from kvstore.store.peer_store import StoreSource
         from kvstore.testing.store import make_instance, make_store
 
-        self.registry, self.store = make_store(pool_bytes=pool_blocks * 2 * slot_bytes,
-                                               slab_bytes=8 * slot_bytes)
-        self.ranks = make_instance(self.registry, "peer", tp_size=1, layers=2,
-                                   num_blocks=16, block_bytes=slot_bytes)
+        self.registry, self.store = make_store(
+            pool_bytes=pool_blocks * 2 * slot_bytes, slab_bytes=8 * slot_bytes
+        )
+        self.ranks = make_instance(
+            self.registry, "peer", tp_size=1, layers=2, num_blocks=16, block_bytes=slot_bytes
+        )
         self.seal = self.registry.instances["peer"].seal
         await self._save_store(hashes)
         self.server = make_server(behaviour, StoreSource(self.store), 30.0)
@@ -121,7 +141,7 @@ class NodeState:
     async def _save_store(self, hashes: list[int]) -> None:
         rank = self.ranks[0]
         for start in range(0, len(hashes), 16):
-            batch = hashes[start:start + 16]
+            batch = hashes[start : start + 16]
             for i, h in enumerate(batch):
                 for s, t in enumerate(rank.tensors):  # slot s = layer s (TP1)
                     t[:, i] = torch_from(slot_content(h, s, t[:, i].numel())).view(2, -1)
@@ -133,22 +153,37 @@ class NodeState:
         return await self.store_state()
 
     async def store_state(self) -> dict:
-        return {"evictions": self.store.counters.evictions,
-                "sent_half": self.server.sent_half,
-                "held": [k[1] for k, b in self.store.blocks.items() if b.sealed and b.pins]}
+        return {
+            "evictions": self.store.counters.evictions,
+            "sent_half": self.server.sent_half,
+            "held": [k[1] for k, b in self.store.blocks.items() if b.sealed and b.pins],
+        }
 
     async def leases(self) -> dict:
-        return {"active": self.source.active, "released": self.source.released,
-                "sent_half": self.server.sent_half, "segments": list(self.server.segments)}
+        return {
+            "active": self.source.active,
+            "released": self.source.released,
+            "sent_half": self.server.sent_half,
+            "segments": list(self.server.segments),
+        }
 
     async def set_max_segment_bytes(self, nbytes: int) -> None:
         import kvstore.transfer.slots
 
         kvstore.transfer.slots.MAX_SEGMENT_BYTES = nbytes
 
-    async def fetch(self, address: str, hashes: list[int], timeout_s: float = 10.0,
-                    on_reserve: str = "", repeat: int = 1, pool_bytes: int = 64 << 20,
-                    gap_every: int = 0, lanes: int = 1, namespace: str = NS) -> dict:
+    async def fetch(
+        self,
+        address: str,
+        hashes: list[int],
+        timeout_s: float = 10.0,
+        on_reserve: str = "",
+        repeat: int = 1,
+        pool_bytes: int = 64 << 20,
+        gap_every: int = 0,
+        lanes: int = 1,
+        namespace: str = NS,
+    ) -> dict:
         from kvstore.transfer import fetch
         from kvstore.wire.errors import KVError
 
@@ -157,8 +192,7 @@ class NodeState:
         start = time.monotonic()
         try:
             for _ in range(repeat):
-                out["n"].append(await fetch(address, namespace, hashes, sink,
-                                            timeout_s=timeout_s))
+                out["n"].append(await fetch(address, namespace, hashes, sink, timeout_s=timeout_s))
         except KVError as e:
             out["error"] = type(e).__name__
             out["code"] = e.code.name
@@ -329,8 +363,11 @@ def expected_segments(num_slots: int, *gap_every: int) -> int:
     return len(cuts) + 1
 
 
-@pytest.mark.parametrize("serve_gap, fetch_gap", [(0, 0), (1, 0), (0, 1), (3, 5), (8, 8)],
-                         ids=["contiguous", "peer-split", "fetcher-split", "mixed", "per-block"])
+@pytest.mark.parametrize(
+    "serve_gap, fetch_gap",
+    [(0, 0), (1, 0), (0, 1), (3, 5), (8, 8)],
+    ids=["contiguous", "peer-split", "fetcher-split", "mixed", "per-block"],
+)
 def test_runs_coalesce_and_split(nodes, serve_gap, fetch_gap):
     """Every byte arrives whatever the two sides' layouts; one message per common run."""
     layout = [1, 512, 8191, 8192, 16 << 10, 100_003, 64 << 10, 3]  # odd sizes: unaligned runs
@@ -356,8 +393,9 @@ def test_runs_are_cut_at_the_segment_cap(nodes):
     assert len(segments) == 11  # 32 slots, 3 per segment
 
 
-@pytest.mark.parametrize("serve_lanes, fetch_lanes, segments", [
-    (2, 2, 1), (4, 4, 1), (2, 1, 48), (1, 4, 48), (4, 2, 48)])
+@pytest.mark.parametrize(
+    "serve_lanes, fetch_lanes, segments", [(2, 2, 1), (4, 4, 1), (2, 1, 48), (1, 4, 48), (4, 2, 48)]
+)
 def test_store_like_lanes_coalesce(nodes, serve_lanes, fetch_lanes, segments):
     """Slots laid out per tp_rank, as the store does: the peer picks that lane order,
     and a whole fetch is one message when both sides agree, one per slot when not."""
@@ -371,8 +409,10 @@ def test_store_like_lanes_coalesce(nodes, serve_lanes, fetch_lanes, segments):
     assert len(sent) == segments and sum(sent) == 6 * sum(layout), sent
 
 
-@pytest.mark.parametrize("behaviour", ["bad_runs_unsorted", "bad_runs_range", "bad_runs_dup",
-                                       "bad_runs_zero", "bad_runs_lanes"])
+@pytest.mark.parametrize(
+    "behaviour",
+    ["bad_runs_unsorted", "bad_runs_range", "bad_runs_dup", "bad_runs_zero", "bad_runs_lanes"],
+)
 def test_malformed_run_starts_in_offer_are_rejected(nodes, behaviour):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 4), behaviour=behaviour)
@@ -418,9 +458,12 @@ def test_bad_requests_are_refused_and_the_server_survives(nodes):
     garbage = b"\xc1\xff\x00not msgpack"
     bad_ns = msgpack.packb([wire.PROTOCOL_VERSION, "x" * 1000, b"\0" * 8])
     good = wire.encode_request(NS, HASHES[:2])
-    replies = client.call("raw", address=address, replies=4,
-                          frames=request(too_many) + request(garbage) + request(bad_ns)
-                          + request(good))
+    replies = client.call(
+        "raw",
+        address=address,
+        replies=4,
+        frames=request(too_many) + request(garbage) + request(bad_ns) + request(good),
+    )
     assert [r[0] for r in replies] == ["ERROR", "ERROR", "ERROR", "REPLY"], replies
     assert all(r[2][0] == "INVALID_ARGUMENT" for r in replies[:3])
 
@@ -446,8 +489,9 @@ def test_malicious_offer_is_rejected_before_reserving(nodes):
 def test_oversized_slot_message_aborts_the_reservation(nodes):
     """A peer sending more bytes than it announced cannot write past the reserved slot."""
     server, client = nodes(), nodes()
-    address = server.call("serve", blocks=blocks_of(HASHES[:3], [16 << 10, 4096]),
-                          behaviour="oversend")
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [16 << 10, 4096]), behaviour="oversend"
+    )
     out = client.call("fetch", address=address, hashes=HASHES[:3], timeout_s=5)
     assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
     assert out["states"] == ["aborted"] and out["visible"] == []
@@ -466,8 +510,9 @@ def test_invalid_arguments_fail_locally(nodes):
 
 def test_peer_killed_mid_transfer(nodes):
     server, client = nodes(), nodes()
-    address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
-                          behaviour="die_half", gap_every=1)
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8), behaviour="die_half", gap_every=1
+    )
     out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=8)
     assert out["error"] in ("PeerUnavailable", "PeerTimeout"), out
     assert out["states"] == ["aborted"] and out["visible"] == []
@@ -476,8 +521,9 @@ def test_peer_killed_mid_transfer(nodes):
 
 def test_peer_hanging_mid_transfer_times_out(nodes):
     server, client = nodes(), nodes()
-    address = server.call("serve", blocks=blocks_of(HASHES[:8], [64 << 10] * 8),
-                          behaviour="hang_half", gap_every=1)
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:8], [64 << 10] * 8), behaviour="hang_half", gap_every=1
+    )
     out = client.call("fetch", address=address, hashes=HASHES[:8], timeout_s=2)
     assert out["error"] == "PeerTimeout", out
     assert out["states"] == ["aborted"] and out["visible"] == []
@@ -517,8 +563,13 @@ def test_lease_released_when_fetcher_dies_or_hangs_before_go(nodes, on_reserve):
 
 def test_lease_released_when_fetcher_killed_mid_transfer(nodes):
     server, client = nodes(), nodes()
-    address = server.call("serve", blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
-                          behaviour="pause_half", timeout_s=5, gap_every=3)
+    address = server.call(
+        "serve",
+        blocks=blocks_of(HASHES[:8], [256 << 10] * 8),
+        behaviour="pause_half",
+        timeout_s=5,
+        gap_every=3,
+    )
     client.submit("fetch", address=address, hashes=HASHES[:8])
     assert wait_until(lambda: server.call("leases")["sent_half"])
     client.kill()

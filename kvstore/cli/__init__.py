@@ -24,47 +24,88 @@ def parse_size(text: str) -> int:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"], help="log verbosity (info)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (info)",
+    )
 
 
 def add_serve(sub) -> None:
     p = sub.add_parser(
-        "serve", help="run a store server (with an embedded router)",
+        "serve",
+        help="run a store server (with an embedded router)",
         description="Run one store server: workers of this node register their KV-cache "
         "layers with it, save finished prompt blocks into its slot pool and load them back. "
         "By default it embeds a KV-aware router on the same port, a whole single-node "
-        "deployment in one command.")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (127.0.0.1; use 0.0.0.0 only on a trusted network)")
+        "deployment in one command.",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (127.0.0.1; use 0.0.0.0 only on a trusted network)",
+    )
     p.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 picks a free one)")
-    p.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"),
-                   help="slot pool bytes per device, e.g. 64GiB (1GiB)")
-    p.add_argument("--device", default="auto",
-                   help="where the pool lives: auto (every GPU if present, else host), cpu, "
-                   "cuda, cuda:N (auto)")
-    p.add_argument("--node-id", default="",
-                   help="name of this store in events and peer lookups (hostname:port)")
-    p.add_argument("--router", default="", metavar="ADDRESS",
-                   help="advertise to a standalone `kvstore router` at ADDRESS instead of "
-                   "embedding one")
-    p.add_argument("--no-transfer", action="store_true",
-                   help="do not serve or fetch blocks between store servers over UCX")
-    p.add_argument("--ucx-port", type=int, default=0,
-                   help="UCX listener port for peer transfer (0 picks a free one). It listens "
-                   "on every interface (ucxx takes no bind address): firewall it. UCX_* "
-                   "variables pass through; UCXPY_PROGRESS_MODE=thread moves UCX progress "
-                   "off the event loop (default: blocking, on the loop)")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:UCXPORT",
-                   help="a peer store's UCX address to fetch from when the router knows no "
-                   "holder (repeatable)")
-    p.add_argument("--fetch-timeout", type=float, default=10.0,
-                   help="seconds a peer fetch may take before it fails over (10)")
+    p.add_argument(
+        "--pool-size",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="slot pool bytes per device, e.g. 64GiB (1GiB)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the pool lives: auto (every GPU if present, else host), cpu, "
+        "cuda, cuda:N (auto)",
+    )
+    p.add_argument(
+        "--node-id",
+        default="",
+        help="name of this store in events and peer lookups (hostname:port)",
+    )
+    p.add_argument(
+        "--router",
+        default="",
+        metavar="ADDRESS",
+        help="advertise to a standalone `kvstore router` at ADDRESS instead of embedding one",
+    )
+    p.add_argument(
+        "--no-transfer",
+        action="store_true",
+        help="do not serve or fetch blocks between store servers over UCX",
+    )
+    p.add_argument(
+        "--ucx-port",
+        type=int,
+        default=0,
+        help="UCX listener port for peer transfer (0 picks a free one). It listens "
+        "on every interface (ucxx takes no bind address): firewall it. UCX_* "
+        "variables pass through; UCXPY_PROGRESS_MODE=thread moves UCX progress "
+        "off the event loop (default: blocking, on the loop)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:UCXPORT",
+        help="a peer store's UCX address to fetch from when the router knows no "
+        "holder (repeatable)",
+    )
+    p.add_argument(
+        "--fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a peer fetch may take before it fails over (10)",
+    )
     add_common(p)
     from kvstore.cli.router import add_router_arguments
 
@@ -74,11 +115,13 @@ def add_serve(sub) -> None:
 
 def add_demo(sub) -> None:
     p = sub.add_parser(
-        "demo", help="run the end-to-end demo: server, two TP workers, save, load, check",
+        "demo",
+        help="run the end-to-end demo: server, two TP workers, save, load, check",
         description="Start a store server and two tensor-parallel worker processes with "
         "KV caches in shared memory (or GPU memory), save prompts that share a long prefix, "
         "load them into a fresh instance and compare every byte, then show that the same "
-        "model with MTP on lands in another namespace. Prints a summary table.")
+        "model with MTP on lands in another namespace. Prints a summary table.",
+    )
     p.add_argument("--layers", type=int, default=32, help="model layers (32)")
     p.add_argument("--heads", type=int, default=8, help="KV heads in total (8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (128)")
@@ -87,8 +130,9 @@ def add_demo(sub) -> None:
     p.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix tokens (512)")
     p.add_argument("--suffix-tokens", type=int, default=128, help="tokens per prompt suffix (128)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto)")
-    p.add_argument("--pool-size", type=parse_size, default=parse_size("2GiB"),
-                   help="server pool size (2GiB)")
+    p.add_argument(
+        "--pool-size", type=parse_size, default=parse_size("2GiB"), help="server pool size (2GiB)"
+    )
     add_common(p)
 
 
@@ -98,9 +142,12 @@ def add_stats(sub) -> None:
 
 
 def add_clear(sub) -> None:
-    p = sub.add_parser("clear", help="drop a store server's unpinned sealed blocks",
-                       description="Drop every sealed block not held by a load or lease, of "
-                       "one final namespace or of all; routers see a 'cleared' event.")
+    p = sub.add_parser(
+        "clear",
+        help="drop a store server's unpinned sealed blocks",
+        description="Drop every sealed block not held by a load or lease, of "
+        "one final namespace or of all; routers see a 'cleared' event.",
+    )
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
     p.add_argument("--namespace", default="", help="final namespace (default: every namespace)")
 
@@ -116,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvstore: a GPU KV-cache block store and KV-aware router for LLM serving. "
         "Workers register their paged KV caches with the store server of their node, save "
         "prompt blocks and load them back; the router sends each request to the compatible "
-        "worker that can reuse the most KV.")
+        "worker that can reuse the most KV.",
+    )
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve(sub)
@@ -132,10 +180,12 @@ def add_router(sub) -> None:
     from kvstore.cli.router import add_router_arguments
 
     p = sub.add_parser(
-        "router", help="run a standalone KV-aware router for several store servers",
+        "router",
+        help="run a standalone KV-aware router for several store servers",
         description="Run the KV-aware router on its own: workers register cards, store "
         "servers and vLLM publishers feed its prefix index, requests are routed to the best "
-        "compatible worker.")
+        "compatible worker.",
+    )
     add_router_arguments(p)
 
 
@@ -173,11 +223,18 @@ def main(argv: list[str] | None = None) -> int:
 async def _serve(args) -> None:
     from kvstore.service.store_server import ServerConfig, StoreServer, serve_until_signal
 
-    config = ServerConfig(host=args.host, port=args.port, pool_size=args.pool_size,
-                          device=args.device, node_id=args.node_id,
-                          router_address=args.router, transfer=not args.no_transfer,
-                          ucx_port=args.ucx_port, peers=tuple(args.peer),
-                          fetch_timeout_s=args.fetch_timeout)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        pool_size=args.pool_size,
+        device=args.device,
+        node_id=args.node_id,
+        router_address=args.router,
+        transfer=not args.no_transfer,
+        ucx_port=args.ucx_port,
+        peers=tuple(args.peer),
+        fetch_timeout_s=args.fetch_timeout,
+    )
     try:
         router = None
         if not args.no_router and not args.router:

@@ -1,10 +1,10 @@
 """``kvstore router``: the router standalone, and the hooks ``kvstore serve`` embeds.
 
-    add_router_arguments(parser)          # flags (standalone, or embedded=True for serve)
-    router = build_router(args)           # plain-Python core, no network yet
-    add_router_to_server(server, router)  # inside the running loop, before server.start()
-    await close_router(router)            # after server.stop()
-    await run_router(args)                # the whole standalone server
+add_router_arguments(parser)          # flags (standalone, or embedded=True for serve)
+router = build_router(args)           # plain-Python core, no network yet
+add_router_to_server(server, router)  # inside the running loop, before server.start()
+await close_router(router)            # after server.stop()
+await run_router(args)                # the whole standalone server
 """
 
 from __future__ import annotations
@@ -35,53 +35,108 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
     --host/--port/--log-level, which the embedding command owns, and adds
     --no-router."""
     if embedded:
-        parser.add_argument("--no-router", action="store_true",
-                            help="do not embed the KV-aware router in this server")
+        parser.add_argument(
+            "--no-router",
+            action="store_true",
+            help="do not embed the KV-aware router in this server",
+        )
     else:
-        parser.add_argument("--host", default="127.0.0.1",
-                            help="address to bind (default 127.0.0.1: loopback only)")
-        parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                            help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)")
-        parser.add_argument("--log-level", default="INFO", type=str.upper,
-                            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                            help="logging level (INFO; any case)")
-    parser.add_argument("--identity", choices=[a.value for a in IdentityAlgorithm], default="r2",
-                        help="cache-semantics material: r2 = display name (default), "
-                             "r1 = card checksum")
-    parser.add_argument("--overlap-weight", type=float, default=1.0,
-                        help="weight of prefill blocks against decode blocks in the cost")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 picks the cheapest worker; >0 samples softmax(-cost/T)")
-    parser.add_argument("--gpu-weight", type=float, default=1.0,
-                        help="credit for a cached block on the worker's own GPU")
-    parser.add_argument("--store-weight", type=float, default=0.75,
-                        help="credit for a cached block in the worker's node store")
-    parser.add_argument("--remote-weight", type=float, default=0.5,
-                        help="credit for a cached block in a peer store")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds after which a routed request never reported done is freed")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed for WorkerSet draws and softmax sampling")
-    parser.add_argument("--zmq-endpoint", action="append", default=[], metavar="NAME=ENDPOINT",
-                        help="subscribe to a vLLM KV event publisher whose events belong to "
-                             "worker NAME (repeatable)")
-    parser.add_argument("--store", action="append", default=[], metavar="ADDRESS",
-                        help="follow a store server's Events stream (repeatable)")
+        parser.add_argument(
+            "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)"
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=DEFAULT_PORT,
+            help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)",
+        )
+        parser.add_argument(
+            "--log-level",
+            default="INFO",
+            type=str.upper,
+            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            help="logging level (INFO; any case)",
+        )
+    parser.add_argument(
+        "--identity",
+        choices=[a.value for a in IdentityAlgorithm],
+        default="r2",
+        help="cache-semantics material: r2 = display name (default), r1 = card checksum",
+    )
+    parser.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="weight of prefill blocks against decode blocks in the cost",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 picks the cheapest worker; >0 samples softmax(-cost/T)",
+    )
+    parser.add_argument(
+        "--gpu-weight",
+        type=float,
+        default=1.0,
+        help="credit for a cached block on the worker's own GPU",
+    )
+    parser.add_argument(
+        "--store-weight",
+        type=float,
+        default=0.75,
+        help="credit for a cached block in the worker's node store",
+    )
+    parser.add_argument(
+        "--remote-weight", type=float, default=0.5, help="credit for a cached block in a peer store"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after which a routed request never reported done is freed",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed for WorkerSet draws and softmax sampling"
+    )
+    parser.add_argument(
+        "--zmq-endpoint",
+        action="append",
+        default=[],
+        metavar="NAME=ENDPOINT",
+        help="subscribe to a vLLM KV event publisher whose events belong to "
+        "worker NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--store",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="follow a store server's Events stream (repeatable)",
+    )
 
 
 def build_router(args: argparse.Namespace) -> Router:
     """The router core configured from ``args``; feeds start in add_router_to_server."""
-    for name, value in (("--temperature", args.temperature), ("--overlap-weight", args.overlap_weight),
-                        ("--request-timeout", args.request_timeout)):
+    for name, value in (
+        ("--temperature", args.temperature),
+        ("--overlap-weight", args.overlap_weight),
+        ("--request-timeout", args.request_timeout),
+    ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     for spec in args.zmq_endpoint:
         if "=" not in spec:
             raise ValueError(f"--zmq-endpoint {spec!r}: expected NAME=tcp://host:port")
-    scoring = ScoringConfig(overlap_weight=args.overlap_weight, temperature=args.temperature,
-                            gpu_weight=args.gpu_weight, store_weight=args.store_weight,
-                            remote_weight=args.remote_weight,
-                            request_timeout_s=args.request_timeout, seed=args.seed)
+    scoring = ScoringConfig(
+        overlap_weight=args.overlap_weight,
+        temperature=args.temperature,
+        gpu_weight=args.gpu_weight,
+        store_weight=args.store_weight,
+        remote_weight=args.remote_weight,
+        request_timeout_s=args.request_timeout,
+        seed=args.seed,
+    )
     router = Router(RouterConfig(IdentityAlgorithm(args.identity), scoring))
     router.feed_specs = (list(args.zmq_endpoint), list(args.store))  # started with the server
     return router
@@ -112,8 +167,10 @@ async def close_router(router: Router) -> None:
 
 async def run_router(args: argparse.Namespace) -> None:
     """The standalone router: gRPC + health, until SIGINT or SIGTERM."""
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     router = build_router(args)
     server = grpc.aio.server()
     add_router_to_server(server, router)

@@ -43,59 +43,108 @@ class RouterClient:
 
     # -- store servers -----------------------------------------------------
 
-    def advertise_peer(self, node_id: str, store_address: str, ucx_address: str,
-                       final_namespaces: Sequence[str], lease_ms: int = 0,
-                       refresh: bool = False) -> int:
+    def advertise_peer(
+        self,
+        node_id: str,
+        store_address: str,
+        ucx_address: str,
+        final_namespaces: Sequence[str],
+        lease_ms: int = 0,
+        refresh: bool = False,
+    ) -> int:
         """Announce this store (or, with ``refresh``, renew the last
         advertisement and add namespaces); returns the peer generation, which
         :meth:`publish` then uses."""
-        reply = self._stub.AdvertisePeer(router_pb2.AdvertisePeerRequest(
-            node_id=node_id, store_address=store_address, ucx_address=ucx_address,
-            final_namespaces=list(final_namespaces), lease_ms=lease_ms,
-            generation=self.generation if refresh and node_id == self.node_id else 0),
-            timeout=self.timeout_s)
+        reply = self._stub.AdvertisePeer(
+            router_pb2.AdvertisePeerRequest(
+                node_id=node_id,
+                store_address=store_address,
+                ucx_address=ucx_address,
+                final_namespaces=list(final_namespaces),
+                lease_ms=lease_ms,
+                generation=self.generation if refresh and node_id == self.node_id else 0,
+            ),
+            timeout=self.timeout_s,
+        )
         self.node_id, self.generation = node_id, reply.generation
         return reply.generation
 
-    def publish(self, events: Sequence[StoreEvent | bytes], node_id: str = "",
-                generation: int = 0) -> tuple[int, int]:
+    def publish(
+        self, events: Sequence[StoreEvent | bytes], node_id: str = "", generation: int = 0
+    ) -> tuple[int, int]:
         """Push store events (StoreEvent or its msgpack); returns (applied, dropped)."""
         payloads = [e.encode() if isinstance(e, StoreEvent) else e for e in events]
-        reply = self._stub.PublishEvents(router_pb2.PublishEventsRequest(
-            node_id=node_id or self.node_id, generation=generation or self.generation,
-            events=payloads), timeout=self.timeout_s)
+        reply = self._stub.PublishEvents(
+            router_pb2.PublishEventsRequest(
+                node_id=node_id or self.node_id,
+                generation=generation or self.generation,
+                events=payloads,
+            ),
+            timeout=self.timeout_s,
+        )
         return reply.applied, reply.dropped
 
-    def query_prefix(self, final_namespace: str, hashes: Sequence[int],
-                     exclude_node_id: str = "") -> list[PeerPrefix]:
+    def query_prefix(
+        self, final_namespace: str, hashes: Sequence[int], exclude_node_id: str = ""
+    ) -> list[PeerPrefix]:
         """Peers with sealed blocks of exactly ``final_namespace``, longest prefix first."""
-        reply = self._stub.QueryPrefix(router_pb2.QueryPrefixRequest(
-            final_namespace=final_namespace, block_hashes=list(hashes),
-            exclude_node_id=exclude_node_id), timeout=self.timeout_s)
-        return [PeerPrefix(p.node_id, p.store_address, p.ucx_address, p.prefix_blocks)
-                for p in reply.peers]
+        reply = self._stub.QueryPrefix(
+            router_pb2.QueryPrefixRequest(
+                final_namespace=final_namespace,
+                block_hashes=list(hashes),
+                exclude_node_id=exclude_node_id,
+            ),
+            timeout=self.timeout_s,
+        )
+        return [
+            PeerPrefix(p.node_id, p.store_address, p.ucx_address, p.prefix_blocks)
+            for p in reply.peers
+        ]
 
     # -- workers and frontends ---------------------------------------------
 
     def register_worker(self, name: str, card: WorkerCard) -> router_pb2.RegisterWorkerResponse:
-        return self._stub.RegisterWorker(router_pb2.RegisterWorkerRequest(
-            name=name, card=card_to_proto(card)), timeout=self.timeout_s)
+        return self._stub.RegisterWorker(
+            router_pb2.RegisterWorkerRequest(name=name, card=card_to_proto(card)),
+            timeout=self.timeout_s,
+        )
 
     def remove_worker(self, name: str, generation: int = 0) -> bool:
-        return self._stub.RemoveWorker(router_pb2.RemoveWorkerRequest(
-            name=name, generation=generation), timeout=self.timeout_s).removed
+        return self._stub.RemoveWorker(
+            router_pb2.RemoveWorkerRequest(name=name, generation=generation), timeout=self.timeout_s
+        ).removed
 
-    def route(self, model: str, *, token_ids: Sequence[int] = (), hashes: Sequence[int] = (),
-              namespace: str = "", role: str = "", request_id: str = "", track: bool = True,
-              decode_tokens: int = 0) -> router_pb2.RouteResponse:
-        return self._stub.Route(router_pb2.RouteRequest(
-            model=model, namespace=namespace, role=role, token_ids=list(token_ids),
-            block_hashes=list(hashes), request_id=request_id, track=track,
-            decode_tokens=decode_tokens), timeout=self.timeout_s)
+    def route(
+        self,
+        model: str,
+        *,
+        token_ids: Sequence[int] = (),
+        hashes: Sequence[int] = (),
+        namespace: str = "",
+        role: str = "",
+        request_id: str = "",
+        track: bool = True,
+        decode_tokens: int = 0,
+    ) -> router_pb2.RouteResponse:
+        return self._stub.Route(
+            router_pb2.RouteRequest(
+                model=model,
+                namespace=namespace,
+                role=role,
+                token_ids=list(token_ids),
+                block_hashes=list(hashes),
+                request_id=request_id,
+                track=track,
+                decode_tokens=decode_tokens,
+            ),
+            timeout=self.timeout_s,
+        )
 
     def request_done(self, request_id: str, prefill_only: bool = False) -> bool:
-        return self._stub.RequestDone(router_pb2.RequestDoneRequest(
-            request_id=request_id, prefill_only=prefill_only), timeout=self.timeout_s).found
+        return self._stub.RequestDone(
+            router_pb2.RequestDoneRequest(request_id=request_id, prefill_only=prefill_only),
+            timeout=self.timeout_s,
+        ).found
 
     def stats(self) -> router_pb2.RouterStatsResponse:
         return self._stub.RouterStats(router_pb2.RouterStatsRequest(), timeout=self.timeout_s)

@@ -59,35 +59,59 @@ class KVLayer:
     def spec(self) -> pb.LayerSpec:
         region = region_from_tensor(self.tensor, self.kind)
         return pb.LayerSpec(
-            name=self.name, dtype=str(self.tensor.dtype).removeprefix("torch."),
-            bytes_per_block=region.segments * region.segment_bytes, segments=region.segments,
-            kv_layout=self.kv_layout, layout_kind=KINDS[self.kind],
-            num_blocks=region.num_blocks, block_stride=region.block_stride,
-            segment_stride=region.segment_stride, replicated=self.replicated,
-            memory=self._memory())
+            name=self.name,
+            dtype=str(self.tensor.dtype).removeprefix("torch."),
+            bytes_per_block=region.segments * region.segment_bytes,
+            segments=region.segments,
+            kv_layout=self.kv_layout,
+            layout_kind=KINDS[self.kind],
+            num_blocks=region.num_blocks,
+            block_stride=region.block_stride,
+            segment_stride=region.segment_stride,
+            replicated=self.replicated,
+            memory=self._memory(),
+        )
 
     def _memory(self) -> pb.MemoryHandle:
         t = self.tensor
         if t.is_cuda:
             ptr = t.data_ptr()
             handle, base, size = cuda_ipc_export(ptr, t.device.index)
-            return pb.MemoryHandle(cuda=pb.CudaIpc(
-                handle=handle, device_uuid=device_uuid_of(t.device.index), size=size,
-                offset=ptr - base))
+            return pb.MemoryHandle(
+                cuda=pb.CudaIpc(
+                    handle=handle,
+                    device_uuid=device_uuid_of(t.device.index),
+                    size=size,
+                    offset=ptr - base,
+                )
+            )
         if self.shm is None:
-            raise ValueError(f"layer {self.name!r}: a host KV tensor must live in shared "
-                             "memory; allocate it with kvstore.client.store_client.kv_cache_shm")
+            raise ValueError(
+                f"layer {self.name!r}: a host KV tensor must live in shared "
+                "memory; allocate it with kvstore.client.store_client.kv_cache_shm"
+            )
         base = torch.frombuffer(self.shm.shm.buf, dtype=torch.uint8).data_ptr()
-        return pb.MemoryHandle(host=pb.HostShm(name=self.shm.name, size=self.shm.shm.size,
-                                               offset=t.data_ptr() - base))
+        return pb.MemoryHandle(
+            host=pb.HostShm(name=self.shm.name, size=self.shm.shm.size, offset=t.data_ptr() - base)
+        )
 
 
-def kv_cache_shm(kind: str, num_blocks: int, block_size: int, heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, kv_layout: str = "NHD") -> ShmTensor:
+def kv_cache_shm(
+    kind: str,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+    kv_layout: str = "NHD",
+) -> ShmTensor:
     """A zeroed host KV cache of one layer in shared memory, in vLLM's shapes."""
     inner = (block_size, heads, head_dim) if kv_layout == "NHD" else (heads, block_size, head_dim)
-    shape = {"kv_first": (2, num_blocks, *inner), "blocks_first": (num_blocks, 2, *inner),
-             "mla": (num_blocks, block_size, head_dim)}[kind]
+    shape = {
+        "kv_first": (2, num_blocks, *inner),
+        "blocks_first": (num_blocks, 2, *inner),
+        "mla": (num_blocks, block_size, head_dim),
+    }[kind]
     return shm_empty(shape, dtype)
 
 
@@ -119,9 +143,11 @@ class RankSession:
             self.session = update.session
             self.state = update.state
             self.ranks_registered = update.ranks_registered
-            self.seal = (SealInfo(update.fingerprint, update.final_namespace,
-                                  dict(update.layer_ids))
-                         if update.state == pb.RegistrationUpdate.SEALED else None)
+            self.seal = (
+                SealInfo(update.fingerprint, update.final_namespace, dict(update.layer_ids))
+                if update.state == pb.RegistrationUpdate.SEALED
+                else None
+            )
             self._cond.notify_all()
 
     def _follow(self) -> None:
@@ -130,7 +156,9 @@ class RankSession:
                 self._apply(update)
             err = KVError(Code.UNAVAILABLE, "registration stream ended")
         except grpc.RpcError as exc:
-            err = KVError(Code.from_name(exc.code().name), exc.details() or "registration stream failed")
+            err = KVError(
+                Code.from_name(exc.code().name), exc.details() or "registration stream failed"
+            )
         with self._cond:
             self._error = err
             self.seal = None
@@ -140,9 +168,11 @@ class RankSession:
         """Block until every rank is in; raise KVError(DEADLINE_EXCEEDED) otherwise."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.seal or self._error, timeout):
-                raise KVError(Code.DEADLINE_EXCEEDED,
-                              f"instance {self.instance_id!r} not sealed after {timeout}s: "
-                              f"{self.ranks_registered} ranks registered")
+                raise KVError(
+                    Code.DEADLINE_EXCEEDED,
+                    f"instance {self.instance_id!r} not sealed after {timeout}s: "
+                    f"{self.ranks_registered} ranks registered",
+                )
             if self.seal is None:
                 raise self._error
             return self.seal
@@ -152,14 +182,28 @@ class RankSession:
         return self.wait_sealed(0).final_namespace
 
     def save(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.SaveResponse:
-        return _call(self.stub.Save, pb.SaveRequest(
-            instance_id=self.instance_id, rank=self.rank, session=self.session,
-            blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks]), timeout)
+        return _call(
+            self.stub.Save,
+            pb.SaveRequest(
+                instance_id=self.instance_id,
+                rank=self.rank,
+                session=self.session,
+                blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks],
+            ),
+            timeout,
+        )
 
     def load(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.LoadResponse:
-        return _call(self.stub.Load, pb.LoadRequest(
-            instance_id=self.instance_id, rank=self.rank, session=self.session,
-            blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks]), timeout)
+        return _call(
+            self.stub.Load,
+            pb.LoadRequest(
+                instance_id=self.instance_id,
+                rank=self.rank,
+                session=self.session,
+                blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks],
+            ),
+            timeout,
+        )
 
     def close(self) -> None:
         """End the registration; the server removes it and unseals the instance."""
@@ -177,16 +221,31 @@ class StoreClient:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVStoreStub(self.channel)
 
-    def register(self, instance_id: str, client_namespace: str, layers: list[KVLayer], *,
-                 tp_rank: int = 0, tp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None, block_size: int = 16,
-                 hash_format: str = HASH_FORMAT) -> RankSession:
+    def register(
+        self,
+        instance_id: str,
+        client_namespace: str,
+        layers: list[KVLayer],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        block_size: int = 16,
+        hash_format: str = HASH_FORMAT,
+    ) -> RankSession:
         """Register this rank's layers; returns once the server accepted them."""
         request = pb.RegisterLayersRequest(
-            instance_id=instance_id, client_namespace=client_namespace,
-            rank=tp_rank if rank is None else rank, tp_rank=tp_rank, tp_size=tp_size,
-            world_size=tp_size if world_size is None else world_size, block_size=block_size,
-            hash_format=hash_format, layers=[layer.spec() for layer in layers])
+            instance_id=instance_id,
+            client_namespace=client_namespace,
+            rank=tp_rank if rank is None else rank,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            world_size=tp_size if world_size is None else world_size,
+            block_size=block_size,
+            hash_format=hash_format,
+            layers=[layer.spec() for layer in layers],
+        )
         return self.register_raw(request)
 
     def register_raw(self, request: pb.RegisterLayersRequest) -> RankSession:
@@ -197,25 +256,33 @@ class StoreClient:
             sess._apply(next(call))
         except grpc.RpcError as exc:
             raise KVError(Code.from_name(exc.code().name), exc.details()) from None
-        sess._thread = threading.Thread(target=sess._follow, daemon=True,
-                                        name=f"kvstore-session-{request.rank}")
+        sess._thread = threading.Thread(
+            target=sess._follow, daemon=True, name=f"kvstore-session-{request.rank}"
+        )
         sess._thread.start()
         return sess
 
-    def query(self, namespace: str, hashes: list[int], lease: bool = False,
-              lease_ms: int = 0) -> pb.QueryResponse:
-        return _call(self.stub.Query, pb.QueryRequest(
-            namespace=namespace, block_hashes=hashes, lease=lease, lease_ms=lease_ms),
-            self.timeout)
+    def query(
+        self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0
+    ) -> pb.QueryResponse:
+        return _call(
+            self.stub.Query,
+            pb.QueryRequest(
+                namespace=namespace, block_hashes=hashes, lease=lease, lease_ms=lease_ms
+            ),
+            self.timeout,
+        )
 
     def release(self, lease_id: str) -> int:
-        return _call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id),
-                     self.timeout).released_blocks
+        return _call(
+            self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), self.timeout
+        ).released_blocks
 
     def clear(self, namespace: str = "") -> int:
         """Drop unpinned sealed blocks of ``namespace`` (all when empty)."""
-        return _call(self.stub.Clear, pb.ClearRequest(namespace=namespace),
-                     self.timeout).cleared_blocks
+        return _call(
+            self.stub.Clear, pb.ClearRequest(namespace=namespace), self.timeout
+        ).cleared_blocks
 
     def stats(self) -> pb.StatsResponse:
         return _call(self.stub.Stats, pb.StatsRequest(), self.timeout)

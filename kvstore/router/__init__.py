@@ -25,6 +25,15 @@ from kvstore.router.peers import PeerPrefix
 from kvstore.router.scoring import ScoringConfig
 
 __all__ = [
-    "Domain", "IdentityAlgorithm", "PeerPrefix", "Router", "RouterConfig", "RouteResult",
-    "ScoringConfig", "WorkerCard", "WorkerRef", "WorkerSetKey", "card_checksum",
+    "Domain",
+    "IdentityAlgorithm",
+    "PeerPrefix",
+    "Router",
+    "RouterConfig",
+    "RouteResult",
+    "ScoringConfig",
+    "WorkerCard",
+    "WorkerRef",
+    "WorkerSetKey",
+    "card_checksum",
 ]

@@ -108,21 +108,32 @@ class Admission:
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
-        if wset is not None and others > 0 and (
-                wset.checksum != checksum or wset.reference.hash_format != card.hash_format):
+        if (
+            wset is not None
+            and others > 0
+            and (wset.checksum != checksum or wset.reference.hash_format != card.hash_format)
+        ):
             self.rejected += 1
             diffs = differences(wset.reference, card) or ["card_checksum"]
-            detail = "; ".join(describe_difference(wset.reference, card, d) if d != "card_checksum"
-                               else d for d in diffs)
+            detail = "; ".join(
+                describe_difference(wset.reference, card, d) if d != "card_checksum" else d
+                for d in diffs
+            )
             raise precondition(
                 f"worker {name!r} rejected from WorkerSet {key}: card differs from the admitted "
                 f"card ({wset.checksum[:12]}) in {detail}; the {others} admitted member(s) are "
-                "unaffected")
+                "unaffected"
+            )
         # Decision made: apply it.
         if old is not None:
             self._drop(old)
-        worker = Worker(WorkerRef(name, self._next_generation), card, checksum, key,
-                        domain_of(card, checksum, self.algorithm))
+        worker = Worker(
+            WorkerRef(name, self._next_generation),
+            card,
+            checksum,
+            key,
+            domain_of(card, checksum, self.algorithm),
+        )
         self._next_generation += 1
         wset = self.sets.get(key)
         if wset is None:
@@ -162,6 +173,7 @@ class Admission:
         is blocked: each model keeps serving its own name). The answer is a
         function of the admitted set alone, never of arrival order.
         """
+
         def wanted(k: WorkerSetKey) -> bool:
             return (not namespace or k.namespace == namespace) and (not role or k.role == role)
 
@@ -171,10 +183,14 @@ class Admission:
         by_alias = [s for k, s in sorted(self.sets.items()) if model in s.aliases and wanted(k)]
         models = sorted({s.key.model for s in by_alias})
         if len(models) > 1:
-            raise precondition(f"model name {model!r} is an alias of several models {models}; "
-                               "ask for one of them by its display name")
+            raise precondition(
+                f"model name {model!r} is an alias of several models {models}; "
+                "ask for one of them by its display name"
+            )
         if not by_alias:
-            raise not_found(f"no admitted worker serves model {model!r}"
-                            + (f" in namespace {namespace!r}" if namespace else "")
-                            + (f" with role {role!r}" if role else ""))
+            raise not_found(
+                f"no admitted worker serves model {model!r}"
+                + (f" in namespace {namespace!r}" if namespace else "")
+                + (f" with role {role!r}" if role else "")
+            )
         return by_alias

@@ -73,12 +73,20 @@ class WorkerCard:
 
 # Fields that are NOT checksum inputs, and why (kept next to the list above so
 # a new field has to be sorted into one side or the other).
-NON_INPUTS = frozenset({
-    "source_path",        # one model may live in several directories
-    "hash_format",        # an admission field of its own (see admission.py)
-    "namespace", "component", "endpoint",  # WorkerSet key and routing scope
-    "address", "capacity_blocks", "node_id", "final_namespace", "kv_events_endpoint",
-})
+NON_INPUTS = frozenset(
+    {
+        "source_path",  # one model may live in several directories
+        "hash_format",  # an admission field of its own (see admission.py)
+        "namespace",
+        "component",
+        "endpoint",  # WorkerSet key and routing scope
+        "address",
+        "capacity_blocks",
+        "node_id",
+        "final_namespace",
+        "kv_events_endpoint",
+    }
+)
 
 
 def extra_file_pairs(extra_files: dict[str, str]) -> list[list[str]]:
@@ -117,8 +125,11 @@ def card_checksum(card: WorkerCard) -> str:
 
 def differences(admitted: WorkerCard, other: WorkerCard) -> list[str]:
     """Names of the checksum inputs (and hash_format) on which two cards differ."""
-    diffs = [name for (name, a), (_, b) in zip(checksum_inputs(admitted), checksum_inputs(other), strict=True)
-             if a != b]
+    diffs = [
+        name
+        for (name, a), (_, b) in zip(checksum_inputs(admitted), checksum_inputs(other), strict=True)
+        if a != b
+    ]
     if admitted.hash_format != other.hash_format:
         diffs.append("hash_format")
     return diffs
@@ -151,7 +162,9 @@ def validate_card(card: WorkerCard) -> None:
     if card.display_name in card.aliases:
         raise invalid(f"card.aliases: contains the display name {card.display_name!r}")
     if not 1 <= card.kv_block_size <= limits.MAX_BLOCK_SIZE:
-        raise invalid(f"card.kv_block_size: {card.kv_block_size} not in [1, {limits.MAX_BLOCK_SIZE}]")
+        raise invalid(
+            f"card.kv_block_size: {card.kv_block_size} not in [1, {limits.MAX_BLOCK_SIZE}]"
+        )
     if not 0 <= card.context_length <= limits.MAX_CONTEXT_LENGTH:
         raise invalid(f"card.context_length: {card.context_length} out of range")
     _token("card.hash_format", card.hash_format)
@@ -162,12 +175,19 @@ def validate_card(card: WorkerCard) -> None:
             raise invalid(f"card.{list_field}: {len(items)} items, at most {limits.MAX_LIST_ITEMS}")
         for i, item in enumerate(items):
             _token(f"card.{list_field}[{i}]", item)
-    for cs in ("model_config_checksum", "tokenizer_checksum", "prompt_formatter_checksum",
-               "chat_template_checksum", "generation_config_checksum"):
+    for cs in (
+        "model_config_checksum",
+        "tokenizer_checksum",
+        "prompt_formatter_checksum",
+        "chat_template_checksum",
+        "generation_config_checksum",
+    ):
         if len(getattr(card, cs)) > limits.MAX_CHECKSUM_LEN:
             raise invalid(f"card.{cs}: longer than {limits.MAX_CHECKSUM_LEN}")
     if len(card.extra_files) > limits.MAX_EXTRA_FILES:
-        raise invalid(f"card.extra_files: {len(card.extra_files)} files, at most {limits.MAX_EXTRA_FILES}")
+        raise invalid(
+            f"card.extra_files: {len(card.extra_files)} files, at most {limits.MAX_EXTRA_FILES}"
+        )
     basenames = [pair[0] for pair in extra_file_pairs(card.extra_files)]
     for name, checksum in card.extra_files.items():
         if len(name) > limits.MAX_ADDRESS_LEN or len(checksum) > limits.MAX_CHECKSUM_LEN:
@@ -176,8 +196,13 @@ def validate_card(card: WorkerCard) -> None:
         raise invalid("card.extra_files: a file name has an empty basename")
     if len(set(basenames)) != len(basenames):
         raise invalid("card.extra_files: two files share a basename")
-    for text_field in ("prompt_context", "router_config", "indexer_semantics_override",
-                       "indexer_scope_override", "source_path"):
+    for text_field in (
+        "prompt_context",
+        "router_config",
+        "indexer_semantics_override",
+        "indexer_scope_override",
+        "source_path",
+    ):
         if len(getattr(card, text_field)) > limits.MAX_TEXT_LEN:
             raise invalid(f"card.{text_field}: longer than {limits.MAX_TEXT_LEN}")
     if card.lora and not card.lora_base:
@@ -187,22 +212,28 @@ def validate_card(card: WorkerCard) -> None:
     if card.lora_base:
         _name("card.lora_base", card.lora_base)
     if not NAMESPACE_RE.fullmatch(card.namespace):
-        raise invalid(f"card.namespace: {card.namespace[:64]!r} does not match [A-Za-z0-9_-]{{1,128}}")
+        raise invalid(
+            f"card.namespace: {card.namespace[:64]!r} does not match [A-Za-z0-9_-]{{1,128}}"
+        )
     _token("card.component", card.component)
     _token("card.endpoint", card.endpoint)
     for addr in ("address", "node_id", "kv_events_endpoint"):
         if len(getattr(card, addr)) > limits.MAX_ADDRESS_LEN:
             raise invalid(f"card.{addr}: longer than {limits.MAX_ADDRESS_LEN}")
     if card.final_namespace and not FINAL_NAMESPACE_RE.fullmatch(card.final_namespace):
-        raise invalid(f"card.final_namespace: {card.final_namespace[:64]!r} is not "
-                      "'<client namespace>.<16 hex fingerprint>'")
+        raise invalid(
+            f"card.final_namespace: {card.final_namespace[:64]!r} is not "
+            "'<client namespace>.<16 hex fingerprint>'"
+        )
     if not 0 <= card.capacity_blocks < 1 << 63:
         raise invalid("card.capacity_blocks: out of range")
 
 
 def _name(where: str, value: str) -> None:
     if not value or len(value) > limits.MAX_NAME_LEN or not value.isprintable():
-        raise invalid(f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}")
+        raise invalid(
+            f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}"
+        )
 
 
 def _token(where: str, value: str) -> None:

@@ -80,8 +80,9 @@ WorkerListener = Callable[[Worker | None, Worker | None], None]  # (admitted, re
 
 
 class Router:
-    def __init__(self, config: RouterConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, config: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         self.config = config or RouterConfig()
         self.clock = clock
         self.admission = Admission(self.config.identity)
@@ -96,7 +97,10 @@ class Router:
         self._listeners: list[WorkerListener] = []
         self._request_ids = itertools.count(1)
         # Set by cli.build_router / add_router_to_server: the event feeds to run.
-        self.feed_specs: tuple[list[str], list[str]] = ([], [])  # (NAME=zmq endpoints, store addresses)
+        self.feed_specs: tuple[list[str], list[str]] = (
+            [],
+            [],
+        )  # (NAME=zmq endpoints, store addresses)
         self.subscriptions = None  # subscribers.Subscriptions once serving
 
     def add_listener(self, fn: WorkerListener) -> None:
@@ -117,8 +121,14 @@ class Router:
             worker, old = self.admission.admit(name, card)
             if old is not None:
                 self._forget(old)
-        log.info("admitted %s gen %d into %s (domain %s)%s", name, worker.ref.generation,
-                 worker.key, worker.domain, f", replacing gen {old.ref.generation}" if old else "")
+        log.info(
+            "admitted %s gen %d into %s (domain %s)%s",
+            name,
+            worker.ref.generation,
+            worker.key,
+            worker.domain,
+            f", replacing gen {old.ref.generation}" if old else "",
+        )
         self._notify(worker, old)
         return worker
 
@@ -180,7 +190,9 @@ class Router:
             self.events_dropped += batch.skipped
             return self.apply_worker_events(ref, batch.events)
 
-    def publish_store_events(self, node_id: str, generation: int, payloads: Sequence[bytes]) -> tuple[int, int]:
+    def publish_store_events(
+        self, node_id: str, generation: int, payloads: Sequence[bytes]
+    ) -> tuple[int, int]:
         """Decode and apply a store's events; (applied, dropped).
 
         All payloads are decoded first, so a malformed one refuses the whole
@@ -188,11 +200,15 @@ class Router:
         generation drops everything (the peer restarted since).
         """
         if len(payloads) > limits.MAX_EVENTS_PER_PUBLISH:
-            raise invalid(f"events: {len(payloads)} events, at most {limits.MAX_EVENTS_PER_PUBLISH}")
+            raise invalid(
+                f"events: {len(payloads)} events, at most {limits.MAX_EVENTS_PER_PUBLISH}"
+            )
         events = []
         for i, payload in enumerate(payloads):
             if len(payload) > limits.MAX_EVENT_BYTES:
-                raise invalid(f"events[{i}]: {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}")
+                raise invalid(
+                    f"events[{i}]: {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}"
+                )
             try:
                 event = StoreEvent.decode(payload)
             except ValueError as exc:
@@ -202,8 +218,9 @@ class Router:
             events.append(event)
         return self.apply_store_events(node_id, generation, events)
 
-    def apply_store_events(self, node_id: str, generation: int,
-                           events: Sequence[StoreEvent]) -> tuple[int, int]:
+    def apply_store_events(
+        self, node_id: str, generation: int, events: Sequence[StoreEvent]
+    ) -> tuple[int, int]:
         """Apply decoded store events from peer (node_id, generation)."""
         with self._lock:
             peer = self.peers.current(node_id, generation)
@@ -220,7 +237,10 @@ class Router:
             if event.tier != GPU_TIER or worker is None:
                 self.events_dropped += 1
                 return False
-            return self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)]) == 1
+            return (
+                self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)])
+                == 1
+            )
 
     def _apply_store_event(self, peer: Peer, event: StoreEvent) -> bool:
         if event.tier == GPU_TIER:
@@ -242,8 +262,15 @@ class Router:
 
     # -- peers -------------------------------------------------------------
 
-    def advertise_peer(self, node_id: str, store_address: str, ucx_address: str,
-                       final_namespaces: Sequence[str], generation: int = 0, lease_ms: int = 0) -> Peer:
+    def advertise_peer(
+        self,
+        node_id: str,
+        store_address: str,
+        ucx_address: str,
+        final_namespaces: Sequence[str],
+        generation: int = 0,
+        lease_ms: int = 0,
+    ) -> Peer:
         _check_name("node_id", node_id)
         for where, addr in (("store_address", store_address), ("ucx_address", ucx_address)):
             if len(addr) > limits.MAX_ADDRESS_LEN:
@@ -251,15 +278,23 @@ class Router:
         with self._lock:
             now = self.clock()
             self.peers.expire(now)
-            return self.peers.advertise(node_id, store_address, ucx_address, list(final_namespaces),
-                                        generation, lease_ms, now)
+            return self.peers.advertise(
+                node_id,
+                store_address,
+                ucx_address,
+                list(final_namespaces),
+                generation,
+                lease_ms,
+                now,
+            )
 
     def remove_peer(self, node_id: str, generation: int = 0) -> bool:
         with self._lock:
             return self.peers.remove(node_id, generation) is not None
 
-    def query_prefix(self, final_namespace: str, hashes: Sequence[int],
-                     exclude_node_id: str = "") -> list[PeerPrefix]:
+    def query_prefix(
+        self, final_namespace: str, hashes: Sequence[int], exclude_node_id: str = ""
+    ) -> list[PeerPrefix]:
         """For each peer with sealed blocks of exactly ``final_namespace``: its longest prefix."""
         check_final_namespace("final_namespace", final_namespace)
         hashes = _check_hashes("block_hashes", hashes)
@@ -269,9 +304,18 @@ class Router:
 
     # -- routing -----------------------------------------------------------
 
-    def route(self, model: str, *, namespace: str = "", role: str = "",
-              token_ids: Sequence[int] | None = None, hashes: Sequence[int] | None = None,
-              request_id: str = "", track: bool = True, decode_tokens: int = 0) -> RouteResult:
+    def route(
+        self,
+        model: str,
+        *,
+        namespace: str = "",
+        role: str = "",
+        token_ids: Sequence[int] | None = None,
+        hashes: Sequence[int] | None = None,
+        request_id: str = "",
+        track: bool = True,
+        decode_tokens: int = 0,
+    ) -> RouteResult:
         """Pick a WorkerSet for ``model`` and the cheapest worker in it."""
         _check_name("model", model)
         if token_ids and hashes:
@@ -290,13 +334,18 @@ class Router:
             self.loads.expire(now)
             self.peers.expire(now)
             sets = self.admission.resolve(model, namespace, role)
-            wset = sets[0] if len(sets) == 1 else self.rng.choices(
-                sets, weights=[len(s.members) for s in sets], k=1)[0]
+            wset = (
+                sets[0]
+                if len(sets) == 1
+                else self.rng.choices(sets, weights=[len(s.members) for s in sets], k=1)[0]
+            )
             block_size = wset.reference.kv_block_size
             if token_ids:
                 if wset.reference.hash_format != HASH_FORMAT:
-                    raise precondition(f"token_ids: WorkerSet {wset.key} uses hash format "
-                                       f"{wset.reference.hash_format!r}; send block_hashes")
+                    raise precondition(
+                        f"token_ids: WorkerSet {wset.key} uses hash format "
+                        f"{wset.reference.hash_format!r}; send block_hashes"
+                    )
                 hashes = block_hashes(token_ids, block_size)
             hashes = list(hashes or [])
             total = len(hashes)
@@ -307,12 +356,28 @@ class Router:
             worker = wset.members[best.ref.name]
             rid = request_id or f"r{next(self._request_ids)}"
             if track:
-                self.loads.add(rid, best.ref, total - best.cached, total - best.gpu + decode_blocks,
-                               now + cfg.request_timeout_s)
+                self.loads.add(
+                    rid,
+                    best.ref,
+                    total - best.cached,
+                    total - best.gpu + decode_blocks,
+                    now + cfg.request_timeout_s,
+                )
             reason = _reason(best, cands, total, cfg, wset, sets)
             local = max(best.gpu, best.store)
-            return RouteResult(worker, rid, total, best.overlap, best.gpu, max(0, best.store - best.gpu),
-                               max(0, best.remote - local), best.cost, reason, wset.key, len(sets))
+            return RouteResult(
+                worker,
+                rid,
+                total,
+                best.overlap,
+                best.gpu,
+                max(0, best.store - best.gpu),
+                max(0, best.remote - local),
+                best.cost,
+                reason,
+                wset.key,
+                len(sets),
+            )
 
     def _candidates(self, wset: WorkerSet, hashes: list[int]) -> list[Candidate]:
         """Per member: its gpu / local store / remote prefix lengths of ``hashes``."""
@@ -353,8 +418,9 @@ class Router:
             if index is None:
                 continue
             depths = index.prefix_depths(hashes, index.all_slots_mask)
-            ranked = sorted(((d, index.holder_of(s)) for s, d in depths.items() if d),
-                            key=lambda x: -x[0])
+            ranked = sorted(
+                ((d, index.holder_of(s)) for s, d in depths.items() if d), key=lambda x: -x[0]
+            )
             for i in positions:
                 mine = (members[i].card.node_id, STORE_TIER)
                 slot = index.slot_of(mine)
@@ -376,25 +442,45 @@ class Router:
         with self._lock:
             indexed = sum(len(i) for i in self.domains.values())
             indexed += sum(len(i) for i in self.peers.indexes.values())
-            return RouterStats(len(self.admission.workers), len(self.admission.sets), len(self.domains),
-                               len(self.peers.peers), indexed, self.events_applied, self.events_dropped,
-                               self.blocks_ingested, len(self.loads.requests), self.admission.rejected)
+            return RouterStats(
+                len(self.admission.workers),
+                len(self.admission.sets),
+                len(self.domains),
+                len(self.peers.peers),
+                indexed,
+                self.events_applied,
+                self.events_dropped,
+                self.blocks_ingested,
+                len(self.loads.requests),
+                self.admission.rejected,
+            )
 
     def index_bytes(self) -> int:
         with self._lock:
-            return (sum(i.nbytes() for i in self.domains.values())
-                    + sum(i.nbytes() for i in self.peers.indexes.values()))
+            return sum(i.nbytes() for i in self.domains.values()) + sum(
+                i.nbytes() for i in self.peers.indexes.values()
+            )
 
 
-def _reason(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringConfig,
-            wset: WorkerSet, sets: list[WorkerSet]) -> str:
-    text = (f"{best.ref.name}: {best.overlap}/{total} blocks cached (gpu {best.gpu}, store {best.store}, "
-            f"remote {best.remote}); cost {best.cost:.1f} = {cfg.overlap_weight:g} x {best.prefill:.1f} "
-            f"prefill + {best.decode:.1f} decode")
+def _reason(
+    best: Candidate,
+    cands: list[Candidate],
+    total: int,
+    cfg: ScoringConfig,
+    wset: WorkerSet,
+    sets: list[WorkerSet],
+) -> str:
+    text = (
+        f"{best.ref.name}: {best.overlap}/{total} blocks cached (gpu {best.gpu}, store {best.store}, "
+        f"remote {best.remote}); cost {best.cost:.1f} = {cfg.overlap_weight:g} x {best.prefill:.1f} "
+        f"prefill + {best.decode:.1f} decode"
+    )
     others = [c for c in cands if c is not best]
     if others:
         runner = min(others, key=lambda c: (c.cost, c.ref.name))
-        how = "lowest cost" if cfg.temperature <= 0 else f"sampled at temperature {cfg.temperature:g}"
+        how = (
+            "lowest cost" if cfg.temperature <= 0 else f"sampled at temperature {cfg.temperature:g}"
+        )
         text += f"; {how} of {len(cands)} workers, next {runner.ref.name} cost {runner.cost:.1f}"
     if len(sets) > 1:
         n = sum(len(s.members) for s in sets)
@@ -404,7 +490,9 @@ def _reason(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringCon
 
 def _check_name(where: str, value: str) -> None:
     if not value or len(value) > limits.MAX_NAME_LEN or not value.isprintable():
-        raise invalid(f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}")
+        raise invalid(
+            f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}"
+        )
 
 
 def _check_hashes(where: str, hashes: Sequence[int]) -> list[int]:
@@ -422,5 +510,3 @@ def _is_final_namespace(ns: str) -> bool:
     except Exception:
         return False
     return True
-
-

@@ -154,8 +154,9 @@ class SlotIndex:
         running value, i.e. per holder dropping out, not per block.
         """
         depths: dict[int, int] = {}
-        running = takewhile(bool, accumulate(map(self.masks.get, hashes, repeat(0)), and_,
-                                             initial=active))
+        running = takewhile(
+            bool, accumulate(map(self.masks.get, hashes, repeat(0)), and_, initial=active)
+        )
         seen = 0  # running values consumed so far (the first is ``active`` itself)
         prev = 0
         for value, run in groupby(running):

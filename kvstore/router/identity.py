@@ -60,8 +60,9 @@ class Domain(NamedTuple):
         return f"{self.semantics_id.hex()[:8]}/{self.scope_id.hex()[:8]}"
 
 
-def semantics_material(algorithm: IdentityAlgorithm, display_name: str, card_checksum: str,
-                       override: str = "") -> list[str]:
+def semantics_material(
+    algorithm: IdentityAlgorithm, display_name: str, card_checksum: str, override: str = ""
+) -> list[str]:
     """The material list; an explicit override replaces it, nothing else."""
     if override:
         return [EXPLICIT_SEMANTICS_MARKER, override]
@@ -84,10 +85,12 @@ def routing_scope_id(namespace: str, component: str, endpoint: str, override: st
 
 def domain_of(card, checksum: str, algorithm: IdentityAlgorithm) -> Domain:
     """The indexer domain of an admitted card under the router's algorithm."""
-    material = semantics_material(algorithm, card.display_name, checksum,
-                                  card.indexer_semantics_override)
+    material = semantics_material(
+        algorithm, card.display_name, checksum, card.indexer_semantics_override
+    )
     return Domain(
         cache_semantics_id(material, card.kv_block_size, card.hash_format),
-        routing_scope_id(card.namespace, card.component, card.endpoint,
-                         card.indexer_scope_override),
+        routing_scope_id(
+            card.namespace, card.component, card.endpoint, card.indexer_scope_override
+        ),
     )

@@ -61,12 +61,22 @@ class Peers:
         self._next_generation = 1
         self._leases: list[tuple[float, str, int]] = []
 
-    def advertise(self, node_id: str, store_address: str, ucx_address: str,
-                  namespaces: list[str], generation: int, lease_ms: int, now: float) -> Peer:
+    def advertise(
+        self,
+        node_id: str,
+        store_address: str,
+        ucx_address: str,
+        namespaces: list[str],
+        generation: int,
+        lease_ms: int,
+        now: float,
+    ) -> Peer:
         """New advertisement (generation 0) or refresh of a current one."""
         if len(namespaces) > limits.MAX_NAMESPACES_PER_PEER:
-            raise invalid(f"final_namespaces: {len(namespaces)} given, at most "
-                          f"{limits.MAX_NAMESPACES_PER_PEER}")
+            raise invalid(
+                f"final_namespaces: {len(namespaces)} given, at most "
+                f"{limits.MAX_NAMESPACES_PER_PEER}"
+            )
         for i, ns in enumerate(namespaces):
             check_final_namespace(f"final_namespaces[{i}]", ns)
         if not 0 <= lease_ms <= limits.MAX_LEASE_MS:
@@ -74,8 +84,10 @@ class Peers:
         old = self.peers.get(node_id)
         if generation:
             if old is None or old.generation != generation:
-                raise not_found(f"peer {node_id!r} generation {generation} is not current; "
-                                "advertise again with generation 0")
+                raise not_found(
+                    f"peer {node_id!r} generation {generation} is not current; "
+                    "advertise again with generation 0"
+                )
             peer = old
             peer.store_address, peer.ucx_address = store_address, ucx_address
             peer.namespaces.update(namespaces)
@@ -127,15 +139,19 @@ class Peers:
         """The namespace's index; a namespace seen in events joins the peer's set."""
         if namespace not in peer.namespaces:
             if len(peer.namespaces) >= limits.MAX_NAMESPACES_PER_PEER:
-                raise exhausted(f"peer {peer.node_id!r} already serves "
-                                f"{limits.MAX_NAMESPACES_PER_PEER} namespaces")
+                raise exhausted(
+                    f"peer {peer.node_id!r} already serves "
+                    f"{limits.MAX_NAMESPACES_PER_PEER} namespaces"
+                )
             peer.namespaces.add(namespace)
         index = self.indexes.get(namespace)
         if index is None:
             index = self.indexes[namespace] = SlotIndex(limits.MAX_PEERS * 3)
         return index
 
-    def query_prefix(self, namespace: str, hashes: list[int], exclude_node_id: str = "") -> list[PeerPrefix]:
+    def query_prefix(
+        self, namespace: str, hashes: list[int], exclude_node_id: str = ""
+    ) -> list[PeerPrefix]:
         """Peers with sealed blocks of exactly ``namespace``, longest prefix first.
 
         Only the store tier counts (blocks sealed in a peer's pool); peers

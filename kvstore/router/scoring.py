@@ -65,15 +65,24 @@ class Candidate:
         return max(self.gpu, self.store, self.remote)
 
 
-def score_all(cands: list[Candidate], total_blocks: int, new_decode_blocks: int,
-              loads: dict[WorkerRef, list[float]], cfg: ScoringConfig) -> None:
+def score_all(
+    cands: list[Candidate],
+    total_blocks: int,
+    new_decode_blocks: int,
+    loads: dict[WorkerRef, list[float]],
+    cfg: ScoringConfig,
+) -> None:
     """Fill in ``cached``, ``prefill``, ``decode`` and ``cost`` of every candidate."""
     wg, ws, wr, ow = cfg.gpu_weight, cfg.store_weight, cfg.remote_weight, cfg.overlap_weight
     fresh = total_blocks + new_decode_blocks
     for c in cands:
         g, st = c.gpu, c.store
         local = g if g > st else st
-        cached = wg * g + (ws * (st - g) if st > g else 0.0) + (wr * (c.remote - local) if c.remote > local else 0.0)
+        cached = (
+            wg * g
+            + (ws * (st - g) if st > g else 0.0)
+            + (wr * (c.remote - local) if c.remote > local else 0.0)
+        )
         load = loads.get(c.ref)
         c.cached = cached
         c.prefill = total_blocks - cached + (load[0] if load else 0.0)
@@ -112,8 +121,9 @@ class LoadTracker:
         pd = self.per_worker.get(ref)
         return (pd[0], pd[1]) if pd else (0.0, 0.0)
 
-    def add(self, request_id: str, ref: WorkerRef, prefill: float, decode: float,
-            deadline: float) -> None:
+    def add(
+        self, request_id: str, ref: WorkerRef, prefill: float, decode: float, deadline: float
+    ) -> None:
         if request_id in self.requests:
             self.done(request_id)
         if len(self.requests) >= limits.MAX_ACTIVE_REQUESTS:

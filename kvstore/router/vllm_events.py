@@ -39,9 +39,9 @@ _TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLE
 class BlockEvent:
     """One decoded event: what happened to which hashes, in which tier."""
 
-    kind: str                 # stored | removed | cleared
+    kind: str  # stored | removed | cleared
     hashes: list[int]
-    tier: str = "gpu"         # "gpu" for vLLM's device cache, "store" for offloaded media
+    tier: str = "gpu"  # "gpu" for vLLM's device cache, "store" for offloaded media
     parent_hash: int | None = None
 
 
@@ -51,7 +51,7 @@ class VllmBatch:
     ts: float
     data_parallel_rank: int | None
     events: list[BlockEvent]
-    skipped: int = 0          # events of other KV-cache groups (hybrid models)
+    skipped: int = 0  # events of other KV-cache groups (hybrid models)
 
 
 def decode_message(frames: list[bytes]) -> VllmBatch:
@@ -123,8 +123,12 @@ def _decode_event(raw: object, i: int) -> BlockEvent | None:
         raise ValueError(f"events[{i}]: not a tagged event")
     if group not in (None, 0):
         return None  # another KV-cache group of a hybrid model: same hashes, other layers
-    return BlockEvent(kind, normalize_hashes(hashes, f"events[{i}].block_hashes"),
-                      _tier(medium), None if parent is None else _one_hash(parent, f"events[{i}].parent"))
+    return BlockEvent(
+        kind,
+        normalize_hashes(hashes, f"events[{i}].block_hashes"),
+        _tier(medium),
+        None if parent is None else _one_hash(parent, f"events[{i}].parent"),
+    )
 
 
 def _at(fields: list, index: int) -> object:
@@ -163,7 +167,9 @@ def _one_hash(h: object, where: str) -> int:
     raise ValueError(f"{where}: hash of type {type(h).__name__}")
 
 
-def encode_batch(events: list[list], ts: float = 0.0, data_parallel_rank: int | None = None) -> bytes:
+def encode_batch(
+    events: list[list], ts: float = 0.0, data_parallel_rank: int | None = None
+) -> bytes:
     """Build a payload the way vLLM's array_like structs encode (for tests and benches).
 
     ``events`` are already positional, e.g. ``["BlockRemoved", [1, 2], "GPU"]``.

@@ -33,10 +33,15 @@ from kvstore.wire.events import StoreEvent
 log = logging.getLogger(__name__)
 
 
-async def follow_vllm(router: Router, endpoint: str, ref: WorkerRef | None = None,
-                      name: str = "", topic: bytes = b"",
-                      ctx: zmq.asyncio.Context | None = None,
-                      ready: asyncio.Event | None = None) -> None:
+async def follow_vllm(
+    router: Router,
+    endpoint: str,
+    ref: WorkerRef | None = None,
+    name: str = "",
+    topic: bytes = b"",
+    ctx: zmq.asyncio.Context | None = None,
+    ready: asyncio.Event | None = None,
+) -> None:
     """Subscribe to one vLLM publisher until cancelled.
 
     With ``ref`` the events belong to that generation only; with ``name``
@@ -129,7 +134,8 @@ class Subscriptions:
                 task.cancel()
         if admitted is not None and admitted.card.kv_events_endpoint:
             self.tasks[admitted.ref] = self.loop.create_task(
-                follow_vllm(self.router, admitted.card.kv_events_endpoint, ref=admitted.ref))
+                follow_vllm(self.router, admitted.card.kv_events_endpoint, ref=admitted.ref)
+            )
 
     def add_static(self, spec: str) -> None:
         """``NAME=ENDPOINT``: a publisher whose events belong to worker NAME."""

@@ -31,8 +31,9 @@ class LocalRouterLink:
         self.node_id = node_id
         self.generation = 0
 
-    async def start(self, store_address: str, ucx_address: str,
-                    snapshot: Callable[[], list[StoreEvent]]) -> None:
+    async def start(
+        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
+    ) -> None:
         peer = self.router.advertise_peer(self.node_id, store_address, ucx_address, [])
         self.generation = peer.generation
         self.router.apply_store_events(self.node_id, self.generation, snapshot())
@@ -61,8 +62,9 @@ class RemoteRouterLink:
         self.advertised = False
         self._snapshot: Callable[[], list[StoreEvent]] = list
 
-    async def start(self, store_address: str, ucx_address: str,
-                    snapshot: Callable[[], list[StoreEvent]]) -> None:
+    async def start(
+        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
+    ) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
         self._args = (store_address, ucx_address)
         self._snapshot = snapshot
@@ -70,13 +72,23 @@ class RemoteRouterLink:
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._keepalive())]
 
     async def _advertise(self, refresh: bool) -> None:
-        await asyncio.to_thread(self.client.advertise_peer, self.node_id, *self._args, [],
-                                lease_ms=LEASE_MS, refresh=refresh)
+        await asyncio.to_thread(
+            self.client.advertise_peer,
+            self.node_id,
+            *self._args,
+            [],
+            lease_ms=LEASE_MS,
+            refresh=refresh,
+        )
         if not refresh:  # a new generation: the router knows none of our blocks yet
             for event in self._snapshot():
                 self._queue.put_nowait(event)
-            log.info("advertised to router %s as %s (generation %d)", self.client.address,
-                     self.node_id, self.client.generation)
+            log.info(
+                "advertised to router %s as %s (generation %d)",
+                self.client.address,
+                self.node_id,
+                self.client.generation,
+            )
         self.advertised = True
 
     async def _advertise_or_warn(self) -> None:
@@ -84,13 +96,20 @@ class RemoteRouterLink:
             await self._advertise(refresh=self.advertised)
         except Exception as exc:  # router down or restarted: start over next time
             if self.advertised:
-                log.warning("router %s lost our advertisement (%s); re-advertising",
-                            self.client.address, _brief(exc))
+                log.warning(
+                    "router %s lost our advertisement (%s); re-advertising",
+                    self.client.address,
+                    _brief(exc),
+                )
                 self.advertised = False
                 await self._advertise_or_warn()
             else:
-                log.warning("router %s unreachable (%s); retrying every %.0f s",
-                            self.client.address, _brief(exc), REFRESH_S)
+                log.warning(
+                    "router %s unreachable (%s); retrying every %.0f s",
+                    self.client.address,
+                    _brief(exc),
+                    REFRESH_S,
+                )
 
     async def _keepalive(self) -> None:
         while True:
@@ -110,8 +129,12 @@ class RemoteRouterLink:
             try:
                 await asyncio.to_thread(self.client.publish, batch)
             except Exception as exc:
-                log.warning("could not forward %d events to router %s: %s", len(batch),
-                            self.client.address, _brief(exc))
+                log.warning(
+                    "could not forward %d events to router %s: %s",
+                    len(batch),
+                    self.client.address,
+                    _brief(exc),
+                )
 
     async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
         return await asyncio.to_thread(self.client.query_prefix, namespace, hashes, self.node_id)
@@ -132,5 +155,8 @@ def snapshot_events(store, node_id: str) -> list[StoreEvent]:
     by_ns: dict[str, list[int]] = {}
     for ns, block_hash in store.lru:
         by_ns.setdefault(ns, []).append(block_hash)
-    return [StoreEvent(STORED, ns, hashes[i:i + MAX_BATCH], node_id)
-            for ns, hashes in by_ns.items() for i in range(0, len(hashes), MAX_BATCH)]
+    return [
+        StoreEvent(STORED, ns, hashes[i : i + MAX_BATCH], node_id)
+        for ns, hashes in by_ns.items()
+        for i in range(0, len(hashes), MAX_BATCH)
+    ]

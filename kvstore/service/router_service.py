@@ -22,12 +22,31 @@ from kvstore.wire.errors import KVError
 log = logging.getLogger(__name__)
 
 _SCALARS = [
-    "display_name", "source_path", "model_config_checksum", "tokenizer_checksum",
-    "prompt_formatter_checksum", "chat_template_checksum", "generation_config_checksum",
-    "prompt_context", "context_length", "kv_block_size", "worker_type", "router_config",
-    "indexer_semantics_override", "indexer_scope_override", "lora", "lora_base", "hash_format",
-    "namespace", "component", "endpoint", "address", "capacity_blocks", "node_id",
-    "final_namespace", "kv_events_endpoint",
+    "display_name",
+    "source_path",
+    "model_config_checksum",
+    "tokenizer_checksum",
+    "prompt_formatter_checksum",
+    "chat_template_checksum",
+    "generation_config_checksum",
+    "prompt_context",
+    "context_length",
+    "kv_block_size",
+    "worker_type",
+    "router_config",
+    "indexer_semantics_override",
+    "indexer_scope_override",
+    "lora",
+    "lora_base",
+    "hash_format",
+    "namespace",
+    "component",
+    "endpoint",
+    "address",
+    "capacity_blocks",
+    "node_id",
+    "final_namespace",
+    "kv_events_endpoint",
 ]
 _LISTS = ["aliases", "needs", "multimodal"]
 # Proto3 cannot tell "unset" from "": these take the card's defaults when empty.
@@ -56,9 +75,16 @@ def card_to_proto(card: WorkerCard) -> router_pb2.WorkerCard:
 
 def _admitted(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse:
     return router_pb2.RegisterWorkerResponse(
-        name=worker.name, generation=worker.ref.generation, card_checksum=worker.checksum,
-        model=worker.key.model, namespace=worker.key.namespace, role=worker.key.role,
-        semantics_id=worker.domain.semantics_id, scope_id=worker.domain.scope_id, members=members)
+        name=worker.name,
+        generation=worker.ref.generation,
+        card_checksum=worker.checksum,
+        model=worker.key.model,
+        namespace=worker.key.namespace,
+        role=worker.key.role,
+        semantics_id=worker.domain.semantics_id,
+        scope_id=worker.domain.scope_id,
+        members=members,
+    )
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -76,13 +102,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return len(wset.members) if wset else 0
 
     async def RegisterWorker(self, request, context):
-        worker = await self._call(context, self.router.register_worker, request.name,
-                                  card_from_proto(request.card))
+        worker = await self._call(
+            context, self.router.register_worker, request.name, card_from_proto(request.card)
+        )
         return _admitted(worker, self._members(worker))
 
     async def WorkerSession(self, request, context):
-        worker = await self._call(context, self.router.register_worker, request.name,
-                                  card_from_proto(request.card))
+        worker = await self._call(
+            context, self.router.register_worker, request.name, card_from_proto(request.card)
+        )
         try:
             yield _admitted(worker, self._members(worker))
             while not context.done():  # hold the session; cancellation ends it
@@ -97,49 +125,94 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Route(self, request, context):
         result = await self._call(
-            context, self.router.route, request.model, namespace=request.namespace,
-            role=request.role, token_ids=list(request.token_ids) or None,
-            hashes=list(request.block_hashes) or None, request_id=request.request_id,
-            track=request.track, decode_tokens=request.decode_tokens)
+            context,
+            self.router.route,
+            request.model,
+            namespace=request.namespace,
+            role=request.role,
+            token_ids=list(request.token_ids) or None,
+            hashes=list(request.block_hashes) or None,
+            request_id=request.request_id,
+            track=request.track,
+            decode_tokens=request.decode_tokens,
+        )
         w = result.worker
         return router_pb2.RouteResponse(
-            worker=w.name, generation=w.ref.generation, address=w.card.address,
-            request_id=result.request_id, total_blocks=result.total_blocks,
-            overlap_blocks=result.overlap_blocks, gpu_blocks=result.gpu_blocks,
-            store_blocks=result.store_blocks, remote_blocks=result.remote_blocks,
-            cost=result.cost, reason=result.reason, worker_set=str(result.worker_set),
-            worker_sets=result.worker_sets)
+            worker=w.name,
+            generation=w.ref.generation,
+            address=w.card.address,
+            request_id=result.request_id,
+            total_blocks=result.total_blocks,
+            overlap_blocks=result.overlap_blocks,
+            gpu_blocks=result.gpu_blocks,
+            store_blocks=result.store_blocks,
+            remote_blocks=result.remote_blocks,
+            cost=result.cost,
+            reason=result.reason,
+            worker_set=str(result.worker_set),
+            worker_sets=result.worker_sets,
+        )
 
     async def RequestDone(self, request, context):
-        found = await self._call(context, self.router.request_done, request.request_id,
-                                 request.prefill_only)
+        found = await self._call(
+            context, self.router.request_done, request.request_id, request.prefill_only
+        )
         return router_pb2.RequestDoneResponse(found=found)
 
     async def AdvertisePeer(self, request, context):
-        peer = await self._call(context, self.router.advertise_peer, request.node_id,
-                                request.store_address, request.ucx_address,
-                                list(request.final_namespaces), request.generation,
-                                request.lease_ms)
+        peer = await self._call(
+            context,
+            self.router.advertise_peer,
+            request.node_id,
+            request.store_address,
+            request.ucx_address,
+            list(request.final_namespaces),
+            request.generation,
+            request.lease_ms,
+        )
         return router_pb2.AdvertisePeerResponse(generation=peer.generation)
 
     async def QueryPrefix(self, request, context):
-        peers = await self._call(context, self.router.query_prefix, request.final_namespace,
-                                 list(request.block_hashes), request.exclude_node_id)
-        return router_pb2.QueryPrefixResponse(peers=[
-            router_pb2.PeerPrefix(node_id=p.node_id, store_address=p.store_address,
-                                  ucx_address=p.ucx_address, prefix_blocks=p.prefix_blocks)
-            for p in peers])
+        peers = await self._call(
+            context,
+            self.router.query_prefix,
+            request.final_namespace,
+            list(request.block_hashes),
+            request.exclude_node_id,
+        )
+        return router_pb2.QueryPrefixResponse(
+            peers=[
+                router_pb2.PeerPrefix(
+                    node_id=p.node_id,
+                    store_address=p.store_address,
+                    ucx_address=p.ucx_address,
+                    prefix_blocks=p.prefix_blocks,
+                )
+                for p in peers
+            ]
+        )
 
     async def PublishEvents(self, request, context):
-        applied, dropped = await self._call(context, self.router.publish_store_events,
-                                            request.node_id, request.generation,
-                                            list(request.events))
+        applied, dropped = await self._call(
+            context,
+            self.router.publish_store_events,
+            request.node_id,
+            request.generation,
+            list(request.events),
+        )
         return router_pb2.PublishEventsResponse(applied=applied, dropped=dropped)
 
     async def RouterStats(self, request, context):
         s = self.router.stats()
         return router_pb2.RouterStatsResponse(
-            workers=s.workers, worker_sets=s.worker_sets, domains=s.domains, peers=s.peers,
-            indexed_blocks=s.indexed_blocks, events_applied=s.events_applied,
-            events_dropped=s.events_dropped, blocks_ingested=s.blocks_ingested,
-            active_requests=s.active_requests, rejected_registrations=s.rejected_registrations)
+            workers=s.workers,
+            worker_sets=s.worker_sets,
+            domains=s.domains,
+            peers=s.peers,
+            indexed_blocks=s.indexed_blocks,
+            events_applied=s.events_applied,
+            events_dropped=s.events_dropped,
+            blocks_ingested=s.blocks_ingested,
+            active_requests=s.active_requests,
+            rejected_registrations=s.rejected_registrations,
+        )

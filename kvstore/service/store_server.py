@@ -52,7 +52,7 @@ class ServerConfig:
     slab_bytes: int = DEFAULT_SLAB_BYTES
     node_id: str = ""
     router_address: str = ""  # a standalone router to advertise to; "" = none/embedded
-    transfer: bool = False    # run a UCX listener and fetch missing blocks from peers
+    transfer: bool = False  # run a UCX listener and fetch missing blocks from peers
     ucx_port: int = 0
     peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
     fetch_timeout_s: float = 10.0
@@ -86,8 +86,12 @@ class StoreServer:
         self.node_id = config.node_id or f"{socket.gethostname()}:{config.port}"
         self.pools = {d: SlotPool(config.pool_size, d, config.slab_bytes) for d in self.devices}
         self.registry = Registry(mapper=attach)
-        self.store = BlockStore(self.pools, {d: copier_for(d) for d in self.devices},
-                                node_id=self.node_id, on_event=self._on_event)
+        self.store = BlockStore(
+            self.pools,
+            {d: copier_for(d) for d in self.devices},
+            node_id=self.node_id,
+            on_event=self._on_event,
+        )
         self.service = KVStoreService(self.registry, self.store, ",".join(self.devices))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -122,9 +126,13 @@ class StoreServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expirer = asyncio.create_task(self._expire_loop())
-        log.info("kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
-                 self.config.host, self.port, ",".join(self.devices),
-                 self.config.pool_size / 2**30)
+        log.info(
+            "kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
+            self.config.host,
+            self.port,
+            ",".join(self.devices),
+            self.config.pool_size / 2**30,
+        )
         return self.port
 
     async def _start_transfer(self) -> None:
@@ -135,13 +143,13 @@ class StoreServer:
         from kvstore.transfer import PeerServer
 
         self.service.source = StoreSource(self.store)
-        self.peer_server = PeerServer(self.service.source, self.config.host,
-                                      self.config.ucx_port)
+        self.peer_server = PeerServer(self.service.source, self.config.host, self.config.ucx_port)
         await self.peer_server.start()
         self.service.ucx_address = self.peer_server.address
         sink = StoreSink(self.store, local_layout_from(self.registry))
-        self.service.fetcher = Fetcher(self.store, sink, self._find_peers,
-                                       self.config.fetch_timeout_s)
+        self.service.fetcher = Fetcher(
+            self.store, sink, self._find_peers, self.config.fetch_timeout_s
+        )
         log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
 
     async def _find_peers(self, namespace: str, hashes: list[int]) -> list:
@@ -151,8 +159,9 @@ class StoreServer:
         peers = []
         if self.link is not None:
             try:
-                peers = [p for p in await self.link.query_prefix(namespace, hashes)
-                         if p.ucx_address]
+                peers = [
+                    p for p in await self.link.query_prefix(namespace, hashes) if p.ucx_address
+                ]
             except Exception as exc:
                 log.warning("router peer lookup failed (%s); trying the --peer list", exc)
         return peers or [PeerPrefix(a, "", a, 0) for a in self.config.peers]
@@ -164,8 +173,11 @@ class StoreServer:
             self.link = RemoteRouterLink(self.config.router_address, self.node_id)
         if self.link is None:
             return
-        await self.link.start(f"{self.config.host}:{self.port}", self.service.ucx_address,
-                              lambda: snapshot_events(self.store, self.node_id))
+        await self.link.start(
+            f"{self.config.host}:{self.port}",
+            self.service.ucx_address,
+            lambda: snapshot_events(self.store, self.node_id),
+        )
         self.add_event_sink(self.link.publish)
 
     async def _expire_loop(self) -> None:

@@ -31,9 +31,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.registry = registry
         self.store = store
         self.device = device
-        self.fetcher = None       # set by the server when peer transfer is on
+        self.fetcher = None  # set by the server when peer transfer is on
         self.ucx_address = ""
-        self.source = None        # the StoreSource peers fetch from
+        self.source = None  # the StoreSource peers fetch from
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
         self._subscribers: set[asyncio.Queue] = set()
         registry.on_change(self._instance_changed)
@@ -79,8 +79,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             res = await self.store.save(inst.seal, reg, codec.refs(request.blocks))
         except KVError as err:
             await status.abort(context, err)
-        return pb.SaveResponse(written=res.written, skipped=res.skipped, sealed=res.sealed,
-                               bytes=res.bytes)
+        return pb.SaveResponse(
+            written=res.written, skipped=res.skipped, sealed=res.sealed, bytes=res.bytes
+        )
 
     async def Load(self, request, context):
         try:
@@ -106,13 +107,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             result = await self.fetcher.prefetch(request.namespace, list(request.block_hashes))
         except KVError as err:
             await status.abort(context, err)
-        return pb.PrefetchResponse(local_blocks=result.local_blocks,
-                                   fetched_blocks=result.fetched_blocks, peer=result.peer)
+        return pb.PrefetchResponse(
+            local_blocks=result.local_blocks, fetched_blocks=result.fetched_blocks, peer=result.peer
+        )
 
     async def Query(self, request, context):
         try:
-            n, lease_id = self.store.query(request.namespace, list(request.block_hashes),
-                                           request.lease, request.lease_ms)
+            n, lease_id = self.store.query(
+                request.namespace, list(request.block_hashes), request.lease, request.lease_ms
+            )
         except KVError as err:
             await status.abort(context, err)
         return pb.QueryResponse(prefix_blocks=n, lease_id=lease_id)
@@ -136,16 +139,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         pools = s.pools.values()
         instances = self.registry.instances.values()
         return pb.StatsResponse(
-            device=self.device, pool_bytes=sum(p.pool_bytes for p in pools),
+            device=self.device,
+            pool_bytes=sum(p.pool_bytes for p in pools),
             used_bytes=sum(p.used_bytes for p in pools),
-            free_bytes=sum(p.free_bytes for p in pools), sealed_blocks=s.sealed_blocks,
-            inflight_blocks=s.inflight_blocks, hits=c.hits, misses=c.misses,
-            evictions=c.evictions, bytes_saved=c.bytes_saved, bytes_loaded=c.bytes_loaded,
+            free_bytes=sum(p.free_bytes for p in pools),
+            sealed_blocks=s.sealed_blocks,
+            inflight_blocks=s.inflight_blocks,
+            hits=c.hits,
+            misses=c.misses,
+            evictions=c.evictions,
+            bytes_saved=c.bytes_saved,
+            bytes_loaded=c.bytes_loaded,
             instances=len(self.registry.instances),
             sealed_instances=sum(1 for i in instances if i.seal is not None),
-            leases=len(s.leases), ucx_address=self.ucx_address,
+            leases=len(s.leases),
+            ucx_address=self.ucx_address,
             fetched_blocks=self.fetcher.fetched_blocks if self.fetcher else 0,
-            served_blocks=self.source.served_blocks if self.source else 0)
+            served_blocks=self.source.served_blocks if self.source else 0,
+        )
 
     # -------------------------------------------------------------- events
 
@@ -154,8 +165,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         payload = event.encode()
         for queue in list(self._subscribers):
             if queue.full():
-                log.warning("event subscriber fell %d events behind; disconnecting it",
-                            queue.qsize())
+                log.warning(
+                    "event subscriber fell %d events behind; disconnecting it", queue.qsize()
+                )
                 self._subscribers.discard(queue)  # its handler aborts on its next event
                 continue
             queue.put_nowait(payload)
@@ -167,8 +179,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             while True:
                 payload = await queue.get()
                 if queue not in self._subscribers:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        "event subscriber too slow; resubscribe")
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "event subscriber too slow; resubscribe"
+                    )
                 yield pb.Event(payload=payload)
         finally:
             self._subscribers.discard(queue)

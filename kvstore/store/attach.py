@@ -27,12 +27,18 @@ def attach(reg: Registration) -> None:
             if region is None:
                 region = opened[ref.key()] = ref.open(where)
             if ref.offset + layer.extent() > region.size:
-                raise invalid(f"{where}: offset {ref.offset} + {layer.extent()} bytes of blocks "
-                              f"exceed the {region.size}-byte mapping")
+                raise invalid(
+                    f"{where}: offset {ref.offset} + {layer.extent()} bytes of blocks "
+                    f"exceed the {region.size}-byte mapping"
+                )
             reg.regions[name] = LayerRegion(
-                base=region.base + ref.offset, num_blocks=layer.num_blocks,
-                segments=layer.geometry.segments, segment_bytes=layer.segment_bytes,
-                block_stride=layer.block_stride, segment_stride=layer.segment_stride)
+                base=region.base + ref.offset,
+                num_blocks=layer.num_blocks,
+                segments=layer.geometry.segments,
+                segment_bytes=layer.segment_bytes,
+                block_stride=layer.block_stride,
+                segment_stride=layer.segment_stride,
+            )
         devices = {r.device for r in opened.values()}
         if len(devices) != 1:
             raise invalid(f"layers of {reg.where()} live on several devices: {sorted(devices)}")

@@ -46,8 +46,8 @@ class Block:
     key: Key
     slot_bytes: np.ndarray  # bytes per slot (the seal's read-only array, shared)
     tp_size: int
-    offsets: np.ndarray = None      # int64 per slot, -1 while unallocated
-    devices: list = None            # device of each tp_rank's slots
+    offsets: np.ndarray = None  # int64 per slot, -1 while unallocated
+    devices: list = None  # device of each tp_rank's slots
     # Bit s set: slot s has a writer (claimed) / its bytes are in (written).
     # Python ints, not bool arrays: a save tests and sets them for hundreds of
     # blocks, and a numpy reduction over 64 bools costs ~2 us, an int op ~50 ns.
@@ -109,8 +109,13 @@ class _Copy:
 class BlockStore:
     """All blocks of one store server."""
 
-    def __init__(self, pools: dict[str, SlotPool], copiers: dict, node_id: str = "store",
-                 on_event: Callable[[StoreEvent], None] | None = None):
+    def __init__(
+        self,
+        pools: dict[str, SlotPool],
+        copiers: dict,
+        node_id: str = "store",
+        on_event: Callable[[StoreEvent], None] | None = None,
+    ):
         self.pools = pools
         self.copiers = copiers
         self.node_id = node_id
@@ -124,8 +129,7 @@ class BlockStore:
 
     # ------------------------------------------------------------------ save
 
-    async def save(self, seal: Seal, reg: Registration,
-                   refs: list[tuple[int, int]]) -> SaveResult:
+    async def save(self, seal: Seal, reg: Registration, refs: list[tuple[int, int]]) -> SaveResult:
         """Copy the caller's slots of ``refs`` out of its paged cache."""
         result = SaveResult()
         job = self._prepare_save(seal, reg, refs, result)
@@ -142,8 +146,9 @@ class BlockStore:
         self._finish_save(job, reg, result)
         return result
 
-    def _prepare_save(self, seal: Seal, reg: Registration, refs: list[tuple[int, int]],
-                      result: SaveResult) -> _Copy | None:
+    def _prepare_save(
+        self, seal: Seal, reg: Registration, refs: list[tuple[int, int]], result: SaveResult
+    ) -> _Copy | None:
         check_refs(reg, refs)
         slots = caller_slots(seal, reg)
         mask = slot_mask(slots)
@@ -171,11 +176,17 @@ class BlockStore:
             self.blocks.setdefault(block.key, block)
             mine.add(block.key)
         nbytes = len(todo) * int(seal.slot_bytes[slots].sum())
-        return _Copy([b for b, _ in todo], np.array([i for _, i in todo], dtype=np.int64),
-                     slots, device, nbytes)
+        return _Copy(
+            [b for b, _ in todo],
+            np.array([i for _, i in todo], dtype=np.int64),
+            slots,
+            device,
+            nbytes,
+        )
 
-    def _allocate(self, todo: list[tuple[Block, int]], slots: np.ndarray, device: str,
-                  created: list[Block]) -> None:
+    def _allocate(
+        self, todo: list[tuple[Block, int]], slots: np.ndarray, device: str, created: list[Block]
+    ) -> None:
         """Give every (block, caller slot) an offset, evicting LRU blocks as needed.
 
         All or nothing: on failure every offset taken here is returned.
@@ -206,7 +217,8 @@ class BlockStore:
                 raise exhausted(
                     f"pool on {pool.device} cannot hold {count} slots of {size} bytes: "
                     f"{pool.used_bytes} of {pool.pool_bytes} bytes used and every sealed "
-                    f"block there is held by a load or lease")
+                    f"block there is held by a load or lease"
+                )
         return pool.alloc(size, count)
 
     def _finish_save(self, job: _Copy, reg: Registration, result: SaveResult) -> None:
@@ -256,18 +268,23 @@ class BlockStore:
         for block_hash, _ in refs:
             block = self.blocks.get((seal.final_namespace, block_hash))
             if block is None or not block.sealed:
-                raise not_found(f"block_hash {block_hash:#018x} is not sealed in namespace "
-                                f"{seal.final_namespace}; nothing was loaded")
+                raise not_found(
+                    f"block_hash {block_hash:#018x} is not sealed in namespace "
+                    f"{seal.final_namespace}; nothing was loaded"
+                )
             if block.devices[reg.tp_rank] != reg.device:
-                raise invalid(f"block_hash {block_hash:#018x} tp_rank {reg.tp_rank} slots live "
-                              f"on {block.devices[reg.tp_rank]}, caller is on {reg.device}")
+                raise invalid(
+                    f"block_hash {block_hash:#018x} tp_rank {reg.tp_rank} slots live "
+                    f"on {block.devices[reg.tp_rank]}, caller is on {reg.device}"
+                )
             blocks.append(block)
         for block in blocks:
             block.pins += 1
             self.lru.move_to_end(block.key)
         nbytes = len(blocks) * int(seal.slot_bytes[slots].sum())
-        job = _Copy(blocks, np.array([i for _, i in refs], dtype=np.int64), slots,
-                    reg.device, nbytes)
+        job = _Copy(
+            blocks, np.array([i for _, i in refs], dtype=np.int64), slots, reg.device, nbytes
+        )
         reg.hold()
         try:
             await copy_in_thread(self._run_copy, job, reg, "load")
@@ -287,8 +304,9 @@ class BlockStore:
 
     # ----------------------------------------------------------------- query
 
-    def query(self, namespace: str, hashes: list[int], lease: bool = False,
-              lease_ms: int = 0) -> tuple[int, str]:
+    def query(
+        self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0
+    ) -> tuple[int, str]:
         """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned."""
         check_count("block_hashes", len(hashes))
         if lease_ms > MAX_LEASE_MS:
@@ -363,8 +381,9 @@ class BlockStore:
         key = np.array([p.base if p.buffer.is_cuda else 0 for p in pools], dtype=np.int64)[rank]
         return base, key
 
-    def reserve_detached(self, namespace: str, hashes: list[int], seal: Seal,
-                         devices: list[str]) -> list[Block]:
+    def reserve_detached(
+        self, namespace: str, hashes: list[int], seal: Seal, devices: list[str]
+    ) -> list[Block]:
         """Blocks with every slot allocated but kept out of the index (see adopt)."""
         blocks = [Block((namespace, h), seal.slot_bytes, seal.tp_size) for h in hashes]
         try:
@@ -412,15 +431,19 @@ class BlockStore:
         now = time.monotonic() if now is None else now
         for lease in [x for x in self.leases.values() if x.expires <= now]:
             self.release(lease.lease_id)
-        stale = [b for b in self.blocks.values()
-                 if not b.sealed and now - b.created > INFLIGHT_TIMEOUT_S]
+        stale = [
+            b for b in self.blocks.values() if not b.sealed and now - b.created > INFLIGHT_TIMEOUT_S
+        ]
         for block in stale:
             self._drop(block)
 
     def clear(self, namespace: str | None = None) -> int:
         """Drop every unpinned sealed block (of one namespace, or all)."""
-        victims = [b for b in self.lru.values()
-                   if b.pins == 0 and (namespace is None or b.key[0] == namespace)]
+        victims = [
+            b
+            for b in self.lru.values()
+            if b.pins == 0 and (namespace is None or b.key[0] == namespace)
+        ]
         namespaces = {namespace} if namespace else {b.key[0] for b in self.lru.values()}
         for block in victims:
             self._drop(block)
@@ -456,8 +479,16 @@ class BlockStore:
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:
         self._seq += 1
-        self._on_event(StoreEvent(type=kind, namespace=namespace, block_hashes=hashes,
-                                  worker=self.node_id, tier="store", seq=self._seq))
+        self._on_event(
+            StoreEvent(
+                type=kind,
+                namespace=namespace,
+                block_hashes=hashes,
+                worker=self.node_id,
+                tier="store",
+                seq=self._seq,
+            )
+        )
 
     # ----------------------------------------------------------------- stats
 
@@ -524,8 +555,10 @@ def check_refs(reg: Registration, refs: list[tuple[int, int]]) -> None:
     seen: set[int] = set()
     for block_hash, block_id in refs:
         if block_id >= limit:
-            raise invalid(f"block_id {block_id} is outside the registered cache of rank "
-                          f"{reg.rank} ({limit} blocks)")
+            raise invalid(
+                f"block_id {block_id} is outside the registered cache of rank "
+                f"{reg.rank} ({limit} blocks)"
+            )
         if block_hash in seen:
             raise invalid(f"block_hash {block_hash:#018x} appears twice in one request")
         seen.add(block_hash)
@@ -552,5 +585,7 @@ def slot_mask(slots: np.ndarray) -> int:
 
 def caller_slots(seal: Seal, reg: Registration) -> np.ndarray:
     """Slot index of each of the caller's layers, in its registration order."""
-    return np.array([seal.slot_index(seal.layer_ids[layer.geometry.name], reg.tp_rank)
-                     for layer in reg.layers], dtype=np.int64)
+    return np.array(
+        [seal.slot_index(seal.layer_ids[layer.geometry.name], reg.tp_rank) for layer in reg.layers],
+        dtype=np.int64,
+    )

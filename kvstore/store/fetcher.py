@@ -28,7 +28,7 @@ FindPeers = Callable[[str, list[int]], Awaitable[list[PeerPrefix]]]
 
 @dataclass
 class FetchResult:
-    local_blocks: int    # prefix already here before the fetch
+    local_blocks: int  # prefix already here before the fetch
     fetched_blocks: int  # blocks pulled from the peer
     peer: str = ""
 
@@ -38,8 +38,9 @@ class FetchResult:
 
 
 class Fetcher:
-    def __init__(self, store: BlockStore, sink: StoreSink, find_peers: FindPeers,
-                 timeout_s: float = 10.0):
+    def __init__(
+        self, store: BlockStore, sink: StoreSink, find_peers: FindPeers, timeout_s: float = 10.0
+    ):
         self.store = store
         self.sink = sink
         self.find_peers = find_peers
@@ -68,15 +69,21 @@ class Fetcher:
             return "", 0
         last: KVError | None = None
         for peer in peers[:2]:  # the best, then one retry elsewhere
-            want = missing[:peer.prefix_blocks] if peer.prefix_blocks else missing
+            want = missing[: peer.prefix_blocks] if peer.prefix_blocks else missing
             try:
                 n = await fetch(peer.ucx_address, namespace, want, self.sink, self.timeout_s)
                 self.fetched_blocks += n
-                log.info("fetched %d/%d blocks of %s from %s", n, len(missing), namespace,
-                         peer.node_id)
+                log.info(
+                    "fetched %d/%d blocks of %s from %s", n, len(missing), namespace, peer.node_id
+                )
                 return peer.node_id, n
             except (PeerUnavailable, PeerTimeout) as err:
-                log.warning("fetch of %d blocks from %s (%s) failed: %s", len(want),
-                            peer.node_id, peer.ucx_address, err)
+                log.warning(
+                    "fetch of %d blocks from %s (%s) failed: %s",
+                    len(want),
+                    peer.node_id,
+                    peer.ucx_address,
+                    err,
+                )
                 last = err
         raise last or unavailable("no peer could serve the fetch")

@@ -59,7 +59,9 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
     try:
         actual = os.fstat(fd).st_size
         if size == 0 or size > actual:
-            raise invalid(f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes")
+            raise invalid(
+                f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes"
+            )
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -119,6 +121,7 @@ def device_uuid_of(index: int) -> str:
 
 # ----------------------------------------------------------------- client side
 
+
 @dataclass
 class ShmTensor:
     """A torch tensor whose storage is a named POSIX shared-memory object."""
@@ -169,8 +172,11 @@ def cuda_ipc_export(ptr: int, device: int) -> tuple[bytes, int, int]:
 def _allocation_range(ptr: int) -> tuple[int, int]:
     """Base and size of the device allocation holding ``ptr`` (cuMemGetAddressRange)."""
     fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
     if rc != 0:
@@ -179,6 +185,7 @@ def _allocation_range(ptr: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------ handle records
+
 
 @dataclass(frozen=True)
 class HostShmRef:

@@ -82,8 +82,7 @@ class StoreReservation:
         for block in self.blocks:
             block.written = block.all_slots
             kept += self.store.adopt(block)
-        log.info("fetched %d blocks from a peer (%d already here)", kept,
-                 len(self.blocks) - kept)
+        log.info("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
 
     def abort(self) -> None:
         if self.done:
@@ -101,14 +100,17 @@ class StoreSink:
         self.store = store
         self.local_layout = local_layout
 
-    def reserve(self, namespace: str, hashes: list[int],
-                slot_sizes: list[list[int]]) -> StoreReservation:
+    def reserve(
+        self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
+    ) -> StoreReservation:
         seal, devices = self.local_layout(namespace)
         expect = seal.slot_bytes.tolist()
         for i, sizes in enumerate(slot_sizes):
             if list(sizes) != expect:
-                raise invalid(f"peer offered block {i} with slot sizes that do not match "
-                              f"the layout of namespace {namespace}")
+                raise invalid(
+                    f"peer offered block {i} with slot sizes that do not match "
+                    f"the layout of namespace {namespace}"
+                )
         blocks = self.store.reserve_detached(namespace, hashes, seal, devices)
         return StoreReservation(self.store, blocks, slot_table(self.store, blocks))
 
@@ -123,8 +125,10 @@ def local_layout_from(registry) -> Callable[[str], tuple[Seal, list[str]]]:
                 for reg in inst.ranks.values():
                     devices[reg.tp_rank] = reg.device
                 return inst.seal, devices
-        raise precondition(f"no sealed local instance serves namespace {namespace}; "
-                           "register one before fetching its blocks")
+        raise precondition(
+            f"no sealed local instance serves namespace {namespace}; "
+            "register one before fetching its blocks"
+        )
 
     return lookup
 

@@ -30,7 +30,7 @@ class _Slab:
 
     slot_bytes: int
     free: np.ndarray  # int32 stack of free slot indices
-    top: int          # number of free entries in ``free``
+    top: int  # number of free entries in ``free``
 
     @property
     def capacity(self) -> int:
@@ -40,14 +40,14 @@ class _Slab:
 class SlotPool:
     """Slots of any size up to ``slab_bytes`` out of one allocation on ``device``."""
 
-    def __init__(self, pool_bytes: int, device: str = "cpu",
-                 slab_bytes: int = DEFAULT_SLAB_BYTES):
+    def __init__(self, pool_bytes: int, device: str = "cpu", slab_bytes: int = DEFAULT_SLAB_BYTES):
         if slab_bytes % ALIGN or slab_bytes <= 0:
             raise ValueError(f"slab_bytes {slab_bytes} must be a positive multiple of {ALIGN}")
         num_slabs = pool_bytes // slab_bytes
         if num_slabs < 1:
-            raise ValueError(f"pool of {pool_bytes} bytes is smaller than one slab "
-                             f"({slab_bytes} bytes)")
+            raise ValueError(
+                f"pool of {pool_bytes} bytes is smaller than one slab ({slab_bytes} bytes)"
+            )
         self.device = device
         self.slab_bytes = slab_bytes
         self.num_slabs = num_slabs
@@ -58,7 +58,7 @@ class SlotPool:
         self._free_slabs = list(range(num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
         self._partial: dict[int, dict[int, None]] = {}  # size -> ordered set of slab ids
-        self._class_free: dict[int, int] = {}           # size -> free slots in its slabs
+        self._class_free: dict[int, int] = {}  # size -> free slots in its slabs
         self.used_bytes = 0
 
     @property
@@ -90,8 +90,8 @@ class SlotPool:
             slab_id = self._partial_slab(size)
             slab = self._slabs[slab_id]
             take = min(slab.top, count - got)
-            idx = slab.free[slab.top - take:slab.top][::-1]  # ascending: mergeable runs
-            out[got:got + take] = slab_id * self.slab_bytes + idx.astype(np.int64) * size
+            idx = slab.free[slab.top - take : slab.top][::-1]  # ascending: mergeable runs
+            out[got : got + take] = slab_id * self.slab_bytes + idx.astype(np.int64) * size
             slab.top -= take
             got += take
             if slab.top == 0:
@@ -108,10 +108,11 @@ class SlotPool:
         for slab_id in np.unique(slab_ids).tolist():
             slab = self._slabs[slab_id]
             if slab.slot_bytes != size:
-                raise ValueError(f"slot of slab {slab_id} freed as {size} bytes, "
-                                 f"allocated as {slab.slot_bytes}")
+                raise ValueError(
+                    f"slot of slab {slab_id} freed as {size} bytes, allocated as {slab.slot_bytes}"
+                )
             idx = (offsets[slab_ids == slab_id] % self.slab_bytes) // size
-            slab.free[slab.top:slab.top + len(idx)] = idx
+            slab.free[slab.top : slab.top + len(idx)] = idx
             slab.top += len(idx)
             self._partial[size][slab_id] = None
             if slab.top == slab.capacity:
@@ -125,8 +126,9 @@ class SlotPool:
             return next(iter(partial))
         slab_id = self._free_slabs.pop()
         capacity = self.slab_bytes // size
-        self._slabs[slab_id] = _Slab(size, np.arange(capacity - 1, -1, -1, dtype=np.int32),
-                                     capacity)
+        self._slabs[slab_id] = _Slab(
+            size, np.arange(capacity - 1, -1, -1, dtype=np.int32), capacity
+        )
         partial[slab_id] = None
         self._class_free[size] = self._class_free.get(size, 0) + capacity
         return slab_id
@@ -145,4 +147,4 @@ class SlotPool:
         assert used == self.used_bytes, (used, self.used_bytes)
         assert len(self._free_slabs) + len(self._slabs) == self.num_slabs
         for slab in self._slabs.values():
-            assert len(set(slab.free[:slab.top].tolist())) == slab.top
+            assert len(set(slab.free[: slab.top].tolist())) == slab.top

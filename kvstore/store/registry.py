@@ -23,13 +23,8 @@ import numpy as np
 
 from kvstore.store.memory import MappedRegion
 from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
-from kvstore.wire.fingerprint import (
-    KV_LAYOUTS,
-    LayerGeometry,
-    final_namespace,
-    fingerprint,
-    valid_client_namespace,
-)
+from kvstore.wire.fingerprint import LayerGeometry, fingerprint
+from kvstore.wire.kv_layout import KV_LAYOUTS
 from kvstore.wire.limits import (
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_BLOCK,
@@ -39,6 +34,7 @@ from kvstore.wire.limits import (
     MAX_TP_SIZE,
     MAX_WORLD_SIZE,
 )
+from kvstore.wire.names import final_namespace, is_client_namespace
 
 if TYPE_CHECKING:
     from kvstore.copy import LayerRegion
@@ -68,8 +64,11 @@ class LayerReg:
     def extent(self) -> int:
         """Bytes from the layer's base that its blocks reach."""
         g = self.geometry
-        return ((g.segments - 1) * self.segment_stride
-                + (self.num_blocks - 1) * self.block_stride + self.segment_bytes)
+        return (
+            (g.segments - 1) * self.segment_stride
+            + (self.num_blocks - 1) * self.block_stride
+            + self.segment_bytes
+        )
 
 
 @dataclass
@@ -183,12 +182,22 @@ class Registry:
             inst = self.instances[reg.instance_id] = Instance(reg.instance_id)
         inst.ranks[reg.rank] = reg
         self.sessions[reg.session] = reg
-        log.info("registered %s: %d layers, %d/%d ranks in", reg.where(), len(reg.layers),
-                 len(inst.ranks), reg.world_size)
+        log.info(
+            "registered %s: %d layers, %d/%d ranks in",
+            reg.where(),
+            len(reg.layers),
+            len(inst.ranks),
+            reg.world_size,
+        )
         if len(inst.ranks) == reg.world_size:
             inst.seal = make_seal(inst)
-            log.info("sealed instance %r as namespace %s (%d layers x tp %d)", inst.instance_id,
-                     inst.seal.final_namespace, len(inst.seal.layers), inst.seal.tp_size)
+            log.info(
+                "sealed instance %r as namespace %s (%d layers x tp %d)",
+                inst.instance_id,
+                inst.seal.final_namespace,
+                len(inst.seal.layers),
+                inst.seal.tp_size,
+            )
         self._notify(inst)
         return inst
 
@@ -201,8 +210,12 @@ class Registry:
         del inst.ranks[reg.rank]
         reg.retire()  # a copy still running keeps the mapping until it ends
         if inst.seal is not None:
-            log.warning("%s left; instance unsealed (%d/%d ranks remain)", reg.where(),
-                        len(inst.ranks), reg.world_size)
+            log.warning(
+                "%s left; instance unsealed (%d/%d ranks remain)",
+                reg.where(),
+                len(inst.ranks),
+                reg.world_size,
+            )
         inst.seal = None
         if not inst.ranks:
             del self.instances[reg.instance_id]
@@ -225,20 +238,25 @@ class Registry:
         if reg.rank != rank:
             raise invalid(f"rank {rank} is not the caller's: the session is rank {reg.rank}")
         if inst.seal is None:
-            raise precondition(f"instance {instance_id!r} is not sealed: "
-                               f"{len(inst.ranks)}/{reg.world_size} ranks registered")
+            raise precondition(
+                f"instance {instance_id!r} is not sealed: "
+                f"{len(inst.ranks)}/{reg.world_size} ranks registered"
+            )
         return inst, reg
 
 
 # ---------------------------------------------------------------- validation
 
+
 def check_fields(reg: Registration) -> None:
     """Checks that need nothing but the request itself."""
     if not INSTANCE_ID_RE.fullmatch(reg.instance_id):
         raise invalid(f"instance_id {reg.instance_id[:64]!r} must match {INSTANCE_ID_RE.pattern}")
-    if not valid_client_namespace(reg.client_namespace):
-        raise invalid(f"client_namespace {reg.client_namespace[:160]!r} must match "
-                      "[A-Za-z0-9_-]{1,128} (no dot: the dot separates the fingerprint)")
+    if not is_client_namespace(reg.client_namespace):
+        raise invalid(
+            f"client_namespace {reg.client_namespace[:160]!r} must match "
+            "[A-Za-z0-9_-]{1,128} (no dot: the dot separates the fingerprint)"
+        )
     _bounded("tp_size", reg.tp_size, 1, MAX_TP_SIZE)
     _bounded("world_size", reg.world_size, 1, MAX_WORLD_SIZE)
     if reg.tp_rank >= reg.tp_size:
@@ -270,21 +288,29 @@ def check_layer(layer: LayerReg, reg: Registration) -> None:
     if not 0 < len(g.dtype) <= 64:
         raise invalid(f"dtype must be 1..64 characters ({at})")
     if layer.layout_kind not in LAYOUT_KINDS:
-        raise invalid(f"layout_kind {layer.layout_kind!r} must be one of {sorted(LAYOUT_KINDS)} ({at})")
+        raise invalid(
+            f"layout_kind {layer.layout_kind!r} must be one of {sorted(LAYOUT_KINDS)} ({at})"
+        )
     if g.segments != LAYOUT_KINDS[layer.layout_kind]:
-        raise invalid(f"segments {g.segments} does not match layout_kind "
-                      f"{layer.layout_kind!r} ({LAYOUT_KINDS[layer.layout_kind]} expected) ({at})")
+        raise invalid(
+            f"segments {g.segments} does not match layout_kind "
+            f"{layer.layout_kind!r} ({LAYOUT_KINDS[layer.layout_kind]} expected) ({at})"
+        )
     if g.kv_layout not in KV_LAYOUTS:
         raise invalid(f"kv_layout {g.kv_layout!r} must be one of {KV_LAYOUTS} ({at})")
     if (layer.layout_kind == "mla") != (g.kv_layout == "MLA"):
-        raise invalid(f"kv_layout {g.kv_layout!r} and layout_kind {layer.layout_kind!r} disagree ({at})")
+        raise invalid(
+            f"kv_layout {g.kv_layout!r} and layout_kind {layer.layout_kind!r} disagree ({at})"
+        )
     _bounded(f"bytes_per_block ({at})", g.bytes_per_block, 1, MAX_BYTES_PER_BLOCK)
     if g.bytes_per_block % g.segments:
         raise invalid(f"bytes_per_block {g.bytes_per_block} is not divisible by segments ({at})")
     _bounded(f"num_blocks ({at})", layer.num_blocks, 1, MAX_NUM_BLOCKS)
     if layer.block_stride < layer.segment_bytes and layer.num_blocks > 1:
-        raise invalid(f"block_stride {layer.block_stride} is smaller than a block's "
-                      f"{layer.segment_bytes} bytes per segment ({at})")
+        raise invalid(
+            f"block_stride {layer.block_stride} is smaller than a block's "
+            f"{layer.segment_bytes} bytes per segment ({at})"
+        )
     if g.segments == 2 and layer.segment_stride < layer.segment_bytes:
         raise invalid(f"segment_stride {layer.segment_stride} overlaps segment 0 ({at})")
 
@@ -300,8 +326,10 @@ def check_against(inst: Instance, reg: Registration) -> None:
     for name in ("client_namespace", "world_size", "tp_size", "block_size", "hash_format"):
         mine, theirs = getattr(reg, name), getattr(first, name)
         if mine != theirs:
-            raise invalid(f"{name} {mine!r} of {reg.where()} disagrees with {theirs!r} "
-                          f"registered by rank {first.rank}")
+            raise invalid(
+                f"{name} {mine!r} of {reg.where()} disagrees with {theirs!r} "
+                f"registered by rank {first.rank}"
+            )
     if reg.rank in inst.ranks:
         raise exists(f"rank {reg.rank} of instance {reg.instance_id!r} is already registered")
     for other in inst.ranks.values():
@@ -316,13 +344,17 @@ def _check_cells(other: Registration, reg: Registration) -> None:
             continue
         name = layer.geometry.name
         if other.tp_rank == reg.tp_rank and not (layer.replicated and peer.replicated):
-            raise exists(f"layer {name!r} tp_rank {reg.tp_rank} already has an owner: rank "
-                         f"{other.rank}; rank {reg.rank} cannot own it too")
+            raise exists(
+                f"layer {name!r} tp_rank {reg.tp_rank} already has an owner: rank "
+                f"{other.rank}; rank {reg.rank} cannot own it too"
+            )
         for fld in ("dtype", "bytes_per_block", "segments", "kv_layout"):
             mine, ref = getattr(layer.geometry, fld), getattr(peer.geometry, fld)
             if mine != ref:
-                raise invalid(f"layer {name!r} field {fld}: rank {reg.rank} says {mine!r} but "
-                              f"rank {other.rank} registered {ref!r}")
+                raise invalid(
+                    f"layer {name!r} field {fld}: rank {reg.rank} says {mine!r} but "
+                    f"rank {other.rank} registered {ref!r}"
+                )
 
 
 def check_seal_would_succeed(inst: Instance | None, reg: Registration) -> None:
@@ -337,9 +369,11 @@ def check_seal_would_succeed(inst: Instance | None, reg: Registration) -> None:
     for name in sorted(owners):
         missing = sorted(set(range(reg.tp_size)) - owners[name])
         if missing:
-            raise precondition(f"sealing would fail: layer {name!r} has no owner for tp_rank "
-                               f"{missing[0]} (rank {reg.rank} completes world_size "
-                               f"{reg.world_size})")
+            raise precondition(
+                f"sealing would fail: layer {name!r} has no owner for tp_rank "
+                f"{missing[0]} (rank {reg.rank} completes world_size "
+                f"{reg.world_size})"
+            )
 
 
 def make_seal(inst: Instance) -> Seal:
@@ -350,9 +384,13 @@ def make_seal(inst: Instance) -> Seal:
             by_name.setdefault(layer.geometry.name, layer.geometry)
     layers = tuple(by_name[n] for n in sorted(by_name))
     fp = fingerprint(first.block_size, first.hash_format, first.tp_size, list(layers))
-    return Seal(fingerprint=fp, final_namespace=final_namespace(first.client_namespace, fp),
-                layer_ids={g.name: i for i, g in enumerate(layers)}, layers=layers,
-                tp_size=first.tp_size)
+    return Seal(
+        fingerprint=fp,
+        final_namespace=final_namespace(first.client_namespace, fp),
+        layer_ids={g.name: i for i, g in enumerate(layers)},
+        layers=layers,
+        tp_size=first.tp_size,
+    )
 
 
 __all__ = ["Registry", "Registration", "LayerReg", "Instance", "Seal", "KVError"]

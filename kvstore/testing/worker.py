@@ -18,8 +18,12 @@ import torch
 
 from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "uint8": torch.uint8}
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "uint8": torch.uint8,
+}
 
 
 @dataclass
@@ -31,7 +35,7 @@ class WorkerSpec:
     tp_size: int
     layers: int = 4
     extra_layers: int = 0  # MTP: one more layer, another namespace
-    heads: int = 8         # in total; each rank holds heads // tp_size
+    heads: int = 8  # in total; each rank holds heads // tp_size
     head_dim: int = 128
     block_size: int = 16
     num_blocks: int = 64
@@ -56,17 +60,32 @@ class WorkerRank:
         self.layers: list[KVLayer] = []
         for name in spec.layer_names():
             if spec.device == "cpu":
-                shm = kv_cache_shm(spec.kind, spec.num_blocks, spec.block_size, heads,
-                                   spec.head_dim, dtype, spec.kv_layout)
+                shm = kv_cache_shm(
+                    spec.kind,
+                    spec.num_blocks,
+                    spec.block_size,
+                    heads,
+                    spec.head_dim,
+                    dtype,
+                    spec.kv_layout,
+                )
                 self.layers.append(KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm))
             else:  # "cuda" spreads ranks over the visible GPUs
-                device = (f"cuda:{spec.tp_rank % torch.cuda.device_count()}"
-                          if spec.device == "cuda" else spec.device)
+                device = (
+                    f"cuda:{spec.tp_rank % torch.cuda.device_count()}"
+                    if spec.device == "cuda"
+                    else spec.device
+                )
                 t = torch.zeros(_shape(spec, heads), dtype=dtype, device=device)
                 self.layers.append(KVLayer(name, t, spec.kind, spec.kv_layout))
         self.session = self.client.register(
-            spec.instance_id, spec.client_namespace, self.layers, tp_rank=spec.tp_rank,
-            tp_size=spec.tp_size, block_size=spec.block_size)
+            spec.instance_id,
+            spec.client_namespace,
+            self.layers,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            block_size=spec.block_size,
+        )
 
     def blocks_of(self, layer: KVLayer, block_id: int) -> list[torch.Tensor]:
         t = layer.tensor
@@ -107,11 +126,16 @@ class WorkerRank:
 
 
 def _shape(spec: WorkerSpec, heads: int) -> tuple[int, ...]:
-    inner = ((spec.block_size, heads, spec.head_dim) if spec.kv_layout == "NHD"
-             else (heads, spec.block_size, spec.head_dim))
-    return {"kv_first": (2, spec.num_blocks, *inner),
-            "blocks_first": (spec.num_blocks, 2, *inner),
-            "mla": (spec.num_blocks, spec.block_size, spec.head_dim)}[spec.kind]
+    inner = (
+        (spec.block_size, heads, spec.head_dim)
+        if spec.kv_layout == "NHD"
+        else (heads, spec.block_size, spec.head_dim)
+    )
+    return {
+        "kv_first": (2, spec.num_blocks, *inner),
+        "blocks_first": (spec.num_blocks, 2, *inner),
+        "mla": (spec.num_blocks, spec.block_size, spec.head_dim),
+    }[spec.kind]
 
 
 def _serve(spec: WorkerSpec, conn) -> None:
@@ -137,8 +161,11 @@ def _serve(spec: WorkerSpec, conn) -> None:
 def _dispatch(rank: WorkerRank, op: str, arg):
     if op == "wait_sealed":
         seal = rank.session.wait_sealed(arg)
-        return {"fingerprint": seal.fingerprint, "final_namespace": seal.final_namespace,
-                "layer_ids": seal.layer_ids}
+        return {
+            "fingerprint": seal.fingerprint,
+            "final_namespace": seal.final_namespace,
+            "layer_ids": seal.layer_ids,
+        }
     if op == "fill":
         return rank.fill(arg)
     if op == "save":
@@ -163,8 +190,12 @@ class WorkerProcess:
         self.spec = spec
         self.timeout = timeout
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(spec, child), daemon=True,
-                                name=f"kvstore-worker-{spec.instance_id}-{spec.tp_rank}")
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(spec, child),
+            daemon=True,
+            name=f"kvstore-worker-{spec.instance_id}-{spec.tp_rank}",
+        )
         self.proc.start()
         self.session = self._reply()
 
@@ -198,10 +229,19 @@ class WorkerProcess:
 class WorkerGroup:
     """The ranks of one instance, each in its own process, driven together."""
 
-    def __init__(self, address: str, instance_id: str, tp_size: int = 2,
-                 client_namespace: str = "llama", seal_timeout: float = 60.0, **spec):
-        self.workers = [WorkerProcess(WorkerSpec(address, instance_id, client_namespace, rank,
-                                                 tp_size, **spec)) for rank in range(tp_size)]
+    def __init__(
+        self,
+        address: str,
+        instance_id: str,
+        tp_size: int = 2,
+        client_namespace: str = "llama",
+        seal_timeout: float = 60.0,
+        **spec,
+    ):
+        self.workers = [
+            WorkerProcess(WorkerSpec(address, instance_id, client_namespace, rank, tp_size, **spec))
+            for rank in range(tp_size)
+        ]
         self.seal = self.workers[0].call("wait_sealed", seal_timeout)
         self.namespace: str = self.seal["final_namespace"]
 

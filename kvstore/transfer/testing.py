@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class SlotRef:
     """Where one slot view lies (``obj`` keeps it alive)."""
 
-    __slots__ = ("obj", "ptr", "nbytes", "cuda")
+    __slots__ = ("cuda", "nbytes", "obj", "ptr")
 
     def __init__(self, obj: Any, ptr: int, nbytes: int, cuda: bool):
         self.obj, self.ptr, self.nbytes, self.cuda = obj, ptr, nbytes, cuda
@@ -80,7 +80,6 @@ def table_from_views(buffers: list[list[Any]]) -> SlotTable:
     )
 
 
-
 def slot_content(h: int, slot: int, size: int) -> np.ndarray:
     """Deterministic bytes for (block hash, slot), the same in every process."""
     rng = np.random.default_rng([h & 0xFFFFFFFF, h >> 32, slot])
@@ -103,7 +102,7 @@ class Pool:
 
     def alloc(self, size: int) -> np.ndarray:
         assert self.top + size <= len(self.mem), "test pool exhausted"
-        view = self.mem[self.top:self.top + size]
+        view = self.mem[self.top : self.top + size]
         self.top += size
         self.count += 1
         if self.gap_every and self.count % self.gap_every == 0:
@@ -128,15 +127,22 @@ class MemLease:
 
 def lane_major(slot_counts: list[int], lanes: int) -> list[tuple[int, int]]:
     """(block, slot) in the order a store with tp_size ``lanes`` allocates them."""
-    return [(b, s) for r in range(lanes) for b, n in enumerate(slot_counts)
-            for s in range(r, n, lanes)]
+    return [
+        (b, s) for r in range(lanes) for b, n in enumerate(slot_counts) for s in range(r, n, lanes)
+    ]
 
 
 class MemorySource:
     """Serves ``blocks`` (hash -> slot sizes) of ``namespace`` with slot_content bytes."""
 
-    def __init__(self, namespace: str, blocks: dict[int, list[int]], pool_bytes: int,
-                 gap_every: int = 0, lanes: int = 1):
+    def __init__(
+        self,
+        namespace: str,
+        blocks: dict[int, list[int]],
+        pool_bytes: int,
+        gap_every: int = 0,
+        lanes: int = 1,
+    ):
         self.namespace = namespace
         self.pool = Pool(pool_bytes, gap_every)
         hashes = list(blocks)
@@ -193,8 +199,9 @@ class MemorySink:
     on_reserve: str = ""  # "die": kill this process; "hang": block its loop
     lanes: int = 1
 
-    def reserve(self, namespace: str, hashes: list[int],
-                slot_sizes: list[list[int]]) -> MemReservation:
+    def reserve(
+        self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
+    ) -> MemReservation:
         if self.on_reserve == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.on_reserve == "hang":
@@ -207,8 +214,13 @@ class MemorySink:
         return r
 
     def report(self) -> dict:
-        bad = [h for h, views in self.visible.items()
-               if not all(np.array_equal(v, slot_content(h, s, len(v)))
-                          for s, v in enumerate(views))]
-        return {"visible": sorted(self.visible), "corrupt": bad,
-                "states": [r.state for r in self.reservations]}
+        bad = [
+            h
+            for h, views in self.visible.items()
+            if not all(np.array_equal(v, slot_content(h, s, len(v))) for s, v in enumerate(views))
+        ]
+        return {
+            "visible": sorted(self.visible),
+            "corrupt": bad,
+            "states": [r.state for r in self.reservations],
+        }

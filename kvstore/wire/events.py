@@ -1,4 +1,4 @@
-"""Store events, msgpack-encoded (DESIGN.md section 6).
+"""Store events, msgpack-encoded (docs/design.md §6).
 
 Every seal, eviction and clear in a store server becomes one event; the
 router indexes them and ``kvstore events`` prints them. An event is a
@@ -22,11 +22,17 @@ from dataclasses import asdict, dataclass, field
 
 import msgpack
 
+from kvstore.wire.names import is_u64
+
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
 EVENT_TYPES = (STORED, REMOVED, CLEARED)
-TIERS = ("gpu", "store", "remote")
+# Where a holder keeps a block: the worker's own GPU, its node's store, a peer store.
+GPU_TIER = "gpu"
+STORE_TIER = "store"
+REMOTE_TIER = "remote"
+TIERS = (GPU_TIER, STORE_TIER, REMOTE_TIER)
 
 
 @dataclass
@@ -35,7 +41,7 @@ class StoreEvent:
     namespace: str
     block_hashes: list[int]
     worker: str
-    tier: str = "store"
+    tier: str = STORE_TIER
     parent_hash: int | None = None
     token_ids: list[int] = field(default_factory=list)
     seq: int = 0
@@ -61,6 +67,6 @@ class StoreEvent:
             raise ValueError(f"event type {event.type!r} not one of {EVENT_TYPES}")
         if event.tier not in TIERS:
             raise ValueError(f"event tier {event.tier!r} not one of {TIERS}")
-        if not all(isinstance(h, int) and 0 <= h < 2**64 for h in event.block_hashes):
+        if not all(is_u64(h) for h in event.block_hashes):
             raise ValueError("block_hashes must be u64 integers")
         return event

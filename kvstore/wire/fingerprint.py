@@ -1,4 +1,4 @@
-"""Layer geometry, the layout fingerprint and the final namespace (DESIGN.md s.1).
+"""Layer geometry and the layout fingerprint (docs/design.md §1).
 
 The fingerprint is the block-compatibility identity: two workers may share a
 block only if their fingerprints match. It is a canonical msgpack encoding
@@ -8,15 +8,12 @@ node computes the same value for the same layout.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import blake3
 import msgpack
 
 FINGERPRINT_TAG = "kvstore/layout/v1"
-NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
-KV_LAYOUTS = ("NHD", "HND", "MLA")
 
 
 @dataclass(frozen=True)
@@ -33,18 +30,12 @@ class LayerGeometry:
         return [self.name, self.dtype, self.bytes_per_block, self.segments, self.kv_layout]
 
 
-def fingerprint(block_size: int, hash_format: str, tp_size: int,
-                layers: list[LayerGeometry]) -> str:
+def fingerprint(
+    block_size: int, hash_format: str, tp_size: int, layers: list[LayerGeometry]
+) -> str:
     """16 hex chars of BLAKE3 over the canonical layout encoding."""
     rows = [g.row() for g in sorted(layers, key=lambda g: g.name)]
-    payload = msgpack.packb([FINGERPRINT_TAG, block_size, hash_format, tp_size, rows],
-                            use_bin_type=True)
+    payload = msgpack.packb(
+        [FINGERPRINT_TAG, block_size, hash_format, tp_size, rows], use_bin_type=True
+    )
     return blake3.blake3(payload).hexdigest()[:16]
-
-
-def final_namespace(client_namespace: str, fp: str) -> str:
-    return f"{client_namespace}.{fp}"
-
-
-def valid_client_namespace(ns: str) -> bool:
-    return NAMESPACE_RE.fullmatch(ns) is not None

@@ -30,7 +30,7 @@ def local_hashes(tokens: Sequence[int] | np.ndarray, block_size: int) -> list[in
     arr = np.asarray(tokens, dtype="<u4")
     full = len(arr) // block_size
     return [
-        _u64(blake3.blake3(arr[i * block_size:(i + 1) * block_size].tobytes()).digest())
+        _u64(blake3.blake3(arr[i * block_size : (i + 1) * block_size].tobytes()).digest())
         for i in range(full)
     ]
 

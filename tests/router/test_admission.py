@@ -32,24 +32,32 @@ def snapshot(router: Router):
 
 def test_path_only_difference_joins(router):
     a = router.register_worker("a", card(source_path="/models/llama"))
-    b = router.register_worker("b", card(source_path="/mnt/other/llama",
-                                         extra_files={"/mnt/other/llama/preprocessor_config.json": "pp-1"}))
+    b = router.register_worker(
+        "b",
+        card(
+            source_path="/mnt/other/llama",
+            extra_files={"/mnt/other/llama/preprocessor_config.json": "pp-1"},
+        ),
+    )
     assert a.key == b.key and a.domain == b.domain
     assert sorted(router.admission.sets[a.key].members) == ["a", "b"]
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"model_config_checksum": "cfg-2"}, "model_config_checksum"),
-    ({"tokenizer_checksum": "tok-2"}, "tokenizer_checksum"),
-    ({"extra_files": {"/m/preprocessor_config.json": "pp-2"}}, "extra_files"),
-    ({"extra_files": {}}, "extra_files"),
-    ({"context_length": 8192}, "context_length"),
-    ({"kv_block_size": 32}, "kv_block_size"),
-    ({"chat_template_checksum": "tpl-2"}, "chat_template_checksum"),
-    ({"generation_config_checksum": "gen-2"}, "generation_config_checksum"),
-    ({"aliases": ["llama"]}, "aliases"),
-    ({"hash_format": "vllm-sha256"}, "hash_format"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_config_checksum": "cfg-2"}, "model_config_checksum"),
+        ({"tokenizer_checksum": "tok-2"}, "tokenizer_checksum"),
+        ({"extra_files": {"/m/preprocessor_config.json": "pp-2"}}, "extra_files"),
+        ({"extra_files": {}}, "extra_files"),
+        ({"context_length": 8192}, "context_length"),
+        ({"kv_block_size": 32}, "kv_block_size"),
+        ({"chat_template_checksum": "tpl-2"}, "chat_template_checksum"),
+        ({"generation_config_checksum": "gen-2"}, "generation_config_checksum"),
+        ({"aliases": ["llama"]}, "aliases"),
+        ({"hash_format": "vllm-sha256"}, "hash_format"),
+    ],
+)
 def test_mismatch_is_refused_naming_the_field_and_disturbs_nothing(router, change, field):
     healthy = router.register_worker("healthy", card())
     router.apply_worker_events(healthy.ref, [BlockEvent("stored", HASHES)])
@@ -74,7 +82,10 @@ def test_rejected_worker_never_reaches_the_index(router):
         router.register_worker("misfit", card(tokenizer_checksum="tok-2"))
     # Neither its own (never issued) generation nor any guess is accepted.
     for gen in range(0, 5):
-        assert router.apply_worker_events(WorkerRef("misfit", gen), [BlockEvent("stored", HASHES)]) == 0
+        assert (
+            router.apply_worker_events(WorkerRef("misfit", gen), [BlockEvent("stored", HASHES)])
+            == 0
+        )
     assert all(("misfit" not in {h[0].name for h in i.holders()}) for i in router.domains.values())
     assert router.stats().indexed_blocks == 0
     assert router.route("llama-8b", hashes=HASHES).worker.name == "healthy"
@@ -137,9 +148,9 @@ def test_removal_clears_index_and_load(router):
 
 # -- aliases and name resolution --
 
-A = dict(display_name="x", source_path="/S")                     # base A
+A = dict(display_name="x", source_path="/S")  # base A
 L = dict(display_name="x-lora", lora=True, lora_base="x", source_path="/S")  # LoRA on A's source
-B = dict(display_name="y", source_path="/S")                     # base B, same source
+B = dict(display_name="y", source_path="/S")  # base B, same source
 
 
 def admitted_view(router: Router):
@@ -190,7 +201,7 @@ def test_base_lora_base_concurrently(round_):
     arrivals += [(f"A{i}", {**A, "source_path": f"/pool{i}/x"}) for i in range(4)]
     arrivals += [(f"B{i}", {**B, "source_path": f"/pool{i}/y"}) for i in range(4)]
     arrivals += [(f"L{i}", L) for i in range(4)]
-    arrivals = arrivals[round_ % len(arrivals):] + arrivals[:round_ % len(arrivals)]
+    arrivals = arrivals[round_ % len(arrivals) :] + arrivals[: round_ % len(arrivals)]
     outcome = run_concurrently(router, arrivals)
     assert set(outcome.values()) == {"admitted"}
     assert admitted_view(router) == [
@@ -217,14 +228,19 @@ def test_concurrent_conflicts_keep_exactly_one_class_per_key(round_):
     assert len(winners) == 1
     winner = winners.pop()
     assert x_members == sorted(n for n, _ in arrivals if n.startswith(winner + "-"))
-    assert all(outcome[n] == "FAILED_PRECONDITION" for n, _ in arrivals
-               if n.startswith("x-") and not n.startswith(winner + "-"))
+    assert all(
+        outcome[n] == "FAILED_PRECONDITION"
+        for n, _ in arrivals
+        if n.startswith("x-") and not n.startswith(winner + "-")
+    )
     assert len(router.admission.sets[WorkerSetKey("y", "default", "decode")].members) == 6
 
 
 CLASSES = [
-    {"display_name": "x"}, {"display_name": "x", "source_path": "/other"},   # same class
-    {"display_name": "y"}, {"display_name": "x", "aliases": ["xx"]},
+    {"display_name": "x"},
+    {"display_name": "x", "source_path": "/other"},  # same class
+    {"display_name": "y"},
+    {"display_name": "x", "aliases": ["xx"]},
     {"display_name": "x", "worker_type": "prefill"},
     {"display_name": "x-lora", "lora": True, "lora_base": "x"},
 ]

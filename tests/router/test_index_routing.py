@@ -16,7 +16,7 @@ from kvstore.wire.errors import KVError
 from kvstore.wire.hashing import block_hashes
 from tests.router.conftest import Clock, card
 
-PROMPT = list(range(16 * 8))              # 8 blocks of 16 tokens
+PROMPT = list(range(16 * 8))  # 8 blocks of 16 tokens
 HASHES = block_hashes(PROMPT, 16)
 
 
@@ -25,8 +25,10 @@ def stored(hashes):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=6),
-       st.integers(0, 63))
+@given(
+    st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=6),
+    st.integers(0, 63),
+)
 def test_prefix_depths_match_a_direct_walk(holdings, active_bits):
     hashes = list(range(1000, 1006))
     index = SlotIndex()
@@ -137,7 +139,10 @@ def test_softmax_sampling_is_seeded_and_prefers_cheap_workers():
         hot = router.register_worker("hot", card())
         router.register_worker("cold", card())
         router.apply_worker_events(hot.ref, stored(HASHES))
-        return [router.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(200)]
+        return [
+            router.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(200)
+        ]
+
     a = picks(7)
     assert a == picks(7)
     counts = Counter(a)
@@ -163,14 +168,17 @@ def test_workers_in_other_domains_do_not_lend_their_cache(router):
     assert router.route("llama-8b", hashes=HASHES, track=False).overlap_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"token_ids": [1] * 16, "hashes": [1]}, "token_ids and block_hashes"),
-    ({"hashes": [-1]}, "block_hashes"),
-    ({"hashes": [1 << 64]}, "block_hashes"),
-    ({"hashes": [1] * (1 << 16 + 1)}, "block_hashes"),
-    ({"request_id": "r" * 300}, "request_id"),
-    ({"decode_tokens": -1}, "decode_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"token_ids": [1] * 16, "hashes": [1]}, "token_ids and block_hashes"),
+        ({"hashes": [-1]}, "block_hashes"),
+        ({"hashes": [1 << 64]}, "block_hashes"),
+        ({"hashes": [1] * (1 << 16 + 1)}, "block_hashes"),
+        ({"request_id": "r" * 300}, "request_id"),
+        ({"decode_tokens": -1}, "decode_tokens"),
+    ],
+)
 def test_bad_route_input_names_the_field_and_changes_nothing(router, kwargs, field):
     router.register_worker("w", card())
     with pytest.raises(KVError) as err:

@@ -10,7 +10,7 @@ from kvstore.wire.events import StoreEvent
 from tests.router.conftest import Clock, card
 
 NS = "tenant.0123456789abcdef"
-NS_MTP = "tenant.fedcba9876543210"     # same client namespace, other layout
+NS_MTP = "tenant.fedcba9876543210"  # same client namespace, other layout
 HASHES = [101, 102, 103, 104, 105]
 
 
@@ -49,11 +49,15 @@ def test_incompatible_peer_is_never_returned_even_for_identical_hashes(router):
 def test_gpu_tier_and_foreign_node_events_do_not_make_a_peer(router):
     p = peer(router, "a")
     router.register_worker("w", card())
-    applied, dropped = router.publish_store_events("a", p.generation, [
-        ev("w", HASHES, tier="gpu"),      # relayed for worker w: indexed for routing only
-        ev("someone-else", HASHES),       # a store reports only its own blocks
-        ev("ghost", HASHES, tier="gpu"),  # not an admitted worker
-    ])
+    applied, dropped = router.publish_store_events(
+        "a",
+        p.generation,
+        [
+            ev("w", HASHES, tier="gpu"),  # relayed for worker w: indexed for routing only
+            ev("someone-else", HASHES),  # a store reports only its own blocks
+            ev("ghost", HASHES, tier="gpu"),  # not an admitted worker
+        ],
+    )
     assert (applied, dropped) == (1, 2)
     assert router.query_prefix(NS, HASHES) == []
     assert router.route("llama-8b", hashes=HASHES, track=False).gpu_blocks == 5
@@ -108,15 +112,18 @@ def test_routing_credits_local_store_and_remote_peers(router):
     assert a.ref not in router.loads.per_worker
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda r: r.query_prefix("tenant", HASHES), "final_namespace"),
-    (lambda r: r.query_prefix(NS, [1] * (1 << 16 + 1)), "block_hashes"),
-    (lambda r: r.advertise_peer("a", "x", "y", ["bad ns"]), "final_namespaces[0]"),
-    (lambda r: r.advertise_peer("", "x", "y", [NS]), "node_id"),
-    (lambda r: r.advertise_peer("a", "x", "y", [NS], lease_ms=10**9), "lease_ms"),
-    (lambda r: r.publish_store_events("a", 1, [b"\x93"]), "events[0]"),
-    (lambda r: r.publish_store_events("a", 1, [b"x"] * 5000), "events"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda r: r.query_prefix("tenant", HASHES), "final_namespace"),
+        (lambda r: r.query_prefix(NS, [1] * (1 << 16 + 1)), "block_hashes"),
+        (lambda r: r.advertise_peer("a", "x", "y", ["bad ns"]), "final_namespaces[0]"),
+        (lambda r: r.advertise_peer("", "x", "y", [NS]), "node_id"),
+        (lambda r: r.advertise_peer("a", "x", "y", [NS], lease_ms=10**9), "lease_ms"),
+        (lambda r: r.publish_store_events("a", 1, [b"\x93"]), "events[0]"),
+        (lambda r: r.publish_store_events("a", 1, [b"x"] * 5000), "events"),
+    ],
+)
 def test_bad_input_names_the_field(router, call, field):
     p = peer(router, "a")
     router.publish_store_events("a", p.generation, [ev("a", HASHES)])

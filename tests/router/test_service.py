@@ -38,23 +38,41 @@ def wait_for(predicate, timeout_s: float = 20.0) -> None:
 
 
 def test_card_round_trips_through_proto():
-    c = card(aliases=["a", "b"], needs=["n"], multimodal=["qwen-video"], lora=True,
-             lora_base="base", extra_files={"x.json": "1"}, node_id="n1", final_namespace=NS)
+    c = card(
+        aliases=["a", "b"],
+        needs=["n"],
+        multimodal=["qwen-video"],
+        lora=True,
+        lora_base="base",
+        extra_files={"x.json": "1"},
+        node_id="n1",
+        final_namespace=NS,
+    )
     assert card_from_proto(card_to_proto(c)) == c
 
 
 def test_register_route_done_over_grpc(served):
     router, client, _ = served
     reply = client.register_worker("w0", card(address="10.0.0.1:8000"))
-    assert (reply.generation, reply.model, reply.role, reply.members) == (1, "llama-8b", "decode", 1)
+    assert (reply.generation, reply.model, reply.role, reply.members) == (
+        1,
+        "llama-8b",
+        "decode",
+        1,
+    )
     assert len(reply.semantics_id) == 16 and len(reply.scope_id) == 16
     client.register_worker("w1", card(source_path="/mnt/elsewhere"))
     w0 = router.admission.workers["w0"]
     tokens = list(range(64))
     router.apply_worker_events(w0.ref, [BlockEvent("stored", block_hashes(tokens, 16))])
     r = client.route("llama-8b", token_ids=tokens, request_id="req-1")
-    assert (r.worker, r.address, r.overlap_blocks, r.total_blocks, r.request_id) == \
-        ("w0", "10.0.0.1:8000", 4, 4, "req-1")
+    assert (r.worker, r.address, r.overlap_blocks, r.total_blocks, r.request_id) == (
+        "w0",
+        "10.0.0.1:8000",
+        4,
+        4,
+        "req-1",
+    )
     assert "w0: 4/4 blocks cached" in r.reason
     assert client.stats().active_requests == 1
     assert client.request_done("req-1") and not client.request_done("req-1")
@@ -92,7 +110,9 @@ def test_worker_session_ends_with_the_call(served):
     router, client, server = served
     channel = grpc.insecure_channel(server.address)
     stub = router_pb2_grpc.RouterStub(channel)
-    call = stub.WorkerSession(router_pb2.RegisterWorkerRequest(name="s", card=card_to_proto(card())))
+    call = stub.WorkerSession(
+        router_pb2.RegisterWorkerRequest(name="s", card=card_to_proto(card()))
+    )
     first = next(call)
     assert first.name == "s" and first.generation >= 1
     assert "s" in router.admission.workers
@@ -105,8 +125,9 @@ def test_rejected_session_gets_the_status(served):
     _, client, server = served
     client.register_worker("ok", card())
     with grpc.insecure_channel(server.address) as channel:
-        call = router_pb2_grpc.RouterStub(channel).WorkerSession(router_pb2.RegisterWorkerRequest(
-            name="bad", card=card_to_proto(card(kv_block_size=32))))
+        call = router_pb2_grpc.RouterStub(channel).WorkerSession(
+            router_pb2.RegisterWorkerRequest(name="bad", card=card_to_proto(card(kv_block_size=32)))
+        )
         with pytest.raises(grpc.RpcError) as err:
             next(call)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -123,15 +144,21 @@ def test_store_client_advertise_publish_query(served):
         other.publish([StoreEvent("stored", NS, hashes[:1], "node-b")])
     got = client.query_prefix(NS, hashes)
     assert [(p.node_id, p.prefix_blocks, p.ucx_address) for p in got] == [
-        ("node-a", 3, "127.0.0.1:13337"), ("node-b", 1, "")]
-    assert [p.node_id for p in client.query_prefix(NS, hashes, exclude_node_id="node-a")] == ["node-b"]
+        ("node-a", 3, "127.0.0.1:13337"),
+        ("node-b", 1, ""),
+    ]
+    assert [p.node_id for p in client.query_prefix(NS, hashes, exclude_node_id="node-a")] == [
+        "node-b"
+    ]
     assert client.query_prefix("tenant.ffffffffffffffff", hashes) == []
     # A restart (new advertisement) makes the old generation stale.
     client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
     assert client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen) == (0, 1)
     with pytest.raises(grpc.RpcError) as err:
         client.publish([b"\x00not msgpack map"])
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "events[0]" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "events[0]" in err.value.details()
+    )
     with pytest.raises(grpc.RpcError) as err:
         client.query_prefix("no-fingerprint", hashes)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -146,8 +173,11 @@ def test_router_follows_a_real_store_servers_event_stream(served):
     router, client, server = served
 
     async def start_store():
-        store = server_mod.StoreServer(server_mod.ServerConfig(
-            port=0, device="cpu", pool_size=1 << 20, slab_bytes=64 << 10, node_id="store-1"))
+        store = server_mod.StoreServer(
+            server_mod.ServerConfig(
+                port=0, device="cpu", pool_size=1 << 20, slab_bytes=64 << 10, node_id="store-1"
+            )
+        )
         await store.start()
         return store
 
@@ -161,7 +191,8 @@ def test_router_follows_a_real_store_servers_event_stream(served):
             while not router.query_prefix(NS, hashes):
                 assert time.monotonic() < deadline, "router never saw the store's events"
                 server.loop.call_soon_threadsafe(
-                    store.service.publish, StoreEvent("stored", NS, hashes, "store-1"))
+                    store.service.publish, StoreEvent("stored", NS, hashes, "store-1")
+                )
                 time.sleep(0.05)
 
         publish_until_seen()
@@ -175,11 +206,24 @@ def test_router_follows_a_real_store_servers_event_stream(served):
 
 # -- the command line --
 
+
 def test_flags_standalone_and_embedded():
     p = argparse.ArgumentParser()
     add_router_arguments(p)
-    args = p.parse_args(["--identity", "r1", "--overlap-weight", "2", "--temperature", "0.1",
-                         "--zmq-endpoint", "w=tcp://127.0.0.1:5557", "--store", "127.0.0.1:50051"])
+    args = p.parse_args(
+        [
+            "--identity",
+            "r1",
+            "--overlap-weight",
+            "2",
+            "--temperature",
+            "0.1",
+            "--zmq-endpoint",
+            "w=tcp://127.0.0.1:5557",
+            "--store",
+            "127.0.0.1:50051",
+        ]
+    )
     assert (args.host, args.port) == ("127.0.0.1", 50061)
     router = build_router(args)
     assert router.config.identity.value == "r1" and router.config.scoring.overlap_weight == 2
@@ -199,9 +243,14 @@ def test_flags_standalone_and_embedded():
 
 def test_standalone_router_serves_health_and_stops_on_sigterm():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "router", "--port", "0",
-                             "--log-level", "WARNING"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "router", "--port", "0", "--log-level", "WARNING"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
@@ -211,8 +260,9 @@ def test_standalone_router_serves_health_and_stops_on_sigterm():
             for service in ("", "kvstore.v1.Router"):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            stats = router_pb2_grpc.RouterStub(channel).RouterStats(router_pb2.RouterStatsRequest(),
-                                                                    timeout=10)
+            stats = router_pb2_grpc.RouterStub(channel).RouterStats(
+                router_pb2.RouterStatsRequest(), timeout=10
+            )
             assert stats.workers == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -40,16 +40,20 @@ def frames(payload: bytes, seq: int = 0, topic: bytes = b"") -> list[bytes]:
 
 
 def test_decode_array_like_batch():
-    b = decode_message(frames(batch(stored(H, parent=7), removed(H[:1]), ["AllBlocksCleared"],
-                                    dp_rank=2), seq=41))
+    b = decode_message(
+        frames(batch(stored(H, parent=7), removed(H[:1]), ["AllBlocksCleared"], dp_rank=2), seq=41)
+    )
     assert (b.seq, b.ts, b.data_parallel_rank) == (41, 1.5, 2)
     assert [(e.kind, e.hashes, e.tier) for e in b.events] == [
-        ("stored", H, "gpu"), ("removed", H[:1], "gpu"), ("cleared", [], "gpu")]
+        ("stored", H, "gpu"),
+        ("removed", H[:1], "gpu"),
+        ("cleared", [], "gpu"),
+    ]
     assert b.events[0].parent_hash == 7
 
 
 def test_decode_oldest_and_newest_positional_shapes():
-    old = ["BlockStored", H, None, [1, 2], 16, None]             # before `medium` existed
+    old = ["BlockStored", H, None, [1, 2], 16, None]  # before `medium` existed
     new = ["BlockStored", H, None, [], 16, None, "GPU", "lora-a", None, 0, "full", None]
     removed_old = ["BlockRemoved", H]
     b = decode_batch(batch(old, new, removed_old))
@@ -58,10 +62,25 @@ def test_decode_oldest_and_newest_positional_shapes():
 
 def test_decode_map_form_and_byte_hashes():
     digest = bytes(range(32))
-    payload = msgpack.packb({"ts": 2.0, "events": [
-        {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": None,
-         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "CPU"},
-        {"type": "AllBlocksCleared"}], "data_parallel_rank": 0}, use_bin_type=True)
+    payload = msgpack.packb(
+        {
+            "ts": 2.0,
+            "events": [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [digest],
+                    "parent_block_hash": None,
+                    "token_ids": [],
+                    "block_size": 16,
+                    "lora_id": None,
+                    "medium": "CPU",
+                },
+                {"type": "AllBlocksCleared"},
+            ],
+            "data_parallel_rank": 0,
+        },
+        use_bin_type=True,
+    )
     b = decode_batch(payload)
     expected = int.from_bytes(digest, "big") & ((1 << 64) - 1)  # what vLLM's int form would be
     assert b.events[0].hashes == [expected] and b.events[0].tier == "store"
@@ -69,18 +88,23 @@ def test_decode_map_form_and_byte_hashes():
 
 
 def test_negative_int_hashes_wrap_to_u64_and_other_groups_are_skipped():
-    b = decode_batch(batch(stored([-1]), ["BlockStored", [5], None, [], 16, None, "GPU", None, None, 1]))
+    b = decode_batch(
+        batch(stored([-1]), ["BlockStored", [5], None, [], 16, None, "GPU", None, None, 1])
+    )
     assert b.events[0].hashes == [(1 << 64) - 1] and b.skipped == 1 and len(b.events) == 1
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"\xc1", "not valid msgpack"),
-    (msgpack.packb([1.0]), "batch must be"),
-    (msgpack.packb([1.0, [["Bogus", [1]]]]), "unknown event tag"),
-    (msgpack.packb([1.0, [["BlockStored", [1]]]]), "at least 5 fields"),
-    (msgpack.packb([1.0, [["BlockRemoved", "x"]]]), "must be an array"),
-    (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "hash of type float"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb([1.0]), "batch must be"),
+        (msgpack.packb([1.0, [["Bogus", [1]]]]), "unknown event tag"),
+        (msgpack.packb([1.0, [["BlockStored", [1]]]]), "at least 5 fields"),
+        (msgpack.packb([1.0, [["BlockRemoved", "x"]]]), "must be an array"),
+        (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "hash of type float"),
+    ],
+)
 def test_malformed_batches_are_refused(payload, message):
     with pytest.raises(ValueError, match=message):
         decode_batch(payload)
@@ -94,6 +118,7 @@ def test_bad_frames_are_refused():
 
 
 # -- real ZMQ PUB -> router subscription -> route --
+
 
 def wait_for(predicate, publish, timeout_s: float = 20.0) -> None:
     """Re-publish until the router shows the effect (ZMQ PUB drops messages
@@ -146,14 +171,18 @@ def test_replaced_worker_old_publisher_is_ignored(served, pub):
     old_sock, old_ep = pub()
     new_sock, new_ep = pub()
     client.register_worker("w", card(kv_events_endpoint=old_ep))
-    wait_for(lambda: router.stats().indexed_blocks == 2,
-             lambda: old_sock.send_multipart(frames(batch(stored(H[:2])))))
+    wait_for(
+        lambda: router.stats().indexed_blocks == 2,
+        lambda: old_sock.send_multipart(frames(batch(stored(H[:2])))),
+    )
     client.register_worker("w", card(kv_events_endpoint=new_ep, source_path="/new"))
     assert router.stats().indexed_blocks == 0  # the old generation's blocks went with it
     for _ in range(20):  # the old process keeps talking: none of it may land
         old_sock.send_multipart(frames(batch(stored([0xDEAD]))))
-    wait_for(lambda: router.stats().indexed_blocks == 1,
-             lambda: new_sock.send_multipart(frames(batch(stored([0xBEEF])))))
+    wait_for(
+        lambda: router.stats().indexed_blocks == 1,
+        lambda: new_sock.send_multipart(frames(batch(stored([0xBEEF])))),
+    )
     for _ in range(20):
         old_sock.send_multipart(frames(batch(stored([0xDEAD]))))
     time.sleep(0.2)
@@ -169,8 +198,10 @@ def test_static_endpoint_flag_feeds_the_named_worker(pub):
     try:
         with RouterClient(server.address) as client:
             client.register_worker("w", card())
-            wait_for(lambda: router.stats().indexed_blocks == 4,
-                     lambda: sock.send_multipart(frames(batch(stored(H)), topic=b"kv")))
+            wait_for(
+                lambda: router.stats().indexed_blocks == 4,
+                lambda: sock.send_multipart(frames(batch(stored(H)), topic=b"kv")),
+            )
             assert client.route("llama-8b", hashes=H, track=False).overlap_blocks == 4
     finally:
         server.stop()
