@@ -18,9 +18,9 @@ import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.card import WorkerCard
-from kvstore.router.peers import PeerPrefix
 from kvstore.service.router_service import card_to_proto
 from kvstore.wire.events import StoreEvent
+from kvstore.wire.peers import PeerPrefix
 
 
 class RouterClient:

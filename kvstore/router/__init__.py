@@ -21,8 +21,8 @@ from kvstore.router.admission import WorkerRef, WorkerSetKey
 from kvstore.router.card import WorkerCard, card_checksum
 from kvstore.router.core import Router, RouterConfig, RouteResult
 from kvstore.router.identity import Domain, IdentityAlgorithm
-from kvstore.router.peers import PeerPrefix
 from kvstore.router.scoring import ScoringConfig
+from kvstore.wire.peers import PeerPrefix
 
 __all__ = [
     "Domain",

@@ -21,6 +21,7 @@ from kvstore.router.card import FINAL_NAMESPACE_RE
 from kvstore.router.holders import SlotIndex
 from kvstore.wire import limits
 from kvstore.wire.errors import exhausted, invalid, not_found
+from kvstore.wire.peers import PeerPrefix
 
 STORE_TIER = "store"
 
@@ -34,16 +35,6 @@ class Peer:
     namespaces: set[str] = field(default_factory=set)
     lease_ms: int = 0
     expires: float | None = None
-
-
-@dataclass(frozen=True)
-class PeerPrefix:
-    """A peer that holds ``prefix_blocks`` leading blocks of the asked hashes."""
-
-    node_id: str
-    store_address: str
-    ucx_address: str
-    prefix_blocks: int
 
 
 def check_final_namespace(where: str, ns: str) -> None:

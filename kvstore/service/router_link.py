@@ -13,8 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvstore.router.peers import PeerPrefix
 from kvstore.wire.events import STORED, StoreEvent
+from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
 

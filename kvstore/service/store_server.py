@@ -154,7 +154,7 @@ class StoreServer:
 
     async def _find_peers(self, namespace: str, hashes: list[int]) -> list:
         """Peers for a fetch: the router's answer, else the --peer list."""
-        from kvstore.router.peers import PeerPrefix
+        from kvstore.wire.peers import PeerPrefix
 
         peers = []
         if self.link is not None:

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvstore.router.peers import PeerPrefix
 from kvstore.store.blocks import BlockStore
 from kvstore.store.peer_store import StoreSink
 from kvstore.transfer import PeerTimeout, PeerUnavailable, fetch
 from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
 
