@@ -26,11 +26,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# ruff (rules and complexity), one format, the rooms' import contract
+# (pyproject.toml [tool.importlinter]) and dead code.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvstore tests bench
+	$(VENV)/bin/ruff format --check kvstore tests bench
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/vulture kvstore --min-confidence 80 --exclude kvstore/_proto
 
 bench-quick: $(STAMP)
-	$(PY) bench/copy.py --quick
+	$(PY) bench/copy_engine.py --quick
 	$(PY) bench/router.py --quick
 	$(PY) bench/transfer.py --quick
 

@@ -63,7 +63,7 @@ fi
 
 if [[ " $STEPS " == *" copy "* ]]; then
     step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
-    run 90 python3 bench/copy.py --device cuda --no-progress
+    run 90 python3 bench/copy_engine.py --device cuda --no-progress
     cp bench/results/copy.json bench/results/copy.png "$OUT/" 2>/dev/null
 fi
 

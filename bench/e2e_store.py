@@ -1,4 +1,4 @@
-"""End-to-end Save / Load through a real store server process (a section of bench/copy.py).
+"""End-to-end Save / Load through a real store server process (a section of bench/copy_engine.py).
 
 One rank (TP 1) of a 32-layer model with 8 KV heads x 128, 16 tokens a block,
 fp16 (64 KiB per layer per block) registers KV caches in shared memory (or

@@ -45,10 +45,11 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.router.card import WorkerCard  # noqa: E402
 from kvstore.router.core import Router, RouterConfig  # noqa: E402
 from kvstore.router.scoring import ScoringConfig  # noqa: E402
-from kvstore.router.vllm_events import BlockEvent, decode_batch, encode_batch  # noqa: E402
+from kvstore.router.vllm_events import BlockEvent, decode_batch  # noqa: E402
+from kvstore.testing.vllm_events import encode_batch  # noqa: E402
+from kvstore.wire.card import WorkerCard  # noqa: E402
 from kvstore.wire.events import StoreEvent  # noqa: E402
 from kvstore.wire.hashing import block_hashes  # noqa: E402
 
@@ -273,7 +274,7 @@ def main() -> None:
     workers = 64
     per_worker = 16_000  # 64 x 16k unique blocks + shared system prompts > 1M
     print(f"building index: {workers} workers x {per_worker} blocks + shared system prompts ...")
-    router, refs, systems, histories, ing = build_index(
+    router, _refs, systems, histories, ing = build_index(
         workers, per_worker, n_system=64, system_blocks=256
     )
     stats = router.stats()
@@ -301,7 +302,8 @@ def main() -> None:
             }
         )
         print(
-            f"  route {tokens:>5} tokens: p50 {rows[-1]['p50']:.3f} ms  p99 {rows[-1]['p99']:.3f} ms"
+            f"  route {tokens:>5} tokens: "
+            f"p50 {rows[-1]['p50']:.3f} ms  p99 {rows[-1]['p99']:.3f} ms"
         )
     hash_8k = hashing_ms(8192, 50 if quick else 200)
     print(f"  hashing 8k tokens in the router (token_ids path): p50 {hash_8k:.3f} ms")

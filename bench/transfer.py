@@ -25,32 +25,24 @@ BlockStore.reserve_detached allocates). Rows go to bench/results/transfer.json
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
 import os
-import sys
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-# Run as a script, this file's folder would come first on sys.path and
-# bench/copy.py would shadow the standard library's `copy`.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import numpy as np
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from kvstore.transfer import SlotTable
 
-import numpy as np  # noqa: E402
-
-from kvstore.transfer import SlotTable  # noqa: E402
-
-RESULTS = Path(_HERE) / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 NS = "bench.0000000000000000"
 SLOT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 SLOTS_PER_BLOCK = 16  # throughput rows; the latency case uses 64
@@ -305,7 +297,8 @@ async def _measure(opts: dict) -> dict:
         rows.append(row)
         extra = f"  memcpy {row.device_copy_gbps} GB/s" if dcopy else ""
         print(
-            f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB x {num_blocks * SLOTS_PER_BLOCK:>5}"
+            f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB"
+            f" x {num_blocks * SLOTS_PER_BLOCK:>5}"
             f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}{extra}",
             flush=True,
         )
@@ -351,7 +344,7 @@ def _synchronize(mem: str) -> Any:
 
 
 def _quantile(sorted_samples: list[float], q: float) -> float:
-    i = min(len(sorted_samples) - 1, int(round(q * (len(sorted_samples) - 1))))
+    i = min(len(sorted_samples) - 1, round(q * (len(sorted_samples) - 1)))
     return sorted_samples[i]
 
 

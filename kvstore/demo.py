@@ -25,6 +25,7 @@ import torch
 
 from kvstore.client.store_client import StoreClient
 from kvstore.testing.worker import WorkerGroup
+from kvstore.wire.errors import KVError
 from kvstore.wire.hashing import block_hashes
 
 log = logging.getLogger("kvstore.demo")
@@ -70,17 +71,25 @@ def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
     ]
     proc = subprocess.Popen(cmd)
     client = StoreClient(f"127.0.0.1:{port}", timeout=2)
-    deadline = time.monotonic() + 60
+    try:
+        if _wait_serving(proc, client, deadline=time.monotonic() + 60):
+            return proc
+    finally:
+        client.close()
+    proc.kill()
+    raise RuntimeError("store server did not come up within 60 s")
+
+
+def _wait_serving(proc: subprocess.Popen, client: StoreClient, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"store server exited with code {proc.returncode}")
         try:
             client.stats()
-            return proc
-        except Exception:
+            return True
+        except KVError:  # not listening yet
             time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("store server did not come up within 60 s")
+    return False
 
 
 def make_prompts(args, rng: np.random.Generator) -> list[list[int]]:
@@ -88,6 +97,26 @@ def make_prompts(args, rng: np.random.Generator) -> list[list[int]]:
     return [
         prefix + rng.integers(0, 128_000, args.suffix_tokens).tolist() for _ in range(args.prompts)
     ]
+
+
+@dataclass
+class Workload:
+    """The demo's prompts as block hashes, and where each unique block lives in a KV cache."""
+
+    per_prompt: list[list[int]]
+    unique: list[int]
+    slot_of: dict[int, int]
+
+    @property
+    def total(self) -> int:
+        return sum(map(len, self.per_prompt))
+
+
+def make_workload(args) -> Workload:
+    rng = np.random.default_rng(int(os.environ.get("KVSTORE_DEMO_SEED", "0")))
+    per_prompt = [block_hashes(p, args.block_size) for p in make_prompts(args, rng)]
+    unique = list(dict.fromkeys(h for hs in per_prompt for h in hs))
+    return Workload(per_prompt, unique, {h: i for i, h in enumerate(unique)})
 
 
 def start_instance(
@@ -116,9 +145,11 @@ def run_demo(args) -> int:
     address = f"127.0.0.1:{port}"
     server = start_server(port, device, args.pool_size)
     instances: list[WorkerGroup] = []
+    client = StoreClient(address)
     try:
-        rows, ok = _cycle(args, address, device, instances)
+        rows, ok = _cycle(args, client, device, instances)
     finally:
+        client.close()
         for inst in instances:
             inst.close()
         server.terminate()
@@ -128,56 +159,55 @@ def run_demo(args) -> int:
     return 0 if ok else 1
 
 
-def _cycle(args, address: str, device: str, instances: list) -> tuple[list[Row], bool]:
-    rng = np.random.default_rng(int(os.environ.get("KVSTORE_DEMO_SEED", "0")))
-    prompts = make_prompts(args, rng)
-    per_prompt = [block_hashes(p, args.block_size) for p in prompts]
-    unique = list(dict.fromkeys(h for hs in per_prompt for h in hs))
-    slot_of = {h: i for i, h in enumerate(unique)}
-    num_blocks = 2 * len(unique)
-    client = StoreClient(address)
-    rows: list[Row] = []
+def _cycle(
+    args, client: StoreClient, device: str, instances: list[WorkerGroup]
+) -> tuple[list[Row], bool]:
+    """Steps 2-4 of the module docstring; ``instances`` collects what to close."""
+    work = make_workload(args)
+    num_blocks = 2 * len(work.unique)
+    address = client.address
 
     a = start_instance("demo-a", address, args, device, num_blocks=num_blocks)
     instances.append(a)
-    a.each("fill", [(h & 0x7FFFFFFF, slot_of[h]) for h in unique])
-    t0, moved = time.perf_counter(), 0
-    for hs in per_prompt:
-        moved += sum(r["bytes"] for r in a.each("save", [(h, slot_of[h]) for h in hs]))
-    rows.append(Row("A", a.namespace, "save", len(unique), 0, moved, time.perf_counter() - t0))
-    saved = a.each("digest", [slot_of[h] for h in unique])
+    save_row, saved = _save(a, work)
 
     b = start_instance("demo-b", address, args, device, num_blocks=num_blocks)
     instances.append(b)
-    ok = b.namespace == a.namespace
-    hits = moved = 0
-    t0 = time.perf_counter()
-    for hs in per_prompt:
-        reply = client.query(b.namespace, hs, lease=True)
-        hits += reply.prefix_blocks
-        target = [(h, len(unique) + slot_of[h]) for h in hs[: reply.prefix_blocks]]
-        moved += sum(b.each("load", target))
-        client.release(reply.lease_id)
-    rows.append(
-        Row(
-            "B",
-            b.namespace,
-            "load",
-            sum(map(len, per_prompt)),
-            hits,
-            moved,
-            time.perf_counter() - t0,
-        )
-    )
-    loaded = b.each("digest", [len(unique) + slot_of[h] for h in unique])
-    ok = ok and loaded == saved and hits == sum(map(len, per_prompt))
+    load_row, loaded = _load(b, work, client)
+    ok = b.namespace == a.namespace and loaded == saved and load_row.hits == work.total
 
     c = start_instance("demo-c-mtp", address, args, device, extra_layers=1, num_blocks=num_blocks)
     instances.append(c)
-    misses = sum(client.query(c.namespace, hs).prefix_blocks for hs in per_prompt)
-    rows.append(Row("C (MTP on)", c.namespace, "query", sum(map(len, per_prompt)), misses, 0, 0.0))
+    misses = sum(client.query(c.namespace, hs).prefix_blocks for hs in work.per_prompt)
+    query_row = Row("C (MTP on)", c.namespace, "query", work.total, misses, 0, 0.0)
     ok = ok and misses == 0 and c.namespace != a.namespace
-    return rows, ok
+    return [save_row, load_row, query_row], ok
+
+
+def _save(a: WorkerGroup, work: Workload) -> tuple[Row, list]:
+    """Instance A fills every unique block, saves each prompt, returns the blocks' digests."""
+    slot_of = work.slot_of
+    a.each("fill", [(h & 0x7FFFFFFF, slot_of[h]) for h in work.unique])
+    t0, moved = time.perf_counter(), 0
+    for hs in work.per_prompt:
+        moved += sum(r["bytes"] for r in a.each("save", [(h, slot_of[h]) for h in hs]))
+    row = Row("A", a.namespace, "save", len(work.unique), 0, moved, time.perf_counter() - t0)
+    return row, a.each("digest", [slot_of[h] for h in work.unique])
+
+
+def _load(b: WorkerGroup, work: Workload, client: StoreClient) -> tuple[Row, list]:
+    """Instance B loads each prompt's stored prefix into other block ids; returns digests."""
+    slot_of, offset = work.slot_of, len(work.unique)
+    hits = moved = 0
+    t0 = time.perf_counter()
+    for hs in work.per_prompt:
+        reply = client.query(b.namespace, hs, lease=True)
+        hits += reply.prefix_blocks
+        target = [(h, offset + slot_of[h]) for h in hs[: reply.prefix_blocks]]
+        moved += sum(b.each("load", target))
+        client.release(reply.lease_id)
+    row = Row("B", b.namespace, "load", work.total, hits, moved, time.perf_counter() - t0)
+    return row, b.each("digest", [offset + slot_of[h] for h in work.unique])
 
 
 def print_table(rows: list[Row], device: str, args) -> None:

@@ -150,7 +150,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Seal / eviction / clear events, msgpack-encoded (DESIGN.md section 6).
+        """Seal / eviction / clear events, msgpack-encoded (docs/design.md §6).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

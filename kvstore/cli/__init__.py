@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvstore.cli.router import run_router
 
         setup_logging(args.log_level)
-        asyncio.run(run_router(args))
-        return 0
+        return run_router(args)
     if args.command == "demo":
         from kvstore.demo import run_demo
 
@@ -238,9 +237,9 @@ async def _serve(args) -> None:
     try:
         router = None
         if not args.no_router and not args.router:
-            from kvstore.cli.router import build_router
+            from kvstore.cli.router import build_served_router
 
-            router = build_router(args)
+            router = build_served_router(args)
         server = StoreServer(config, router)
     except ValueError as exc:
         logging.getLogger("kvstore").error("%s", exc)

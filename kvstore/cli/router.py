@@ -1,10 +1,10 @@
-"""``kvstore router``: the router standalone, and the hooks ``kvstore serve`` embeds.
+"""``kvstore router``: the router standalone, and the flags ``kvstore serve`` embeds.
 
 add_router_arguments(parser)          # flags (standalone, or embedded=True for serve)
-router = build_router(args)           # plain-Python core, no network yet
-add_router_to_server(server, router)  # inside the running loop, before server.start()
-await close_router(router)            # after server.stop()
-await run_router(args)                # the whole standalone server
+served = build_served_router(args)    # validated flags -> router core + feed specs
+run_router(args)                      # the whole standalone server, until a signal
+
+Serving itself lives in ``kvstore.service.router_server``.
 """
 
 from __future__ import annotations
@@ -12,22 +12,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
+from collections.abc import Callable
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-
-from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
-from kvstore.service.feeds import Subscriptions
-from kvstore.service.router_service import RouterService
+from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
-SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+# (flag, ScoringConfig field, help): the defaults are ScoringConfig's own.
+_SCORING_FLAGS = (
+    (
+        "--overlap-weight",
+        "overlap_weight",
+        "weight of prefill blocks against decode blocks in the cost",
+    ),
+    ("--temperature", "temperature", "0 picks the cheapest worker; >0 samples softmax(-cost/T)"),
+    ("--gpu-weight", "gpu_weight", "credit for a cached block on the worker's own GPU"),
+    ("--store-weight", "store_weight", "credit for a cached block in the worker's node store"),
+    ("--remote-weight", "remote_weight", "credit for a cached block in a peer store"),
+    (
+        "--request-timeout",
+        "request_timeout_s",
+        "seconds after which a routed request never reported done is freed",
+    ),
+)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False) -> None:
@@ -63,39 +75,9 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         default="r2",
         help="cache-semantics material: r2 = display name (default), r1 = card checksum",
     )
-    parser.add_argument(
-        "--overlap-weight",
-        type=float,
-        default=1.0,
-        help="weight of prefill blocks against decode blocks in the cost",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 picks the cheapest worker; >0 samples softmax(-cost/T)",
-    )
-    parser.add_argument(
-        "--gpu-weight",
-        type=float,
-        default=1.0,
-        help="credit for a cached block on the worker's own GPU",
-    )
-    parser.add_argument(
-        "--store-weight",
-        type=float,
-        default=0.75,
-        help="credit for a cached block in the worker's node store",
-    )
-    parser.add_argument(
-        "--remote-weight", type=float, default=0.5, help="credit for a cached block in a peer store"
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds after which a routed request never reported done is freed",
-    )
+    defaults = ScoringConfig()
+    for flag, name, text in _SCORING_FLAGS:
+        parser.add_argument(flag, type=float, default=getattr(defaults, name), help=text)
     parser.add_argument(
         "--seed", type=int, default=None, help="seed for WorkerSet draws and softmax sampling"
     )
@@ -116,18 +98,15 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
     )
 
 
-def build_router(args: argparse.Namespace) -> Router:
-    """The router core configured from ``args``; feeds start in add_router_to_server."""
-    for name, value in (
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The core's configuration from ``args``; ValueError names a bad flag."""
+    for flag, value in (
         ("--temperature", args.temperature),
         ("--overlap-weight", args.overlap_weight),
         ("--request-timeout", args.request_timeout),
     ):
         if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    for spec in args.zmq_endpoint:
-        if "=" not in spec:
-            raise ValueError(f"--zmq-endpoint {spec!r}: expected NAME=tcp://host:port")
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     scoring = ScoringConfig(
         overlap_weight=args.overlap_weight,
         temperature=args.temperature,
@@ -137,65 +116,47 @@ def build_router(args: argparse.Namespace) -> Router:
         request_timeout_s=args.request_timeout,
         seed=args.seed,
     )
-    router = Router(RouterConfig(IdentityAlgorithm(args.identity), scoring))
-    router.feed_specs = (list(args.zmq_endpoint), list(args.store))  # started with the server
-    return router
+    return RouterConfig(IdentityAlgorithm(args.identity), scoring)
 
 
-def add_router_to_server(server: grpc.aio.Server, router: Router) -> None:
-    """Serve ``router`` on ``server`` and start its event feeds.
-
-    Call it from inside the running event loop (the feeds are tasks on it).
-    """
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
-    subs = Subscriptions(router, asyncio.get_running_loop())
-    router.add_listener(subs.on_worker_change)
-    zmq_specs, stores = router.feed_specs
-    for spec in zmq_specs:
-        subs.add_static(spec)
-    for address in stores:
-        subs.add_store(address)
-    router.subscriptions = subs
-
-
-async def close_router(router: Router) -> None:
-    """Stop the router's event feeds."""
-    subs = router.subscriptions
-    if subs is not None:
-        await subs.close()
-
-
-async def run_router(args: argparse.Namespace) -> None:
-    """The standalone router: gRPC + health, until SIGINT or SIGTERM."""
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+def feed_specs(args: argparse.Namespace) -> FeedSpecs:
+    """The --zmq-endpoint and --store feeds; ValueError names a bad one."""
+    return FeedSpecs(
+        vllm=tuple(_zmq_endpoint(spec) for spec in args.zmq_endpoint),
+        stores=tuple(args.store),
     )
-    router = build_router(args)
-    server = grpc.aio.server()
-    add_router_to_server(server, router)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {args.host}:{args.port}")
-    await server.start()
-    for service in ("", SERVICE_NAME):
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("router listening on %s:%d (identity %s)", args.host, port, args.identity)
-    print(f"kvstore router listening on {args.host}:{port}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+def _zmq_endpoint(spec: str) -> tuple[str, str]:
+    name, sep, endpoint = spec.partition("=")
+    if not sep or not name or not endpoint:
+        raise ValueError(f"--zmq-endpoint {spec!r}: expected NAME=tcp://host:port")
+    return name, endpoint
+
+
+def build_served_router(args: argparse.Namespace) -> ServedRouter:
+    """The router core and its feeds, configured from ``args``; nothing runs yet."""
+    return ServedRouter(Router(router_config(args)), feed_specs(args))
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """The standalone router until SIGINT or SIGTERM; 2 when a flag is refused."""
     try:
-        await stop.wait()
-    finally:
-        log.info("router shutting down")
-        await health.enter_graceful_shutdown()
-        await server.stop(grace=5)
-        await close_router(router)
+        served = build_served_router(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    asyncio.run(serve_router(served, args.host, args.port, _announcer(args.host)))
+    return 0
+
+
+def _announcer(host: str) -> Callable[[int], None]:
+    """Prints the listening line that scripts and tests wait for on stdout."""
+
+    def announce(port: int) -> None:
+        print(f"kvstore router listening on {host}:{port}", flush=True)
+
+    return announce
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,9 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     add_router_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        asyncio.run(run_router(args))
+        served = build_served_router(args)
     except ValueError as exc:
         parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve_router(served, args.host, args.port, _announcer(args.host)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
     client.query_prefix("tenant.0123456789abcdef", hashes, exclude_node_id="node-a")
     # -> [PeerPrefix(node_id, store_address, ucx_address, prefix_blocks), ...]
 
-Errors surface as ``grpc.RpcError`` with the router's status and message.
+Errors surface as :class:`KVError` carrying the router's status as a
+:class:`Code` and its message, as the store client's do.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
-from kvstore.router.card import WorkerCard
-from kvstore.service.router_service import card_to_proto
+from kvstore.wire.card import WorkerCard
+from kvstore.wire.card_proto import card_to_proto
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
@@ -55,7 +57,8 @@ class RouterClient:
         """Announce this store (or, with ``refresh``, renew the last
         advertisement and add namespaces); returns the peer generation, which
         :meth:`publish` then uses."""
-        reply = self._stub.AdvertisePeer(
+        reply = self._call(
+            self._stub.AdvertisePeer,
             router_pb2.AdvertisePeerRequest(
                 node_id=node_id,
                 store_address=store_address,
@@ -64,37 +67,36 @@ class RouterClient:
                 lease_ms=lease_ms,
                 generation=self.generation if refresh and node_id == self.node_id else 0,
             ),
-            timeout=self.timeout_s,
         )
         self.node_id, self.generation = node_id, reply.generation
         return reply.generation
 
     def publish(
         self, events: Sequence[StoreEvent | bytes], node_id: str = "", generation: int = 0
-    ) -> tuple[int, int]:
-        """Push store events (StoreEvent or its msgpack); returns (applied, dropped)."""
+    ) -> router_pb2.PublishEventsResponse:
+        """Push store events (StoreEvent or its msgpack); the reply counts
+        ``applied`` and ``dropped`` ones."""
         payloads = [e.encode() if isinstance(e, StoreEvent) else e for e in events]
-        reply = self._stub.PublishEvents(
+        return self._call(
+            self._stub.PublishEvents,
             router_pb2.PublishEventsRequest(
                 node_id=node_id or self.node_id,
                 generation=generation or self.generation,
                 events=payloads,
             ),
-            timeout=self.timeout_s,
         )
-        return reply.applied, reply.dropped
 
     def query_prefix(
         self, final_namespace: str, hashes: Sequence[int], exclude_node_id: str = ""
     ) -> list[PeerPrefix]:
         """Peers with sealed blocks of exactly ``final_namespace``, longest prefix first."""
-        reply = self._stub.QueryPrefix(
+        reply = self._call(
+            self._stub.QueryPrefix,
             router_pb2.QueryPrefixRequest(
                 final_namespace=final_namespace,
                 block_hashes=list(hashes),
                 exclude_node_id=exclude_node_id,
             ),
-            timeout=self.timeout_s,
         )
         return [
             PeerPrefix(p.node_id, p.store_address, p.ucx_address, p.prefix_blocks)
@@ -104,14 +106,15 @@ class RouterClient:
     # -- workers and frontends ---------------------------------------------
 
     def register_worker(self, name: str, card: WorkerCard) -> router_pb2.RegisterWorkerResponse:
-        return self._stub.RegisterWorker(
+        return self._call(
+            self._stub.RegisterWorker,
             router_pb2.RegisterWorkerRequest(name=name, card=card_to_proto(card)),
-            timeout=self.timeout_s,
         )
 
     def remove_worker(self, name: str, generation: int = 0) -> bool:
-        return self._stub.RemoveWorker(
-            router_pb2.RemoveWorkerRequest(name=name, generation=generation), timeout=self.timeout_s
+        return self._call(
+            self._stub.RemoveWorker,
+            router_pb2.RemoveWorkerRequest(name=name, generation=generation),
         ).removed
 
     def route(
@@ -126,7 +129,8 @@ class RouterClient:
         track: bool = True,
         decode_tokens: int = 0,
     ) -> router_pb2.RouteResponse:
-        return self._stub.Route(
+        return self._call(
+            self._stub.Route,
             router_pb2.RouteRequest(
                 model=model,
                 namespace=namespace,
@@ -137,14 +141,22 @@ class RouterClient:
                 track=track,
                 decode_tokens=decode_tokens,
             ),
-            timeout=self.timeout_s,
         )
 
     def request_done(self, request_id: str, prefill_only: bool = False) -> bool:
-        return self._stub.RequestDone(
+        return self._call(
+            self._stub.RequestDone,
             router_pb2.RequestDoneRequest(request_id=request_id, prefill_only=prefill_only),
-            timeout=self.timeout_s,
         ).found
 
     def stats(self) -> router_pb2.RouterStatsResponse:
-        return self._stub.RouterStats(router_pb2.RouterStatsRequest(), timeout=self.timeout_s)
+        return self._call(self._stub.RouterStats, router_pb2.RouterStatsRequest())
+
+    def _call(self, method, request):
+        """One unary call; a gRPC status becomes a KVError with the same code."""
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise KVError(
+                Code.from_name(exc.code().name), exc.details() or str(exc.code())
+            ) from None

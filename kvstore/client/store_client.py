@@ -5,16 +5,16 @@ A worker (one tensor-parallel rank) describes each KV-cache layer as a
 them all with :meth:`StoreClient.register`. The returned :class:`RankSession`
 keeps the registration alive: its RegisterLayers call stays open until
 :meth:`RankSession.close` (or the process dies), which is how the server
-knows the rank is gone.
+knows the rank is gone (docs/design.md §1, sessions).
 
 Host KV caches must live in POSIX shared memory (:func:`kv_cache_shm`) so the
-server can map them; CUDA tensors are shared by IPC handle. Nothing is
-pickled: handles are names and opaque bytes.
+server can map them; CUDA tensors are shared by IPC handle
+(``kvstore.client.shared_memory``). Every refusal surfaces as a
+:class:`KVError` whose code is the gRPC status of the same name.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -23,12 +23,11 @@ import torch
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.client.shared_memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
 from kvstore.copy import region_from_tensor
-from kvstore.store.memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.hashing import HASH_FORMAT
-
-log = logging.getLogger(__name__)
+from kvstore.wire.kv_layout import LayoutKind
 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
@@ -36,68 +35,70 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 16 << 20),
 ]
-KINDS = {"kv_first": pb.KV_FIRST, "blocks_first": pb.BLOCKS_FIRST, "mla": pb.MLA}
 
 
 @dataclass
 class KVLayer:
     """One layer of this rank's paged KV cache.
 
-    ``kind``: "kv_first" ``[2, num_blocks, ...]``, "blocks_first"
-    ``[num_blocks, 2, ...]`` or "mla" ``[num_blocks, block_size, dim]``.
+    ``kind``: a :class:`LayoutKind` or its value: "kv_first"
+    ``[2, num_blocks, ...]``, "blocks_first" ``[num_blocks, 2, ...]`` or "mla"
+    ``[num_blocks, block_size, dim]`` (docs/design.md §3); stored as the enum.
     ``kv_layout``: byte order inside a block, "NHD", "HND" or "MLA".
     ``shm``: the shared-memory object holding a host tensor.
     """
 
     name: str
     tensor: torch.Tensor
-    kind: str = "kv_first"
+    kind: LayoutKind | str = LayoutKind.KV_FIRST
     kv_layout: str = "NHD"
     shm: ShmTensor | None = None
     replicated: bool = False
 
+    def __post_init__(self) -> None:
+        self.kind = LayoutKind(self.kind)
+
     def spec(self) -> pb.LayerSpec:
-        region = region_from_tensor(self.tensor, self.kind)
+        """The LayerSpec of this layer in a RegisterLayers request (docs/design.md §1)."""
+        region = region_from_tensor(self.tensor, self.kind.value)
         return pb.LayerSpec(
             name=self.name,
             dtype=str(self.tensor.dtype).removeprefix("torch."),
             bytes_per_block=region.segments * region.segment_bytes,
             segments=region.segments,
             kv_layout=self.kv_layout,
-            layout_kind=KINDS[self.kind],
+            layout_kind=self.kind.proto,
             num_blocks=region.num_blocks,
             block_stride=region.block_stride,
             segment_stride=region.segment_stride,
             replicated=self.replicated,
-            memory=self._memory(),
+            memory=self._cuda_memory() if self.tensor.is_cuda else self._host_memory(),
         )
 
-    def _memory(self) -> pb.MemoryHandle:
-        t = self.tensor
-        if t.is_cuda:
-            ptr = t.data_ptr()
-            handle, base, size = cuda_ipc_export(ptr, t.device.index)
-            return pb.MemoryHandle(
-                cuda=pb.CudaIpc(
-                    handle=handle,
-                    device_uuid=device_uuid_of(t.device.index),
-                    size=size,
-                    offset=ptr - base,
-                )
+    def _cuda_memory(self) -> pb.MemoryHandle:
+        ptr, index = self.tensor.data_ptr(), self.tensor.device.index
+        handle, base, size = cuda_ipc_export(ptr, index)
+        return pb.MemoryHandle(
+            cuda=pb.CudaIpc(
+                handle=handle, device_uuid=device_uuid_of(index), size=size, offset=ptr - base
             )
+        )
+
+    def _host_memory(self) -> pb.MemoryHandle:
         if self.shm is None:
             raise ValueError(
                 f"layer {self.name!r}: a host KV tensor must live in shared "
-                "memory; allocate it with kvstore.client.store_client.kv_cache_shm"
+                "memory; allocate it with kvstore.client.kv_cache_shm"
             )
-        base = torch.frombuffer(self.shm.shm.buf, dtype=torch.uint8).data_ptr()
         return pb.MemoryHandle(
-            host=pb.HostShm(name=self.shm.name, size=self.shm.shm.size, offset=t.data_ptr() - base)
+            host=pb.HostShm(
+                name=self.shm.name, size=self.shm.size, offset=self.shm.offset_of(self.tensor)
+            )
         )
 
 
 def kv_cache_shm(
-    kind: str,
+    kind: LayoutKind | str,
     num_blocks: int,
     block_size: int,
     heads: int,
@@ -106,17 +107,14 @@ def kv_cache_shm(
     kv_layout: str = "NHD",
 ) -> ShmTensor:
     """A zeroed host KV cache of one layer in shared memory, in vLLM's shapes."""
-    inner = (block_size, heads, head_dim) if kv_layout == "NHD" else (heads, block_size, head_dim)
-    shape = {
-        "kv_first": (2, num_blocks, *inner),
-        "blocks_first": (num_blocks, 2, *inner),
-        "mla": (num_blocks, block_size, head_dim),
-    }[kind]
+    shape = LayoutKind(kind).shape(num_blocks, block_size, heads, head_dim, kv_layout)
     return shm_empty(shape, dtype)
 
 
 @dataclass
 class SealInfo:
+    """What a rank learns when its instance seals (docs/design.md §1, the seal)."""
+
     fingerprint: str
     final_namespace: str
     layer_ids: dict[str, int]
@@ -129,7 +127,7 @@ class RankSession:
     instance_id: str
     rank: int
     stub: pb_grpc.KVStoreStub
-    call: object
+    call: grpc.Call
     session: str = ""
     state: int = 0
     ranks_registered: int = 0
@@ -137,6 +135,20 @@ class RankSession:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _error: KVError | None = None
     _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Wait for the server's first answer, then follow the stream in a thread.
+
+        Raises :class:`KVError` when the registration is refused.
+        """
+        try:
+            self._apply(next(self.call))
+        except grpc.RpcError as exc:
+            raise kv_error(exc, "registration refused") from None
+        self._thread = threading.Thread(
+            target=self._follow, daemon=True, name=f"kvstore-session-{self.rank}"
+        )
+        self._thread.start()
 
     def _apply(self, update: pb.RegistrationUpdate) -> None:
         with self._cond:
@@ -156,9 +168,7 @@ class RankSession:
                 self._apply(update)
             err = KVError(Code.UNAVAILABLE, "registration stream ended")
         except grpc.RpcError as exc:
-            err = KVError(
-                Code.from_name(exc.code().name), exc.details() or "registration stream failed"
-            )
+            err = kv_error(exc, "registration stream failed")
         with self._cond:
             self._error = err
             self.seal = None
@@ -182,28 +192,24 @@ class RankSession:
         return self.wait_sealed(0).final_namespace
 
     def save(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.SaveResponse:
-        return _call(
-            self.stub.Save,
-            pb.SaveRequest(
-                instance_id=self.instance_id,
-                rank=self.rank,
-                session=self.session,
-                blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks],
-            ),
-            timeout,
+        """Copy (block_hash, block_id) pairs of this rank into the store (docs/design.md §2)."""
+        request = pb.SaveRequest(
+            instance_id=self.instance_id,
+            rank=self.rank,
+            session=self.session,
+            blocks=_block_refs(blocks),
         )
+        return call(self.stub.Save, request, timeout)
 
     def load(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.LoadResponse:
-        return _call(
-            self.stub.Load,
-            pb.LoadRequest(
-                instance_id=self.instance_id,
-                rank=self.rank,
-                session=self.session,
-                blocks=[pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks],
-            ),
-            timeout,
+        """Copy stored blocks into this rank's (block_hash, block_id) pairs (docs/design.md §2)."""
+        request = pb.LoadRequest(
+            instance_id=self.instance_id,
+            rank=self.rank,
+            session=self.session,
+            blocks=_block_refs(blocks),
         )
+        return call(self.stub.Load, request, timeout)
 
     def close(self) -> None:
         """End the registration; the server removes it and unseals the instance."""
@@ -246,53 +252,48 @@ class StoreClient:
             hash_format=hash_format,
             layers=[layer.spec() for layer in layers],
         )
-        return self.register_raw(request)
-
-    def register_raw(self, request: pb.RegisterLayersRequest) -> RankSession:
-        """Register from a prepared request (tests use it to send bad input)."""
-        call = self.stub.RegisterLayers(request)
-        sess = RankSession(request.instance_id, request.rank, self.stub, call)
-        try:
-            sess._apply(next(call))
-        except grpc.RpcError as exc:
-            raise KVError(Code.from_name(exc.code().name), exc.details()) from None
-        sess._thread = threading.Thread(
-            target=sess._follow, daemon=True, name=f"kvstore-session-{request.rank}"
+        session = RankSession(
+            request.instance_id, request.rank, self.stub, self.stub.RegisterLayers(request)
         )
-        sess._thread.start()
-        return sess
+        session.start()
+        return session
 
     def query(
         self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0
     ) -> pb.QueryResponse:
-        return _call(
-            self.stub.Query,
-            pb.QueryRequest(
-                namespace=namespace, block_hashes=hashes, lease=lease, lease_ms=lease_ms
-            ),
-            self.timeout,
+        request = pb.QueryRequest(
+            namespace=namespace, block_hashes=hashes, lease=lease, lease_ms=lease_ms
         )
+        return call(self.stub.Query, request, self.timeout)
 
     def release(self, lease_id: str) -> int:
-        return _call(
-            self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), self.timeout
-        ).released_blocks
+        request = pb.ReleaseRequest(lease_id=lease_id)
+        return call(self.stub.Release, request, self.timeout).released_blocks
 
     def clear(self, namespace: str = "") -> int:
         """Drop unpinned sealed blocks of ``namespace`` (all when empty)."""
-        return _call(
-            self.stub.Clear, pb.ClearRequest(namespace=namespace), self.timeout
-        ).cleared_blocks
+        request = pb.ClearRequest(namespace=namespace)
+        return call(self.stub.Clear, request, self.timeout).cleared_blocks
 
     def stats(self) -> pb.StatsResponse:
-        return _call(self.stub.Stats, pb.StatsRequest(), self.timeout)
+        return call(self.stub.Stats, pb.StatsRequest(), self.timeout)
 
     def close(self) -> None:
         self.channel.close()
 
 
-def _call(method, request, timeout: float):
+def call(method, request, timeout: float):
+    """One unary call of ``method`` (a stub method); a refusal raises :class:`KVError`."""
     try:
         return method(request, timeout=timeout)
     except grpc.RpcError as exc:
-        raise KVError(Code.from_name(exc.code().name), exc.details() or str(exc.code())) from None
+        raise kv_error(exc, exc.code().name) from None
+
+
+def kv_error(exc: grpc.RpcError, fallback: str) -> KVError:
+    """The KVError a gRPC status stands for: the code of the same name, the server's message."""
+    return KVError(Code.from_name(exc.code().name), exc.details() or fallback)
+
+
+def _block_refs(blocks: list[tuple[int, int]]) -> list[pb.BlockRef]:
+    return [pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks]

@@ -6,7 +6,7 @@
     copier_for("cuda:0").load(pieces)                                    # slots -> paged
 
 HostCopier (CPU) and CudaCopier (GPU) give byte-identical results; the torch
-reference in kvstore.copy.reference is the oracle both are tested against.
+reference in kvstore.copy.testing is the oracle both are tested against.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from __future__ import annotations
 import functools
 
 from kvstore.copy.cuda import CudaCopier
-from kvstore.copy.geometry import KINDS, LayerRegion, region_from_tensor
+from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
-from kvstore.copy.reference import reference_gather, reference_scatter
 
 __all__ = [
-    "KINDS",
     "CudaCopier",
     "HostCopier",
     "LayerRegion",
@@ -28,8 +26,6 @@ __all__ = [
     "copier_for",
     "merge_adjacent",
     "plan",
-    "reference_gather",
-    "reference_scatter",
     "region_from_tensor",
     "split_pieces",
 ]

@@ -1,8 +1,9 @@
 """GPU copy path: one CUDA launch per request moves every piece.
 
-The kernel source lives in the repository's top-level kernels/ folder and is
-compiled at run time by CuPy through NVRTC (cached by CuPy per device and
-source). CuPy is imported lazily so the host path works without it.
+The kernel source ships inside the package (``kvstore/copy/kernels/``, also
+reachable as the repository's top-level ``kernels/``) and is compiled at run
+time by CuPy through NVRTC (cached by CuPy per device and source). CuPy is
+imported lazily so the host path works without it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from typing import Any
 
 import numpy as np
 
-import kvstore
 from kvstore.copy.plan import Pieces, check_disjoint, split_pieces
 
-KERNELS_DIR = Path(kvstore.__file__).resolve().parent.parent / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 KERNEL_FILE = KERNELS_DIR / "copy.cu"
 KERNEL_NAME = "kvstore_copy_chunks"
 MAX_GRID = 65535  # CUDA blocks stride over chunks beyond this

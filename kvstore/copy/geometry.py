@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("kv_first", "blocks_first", "mla")
+from kvstore.wire.kv_layout import KINDS
 
 
 @dataclass(frozen=True)

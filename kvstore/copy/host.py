@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -121,12 +122,12 @@ class HostCopier:
         self._range_copy, self.backend = _pick_backend(backend)
         self._pool: ThreadPoolExecutor | None = None
 
-    def save(self, pieces: Pieces, stream: object | None = None) -> int:
-        """Paged KV -> slots."""
+    def save(self, pieces: Pieces, stream: object | None = None) -> int:  # noqa: ARG002
+        """Paged KV -> slots. ``stream`` is CudaCopier's; host copies are synchronous."""
         return self._copy(pieces.paged_addr, pieces.slot_addr, pieces.nbytes, "slot")
 
-    def load(self, pieces: Pieces, stream: object | None = None) -> int:
-        """Slots -> paged KV."""
+    def load(self, pieces: Pieces, stream: object | None = None) -> int:  # noqa: ARG002
+        """Slots -> paged KV (see save)."""
         return self._copy(pieces.slot_addr, pieces.paged_addr, pieces.nbytes, "paged")
 
     def close(self) -> None:
@@ -146,7 +147,7 @@ class HostCopier:
             src, dst, nbytes = split_pieces(src, dst, nbytes, _share_bytes(total, threads))
         table = np.ascontiguousarray(np.stack([src, dst, nbytes]), dtype=np.uint64)
         bounds = _balanced_bounds(nbytes, threads)
-        ranges = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
+        ranges = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
         run = self._range_copy
         futures = [self._executor().submit(run, table, lo, hi, streaming) for lo, hi in ranges[1:]]
         run(table, *ranges[0], streaming)  # the calling thread takes the first share
@@ -186,7 +187,8 @@ def _pick_backend(backend: str) -> tuple[RangeCopy, str]:
     return _python_range_copy, "python"
 
 
-def _python_range_copy(table: np.ndarray, lo: int, hi: int, streaming: bool) -> None:
+def _python_range_copy(table: np.ndarray, lo: int, hi: int, streaming: bool) -> None:  # noqa: ARG001
+    """The native helper's signature; memmove has no cache-bypassing variant."""
     memmove = ctypes.memmove  # releases the GIL during the copy
     rows = table[:, lo:hi].T.tolist()
     for src, dst, n in rows:

@@ -1,39 +1,42 @@
-"""The KV-aware router: admission, identity, prefix index, scoring, peers.
+"""The KV-aware router core: admission, identity, prefix indexes, scoring, peers.
 
-Layers, one concept per module:
+Plain Python behind one lock: no grpc, no zmq (those edges live in
+``kvstore.service``), and nothing of the store, transfer or copy rooms. See
+README.md in this folder for identifiers, operations and their cost.
 
-    proto/router.proto   the wire contract
-    service.py           thin gRPC handlers (KVError -> status)
-    router.py            the core, plain Python, one lock
-      card.py            worker cards, card_checksum (source_path excluded)
-      admission.py       first-wins WorkerSets, generations, name resolution
-      identity.py        cache semantics (R2 default / R1), scope, domain
-      index.py           hash -> holder bitmask, prefix walk
-      peers.py           store peers, one index per final namespace, QueryPrefix
-      scoring.py         cost, argmin / softmax, active load
-      vllm_events.py     vLLM KVEventBatch decoding (no vLLM needed)
-    subscribers.py       ZMQ and store Events feeds
-    client.py            RouterClient for store servers and tools
-    cli.py               `kvstore router`, and the hooks `kvstore serve` embeds
+    core.py          Router: the one entry point, its lock, its records
+      admission.py   first-wins WorkerSets, generations, name resolution
+      identity.py    cache semantics (R2 default / R1), routing scope, indexer domain
+      holders.py     HolderIndex: block hash -> holder bitmask, prefix walk
+      domains.py     workers' own blocks, one HolderIndex per indexer domain
+      peers.py       store peers, one HolderIndex per final namespace, QueryPrefix
+      routing.py     one route: WorkerSet draw, per-tier depths, the answer
+      scoring.py     cost, argmin / softmax, active load
+      requests.py    bounds and formats of every request, checked up front
+      vllm_events.py vLLM KVEventBatch decoding (no vLLM needed)
+
+Elsewhere: the card format in ``kvstore.wire.card`` (and its proto codec in
+``kvstore.wire.card_proto``), the gRPC handlers in
+``kvstore.service.router_service``, the event feeds in ``kvstore.service.feeds``,
+server assembly in ``kvstore.service.router_server``, the client in
+``kvstore.client.router_client`` and the command in ``kvstore.cli.router``.
 """
 
 from kvstore.router.admission import WorkerRef, WorkerSetKey
-from kvstore.router.card import WorkerCard, card_checksum
-from kvstore.router.core import Router, RouterConfig, RouteResult
+from kvstore.router.core import EventsApplied, Router, RouterConfig, RouterStats
 from kvstore.router.identity import Domain, IdentityAlgorithm
+from kvstore.router.routing import RouteResult
 from kvstore.router.scoring import ScoringConfig
-from kvstore.wire.peers import PeerPrefix
 
 __all__ = [
     "Domain",
+    "EventsApplied",
     "IdentityAlgorithm",
-    "PeerPrefix",
+    "RouteResult",
     "Router",
     "RouterConfig",
-    "RouteResult",
+    "RouterStats",
     "ScoringConfig",
-    "WorkerCard",
     "WorkerRef",
     "WorkerSetKey",
-    "card_checksum",
 ]

@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvstore.router.card import WorkerCard, card_checksum, describe_difference, differences
 from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
-from kvstore.wire.errors import not_found, precondition
+from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
+from kvstore.wire.errors import KVError, not_found, precondition
 
 
 @dataclass(frozen=True, order=True)
@@ -114,16 +114,7 @@ class Admission:
             and (wset.checksum != checksum or wset.reference.hash_format != card.hash_format)
         ):
             self.rejected += 1
-            diffs = differences(wset.reference, card) or ["card_checksum"]
-            detail = "; ".join(
-                describe_difference(wset.reference, card, d) if d != "card_checksum" else d
-                for d in diffs
-            )
-            raise precondition(
-                f"worker {name!r} rejected from WorkerSet {key}: card differs from the admitted "
-                f"card ({wset.checksum[:12]}) in {detail}; the {others} admitted member(s) are "
-                "unaffected"
-            )
+            raise _refusal(name, wset, card, others)
         # Decision made: apply it.
         if old is not None:
             self._drop(old)
@@ -194,3 +185,16 @@ class Admission:
                 + (f" with role {role!r}" if role else "")
             )
         return by_alias
+
+
+def _refusal(name: str, wset: WorkerSet, card: WorkerCard, others: int) -> KVError:
+    """FAILED_PRECONDITION naming every field in which ``card`` differs from the set's."""
+    diffs = differences(wset.reference, card) or ["card_checksum"]
+    detail = "; ".join(
+        describe_difference(wset.reference, card, d) if d != "card_checksum" else d for d in diffs
+    )
+    return precondition(
+        f"worker {name!r} rejected from WorkerSet {wset.key}: card differs from the admitted "
+        f"card ({wset.checksum[:12]}) in {detail}; the {others} admitted member(s) are "
+        "unaffected"
+    )

@@ -3,12 +3,12 @@
 Block hashes are chained (each names its whole prefix), so a flat dict is a
 radix tree in disguise: the longest prefix a holder has of a request is the
 number of leading request hashes whose mask carries the holder's bit. Holders
-(workers, or store nodes per tier) get small slot numbers; a mask is a Python
+(workers, or store nodes per tier) get small bit numbers; a mask is a Python
 int, so one dict lookup answers for every holder at once and a block held by
-a single holder shares one interned ``1 << slot`` object instead of owning
+a single holder shares one interned ``1 << bit`` object instead of owning
 an int.
 
-Per slot we also keep a plain list of the hashes it was told it stores, so
+Per holder we also keep a plain list of the hashes it was told it stores, so
 a worker's death or removal clears exactly its entries (O(its blocks), not
 O(index)). A list costs 8 bytes an entry (the ints are the dict's own keys)
 where a set costs over 100; removals leave stale entries behind, which are
@@ -26,90 +26,80 @@ from kvstore.wire import limits
 from kvstore.wire.errors import exhausted
 
 
-class SlotIndex:
-    """hash -> holder bitmask, with holder <-> slot bookkeeping."""
+class HolderIndex:
+    """hash -> holder bitmask, with holder <-> bit number bookkeeping."""
 
-    def __init__(self, max_slots: int = limits.MAX_WORKERS_PER_DOMAIN):
-        self.max_slots = max_slots
+    def __init__(self, max_holders: int = limits.MAX_WORKERS_PER_DOMAIN):
+        self.max_holders = max_holders
         self.masks: dict[int, int] = {}
-        self._slot_of: dict[Hashable, int] = {}
+        self._bit_of: dict[Hashable, int] = {}
         self._holder_of: dict[int, Hashable] = {}
         self._held: list[list[int]] = []
         self._compact_at: list[int] = []
-        self._bits: list[int] = []
+        self._single: list[int] = []  # bit -> the shared ``1 << bit`` int
         self._free: list[int] = []
 
     # -- holders -----------------------------------------------------------
 
-    def slot(self, holder: Hashable) -> int:
-        """The holder's slot, assigned on first use (lowest free one)."""
-        slot = self._slot_of.get(holder)
-        if slot is not None:
-            return slot
+    def assign(self, holder: Hashable) -> int:
+        """The holder's bit number, assigned on first use (lowest free one)."""
+        bit = self._bit_of.get(holder)
+        if bit is not None:
+            return bit
         if self._free:
-            slot = min(self._free)
-            self._free.remove(slot)
+            bit = min(self._free)
+            self._free.remove(bit)
         else:
-            slot = len(self._held)
-            if slot >= self.max_slots:
-                raise exhausted(f"index already has {self.max_slots} holders")
+            bit = len(self._held)
+            if bit >= self.max_holders:
+                raise exhausted(f"index already has {self.max_holders} holders")
             self._held.append([])
             self._compact_at.append(_MIN_COMPACT)
-            self._bits.append(1 << slot)
-        self._slot_of[holder] = slot
-        self._holder_of[slot] = holder
-        return slot
+            self._single.append(1 << bit)
+        self._bit_of[holder] = bit
+        self._holder_of[bit] = holder
+        return bit
 
-    def slot_of(self, holder: Hashable) -> int | None:
-        return self._slot_of.get(holder)
-
-    def holder_of(self, slot: int) -> Hashable:
-        return self._holder_of[slot]
+    def bit_of(self, holder: Hashable) -> int | None:
+        return self._bit_of.get(holder)
 
     def holders(self) -> list[Hashable]:
-        return list(self._slot_of)
-
-    @property
-    def all_slots_mask(self) -> int:
-        mask = 0
-        for slot in self._holder_of:
-            mask |= self._bits[slot]
-        return mask
+        return list(self._bit_of)
 
     def release(self, holder: Hashable) -> int:
         """Forget ``holder`` and every entry it had; return how many."""
-        slot = self._slot_of.pop(holder, None)
-        if slot is None:
+        bit = self._bit_of.pop(holder, None)
+        if bit is None:
             return 0
-        cleared = self.clear(slot)
-        del self._holder_of[slot]
-        self._free.append(slot)
+        cleared = self.clear(bit)
+        del self._holder_of[bit]
+        self._free.append(bit)
         return cleared
 
     # -- events ------------------------------------------------------------
 
-    def store(self, slot: int, hashes: Sequence[int]) -> None:
-        bit = self._bits[slot]
+    def store(self, bit: int, hashes: Sequence[int]) -> None:
+        single = self._single[bit]
         masks = self.masks
         get = masks.get
         for h in hashes:
             m = get(h)
-            masks[h] = bit if m is None else m | bit
-        held = self._held[slot]
+            masks[h] = single if m is None else m | single
+        held = self._held[bit]
         held.extend(hashes)
-        if len(held) > self._compact_at[slot]:
-            self._compact(slot)
+        if len(held) > self._compact_at[bit]:
+            self._compact(bit)
 
-    def remove(self, slot: int, hashes: Iterable[int]) -> int:
-        """Drop the slot's bit from ``hashes``; return how many it really had."""
-        bit = self._bits[slot]
-        keep = ~bit
+    def remove(self, bit: int, hashes: Iterable[int]) -> int:
+        """Drop holder ``bit`` from ``hashes``; return how many it really had."""
+        single = self._single[bit]
+        keep = ~single
         masks = self.masks
         get = masks.get
         removed = 0
         for h in hashes:
             m = get(h)
-            if m is None or not m & bit:
+            if m is None or not m & single:
                 continue
             removed += 1
             m &= keep
@@ -119,24 +109,24 @@ class SlotIndex:
                 del masks[h]
         return removed
 
-    def clear(self, slot: int) -> int:
-        """Drop every entry of the slot; return how many there were."""
-        held = self._held[slot]
-        self._held[slot] = []
-        self._compact_at[slot] = _MIN_COMPACT
-        return self.remove(slot, dict.fromkeys(held))
+    def clear(self, bit: int) -> int:
+        """Drop every entry of holder ``bit``; return how many there were."""
+        held = self._held[bit]
+        self._held[bit] = []
+        self._compact_at[bit] = _MIN_COMPACT
+        return self.remove(bit, dict.fromkeys(held))
 
-    def _compact(self, slot: int) -> None:
-        bit = self._bits[slot]
+    def _compact(self, bit: int) -> None:
+        single = self._single[bit]
         get = self.masks.get
-        live = [h for h in dict.fromkeys(self._held[slot]) if get(h, 0) & bit]
-        self._held[slot] = live
-        self._compact_at[slot] = max(_MIN_COMPACT, 2 * len(live))
+        live = [h for h in dict.fromkeys(self._held[bit]) if get(h, 0) & single]
+        self._held[bit] = live
+        self._compact_at[bit] = max(_MIN_COMPACT, 2 * len(live))
 
     def _intern(self, mask: int) -> int:
-        """A single-holder mask becomes the shared ``1 << slot`` object."""
+        """A single-holder mask becomes the shared ``1 << bit`` object."""
         if mask & (mask - 1) == 0:
-            return self._bits[mask.bit_length() - 1]
+            return self._single[mask.bit_length() - 1]
         return mask
 
     # -- queries -----------------------------------------------------------
@@ -145,7 +135,7 @@ class SlotIndex:
         return len(self.masks)
 
     def prefix_depths(self, hashes: Sequence[int], active: int) -> dict[int, int]:
-        """For each slot bit in ``active``: how many leading ``hashes`` it holds.
+        """For each holder bit set in ``active``: how many leading ``hashes`` it holds.
 
         The running AND of the masks (seeded with ``active``) only ever loses
         bits, and a holder's depth is where its bit disappears. The lookups,
@@ -168,14 +158,23 @@ class SlotIndex:
             _record(depths, prev, seen - 1)
         return depths
 
-    def prefix_length(self, hashes: Sequence[int], slot: int) -> int:
-        """Leading ``hashes`` that one slot holds."""
-        bit = self._bits[slot] if slot < len(self._bits) else 0
-        get = self.masks.get
-        for i, h in enumerate(hashes):
-            if not get(h, 0) & bit:
-                return i
-        return len(hashes)
+    def holder_depths(
+        self, hashes: Sequence[int], holders: Iterable[Hashable] | None = None
+    ) -> dict[Hashable, int]:
+        """Leading ``hashes`` each of ``holders`` holds (default: every holder).
+
+        Holders the index does not know are left out of the answer.
+        """
+        if holders is None:
+            bits = list(self._holder_of)
+        else:
+            bits = [b for b in map(self._bit_of.get, holders) if b is not None]
+        active = 0
+        for bit in bits:
+            active |= self._single[bit]
+        if not active:
+            return {}
+        return {self._holder_of[b]: d for b, d in self.prefix_depths(hashes, active).items()}
 
     def nbytes(self) -> int:
         """Approximate bytes of the index: dict, key ints, shared-mask ints, held lists."""

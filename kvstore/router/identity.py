@@ -1,4 +1,4 @@
-"""Cache semantics, routing scope and the indexer domain (DESIGN.md section 5).
+"""Cache semantics, routing scope and the indexer domain (docs/design.md §5).
 
 The prefix index is partitioned into *indexer domains*: two workers share a
 domain, and so share prefix-hit accounting, exactly when their block hashes
@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import blake3
 
+from kvstore.wire.card import WorkerCard
 from kvstore.wire.framing import frame
 
 R2_MARKER = "kvstore/model-name/v1"
@@ -83,7 +84,7 @@ def routing_scope_id(namespace: str, component: str, endpoint: str, override: st
     return blake3.blake3(frame([namespace, component, endpoint])).digest()[:ID_BYTES]
 
 
-def domain_of(card, checksum: str, algorithm: IdentityAlgorithm) -> Domain:
+def domain_of(card: WorkerCard, checksum: str, algorithm: IdentityAlgorithm) -> Domain:
     """The indexer domain of an admitted card under the router's algorithm."""
     material = semantics_material(
         algorithm, card.display_name, checksum, card.indexer_semantics_override

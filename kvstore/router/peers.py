@@ -4,8 +4,8 @@ A store server advertises itself (node id, gRPC and UCX addresses, the final
 namespaces it serves) and streams its events. Its blocks go into one index
 *per final namespace* (holder = (node id, tier)), never a shared one: the
 final namespace carries the layout fingerprint, so keying by it is what makes
-"only peers with the same final namespace are ever asked" (DESIGN.md section
-4) true by construction. QueryPrefix reads exactly one of these indexes.
+"only peers with the same final namespace are ever asked" (docs/design.md
+§4, §5) true by construction. QueryPrefix reads exactly one of these indexes.
 
 Every advertisement gets a generation; a re-advertisement without one is a
 restart, which clears the old generation's blocks. An optional lease makes a
@@ -17,13 +17,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from kvstore.router.card import FINAL_NAMESPACE_RE
-from kvstore.router.holders import SlotIndex
+from kvstore.router.holders import HolderIndex
 from kvstore.wire import limits
-from kvstore.wire.errors import exhausted, invalid, not_found
+from kvstore.wire.errors import exhausted, not_found
+from kvstore.wire.events import REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
-STORE_TIER = "store"
+Holder = tuple[str, str]  # (node id, tier)
 
 
 @dataclass
@@ -37,18 +37,30 @@ class Peer:
     expires: float | None = None
 
 
-def check_final_namespace(where: str, ns: str) -> None:
-    if not FINAL_NAMESPACE_RE.fullmatch(ns):
-        raise invalid(f"{where}: {ns[:64]!r} is not '<client namespace>.<16 hex fingerprint>'")
+@dataclass(frozen=True)
+class StoreDepths:
+    """How far each store holder of one final namespace reaches into one request."""
+
+    deepest_first: tuple[tuple[int, Holder], ...] = ()  # (depth > 0, holder)
+
+    def own(self, node_id: str) -> int:
+        """Blocks the store of ``node_id`` itself holds."""
+        mine = (node_id, STORE_TIER)
+        return next((d for d, holder in self.deepest_first if holder == mine), 0)
+
+    def elsewhere(self, node_id: str) -> int:
+        """The longest prefix any other holder has: what a peer fetch could bring."""
+        mine = (node_id, STORE_TIER)
+        return next((d for d, holder in self.deepest_first if holder != mine), 0)
 
 
 class Peers:
-    """Registry of store peers plus one :class:`SlotIndex` per final namespace.
+    """Registry of store peers plus one :class:`HolderIndex` per final namespace.
     Called under the router's lock."""
 
     def __init__(self):
         self.peers: dict[str, Peer] = {}
-        self.indexes: dict[str, SlotIndex] = {}
+        self.indexes: dict[str, HolderIndex] = {}
         self._next_generation = 1
         self._leases: list[tuple[float, str, int]] = []
 
@@ -62,16 +74,10 @@ class Peers:
         lease_ms: int,
         now: float,
     ) -> Peer:
-        """New advertisement (generation 0) or refresh of a current one."""
-        if len(namespaces) > limits.MAX_NAMESPACES_PER_PEER:
-            raise invalid(
-                f"final_namespaces: {len(namespaces)} given, at most "
-                f"{limits.MAX_NAMESPACES_PER_PEER}"
-            )
-        for i, ns in enumerate(namespaces):
-            check_final_namespace(f"final_namespaces[{i}]", ns)
-        if not 0 <= lease_ms <= limits.MAX_LEASE_MS:
-            raise invalid(f"lease_ms: {lease_ms} not in [0, {limits.MAX_LEASE_MS}]")
+        """New advertisement (generation 0) or refresh of a current one.
+
+        The fields are checked already (``requests.check_peer``).
+        """
         old = self.peers.get(node_id)
         if generation:
             if old is None or old.generation != generation:
@@ -126,7 +132,10 @@ class Peers:
                 gone.append(peer)
         return gone
 
-    def index_for(self, peer: Peer, namespace: str) -> SlotIndex:
+    def get(self, node_id: str) -> Peer | None:
+        return self.peers.get(node_id)
+
+    def index_for(self, peer: Peer, namespace: str) -> HolderIndex:
         """The namespace's index; a namespace seen in events joins the peer's set."""
         if namespace not in peer.namespaces:
             if len(peer.namespaces) >= limits.MAX_NAMESPACES_PER_PEER:
@@ -137,8 +146,21 @@ class Peers:
             peer.namespaces.add(namespace)
         index = self.indexes.get(namespace)
         if index is None:
-            index = self.indexes[namespace] = SlotIndex(limits.MAX_PEERS * 3)
+            index = self.indexes[namespace] = HolderIndex(limits.MAX_PEERS * 3)
         return index
+
+    def apply(self, peer: Peer, event: StoreEvent) -> int:
+        """Index one of ``peer``'s own events; return how many blocks it stored."""
+        index = self.index_for(peer, event.namespace)
+        bit = index.assign((peer.node_id, event.tier))
+        if event.type == STORED:
+            index.store(bit, event.block_hashes)
+            return len(event.block_hashes)
+        if event.type == REMOVED:
+            index.remove(bit, event.block_hashes)
+        else:
+            index.clear(bit)
+        return 0
 
     def query_prefix(
         self, namespace: str, hashes: list[int], exclude_node_id: str = ""
@@ -151,17 +173,30 @@ class Peers:
         index = self.indexes.get(namespace)
         if index is None or not hashes:
             return []
-        active = 0
-        for holder in index.holders():
-            node_id, tier = holder
-            if tier == STORE_TIER and node_id != exclude_node_id and node_id in self.peers:
-                active |= 1 << index.slot_of(holder)
-        if not active:
-            return []
+        wanted = [
+            (node_id, tier)
+            for node_id, tier in index.holders()
+            if tier == STORE_TIER and node_id != exclude_node_id and node_id in self.peers
+        ]
         out = []
-        for slot, depth in index.prefix_depths(hashes, active).items():
+        for (node_id, _), depth in index.holder_depths(hashes, wanted).items():
             if depth:
-                peer = self.peers[index.holder_of(slot)[0]]
+                peer = self.peers[node_id]
                 out.append(PeerPrefix(peer.node_id, peer.store_address, peer.ucx_address, depth))
         out.sort(key=lambda p: (-p.prefix_blocks, p.node_id))
         return out
+
+    def store_depths(self, namespace: str, hashes: list[int]) -> StoreDepths:
+        """Every holder's prefix of ``hashes`` in ``namespace``, for routing."""
+        index = self.indexes.get(namespace)
+        if index is None or not hashes:
+            return StoreDepths()
+        depths = index.holder_depths(hashes)
+        ranked = sorted(((d, h) for h, d in depths.items() if d), key=lambda x: -x[0])
+        return StoreDepths(tuple(ranked))
+
+    def indexed_blocks(self) -> int:
+        return sum(len(i) for i in self.indexes.values())
+
+    def nbytes(self) -> int:
+        return sum(i.nbytes() for i in self.indexes.values())

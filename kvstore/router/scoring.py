@@ -100,6 +100,23 @@ def choose(cands: list[Candidate], cfg: ScoringConfig, rng: random.Random) -> Ca
     return rng.choices(cands, weights=weights, k=1)[0]
 
 
+def explain(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringConfig) -> str:
+    """Why ``best`` won, in one line: its tiers, its cost, and the runner-up."""
+    text = (
+        f"{best.ref.name}: {best.overlap}/{total} blocks cached (gpu {best.gpu}, "
+        f"store {best.store}, remote {best.remote}); cost {best.cost:.1f} = "
+        f"{cfg.overlap_weight:g} x {best.prefill:.1f} prefill + {best.decode:.1f} decode"
+    )
+    others = [c for c in cands if c is not best]
+    if others:
+        runner = min(others, key=lambda c: (c.cost, c.ref.name))
+        how = (
+            "lowest cost" if cfg.temperature <= 0 else f"sampled at temperature {cfg.temperature:g}"
+        )
+        text += f"; {how} of {len(cands)} workers, next {runner.ref.name} cost {runner.cost:.1f}"
+    return text
+
+
 @dataclass
 class ActiveRequest:
     ref: WorkerRef

@@ -27,11 +27,9 @@ from dataclasses import dataclass
 import msgpack
 
 from kvstore.wire import limits
+from kvstore.wire.events import CLEARED, GPU_TIER, REMOVED, STORE_TIER, STORED
+from kvstore.wire.names import U64_MAX
 
-STORED = "stored"
-REMOVED = "removed"
-CLEARED = "cleared"
-_U64 = (1 << 64) - 1
 _TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEARED}
 
 
@@ -39,9 +37,9 @@ _TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLE
 class BlockEvent:
     """One decoded event: what happened to which hashes, in which tier."""
 
-    kind: str  # stored | removed | cleared
+    kind: str  # STORED | REMOVED | CLEARED
     hashes: list[int]
-    tier: str = "gpu"  # "gpu" for vLLM's device cache, "store" for offloaded media
+    tier: str = GPU_TIER  # GPU_TIER for vLLM's device cache, STORE_TIER for offloaded media
     parent_hash: int | None = None
 
 
@@ -137,8 +135,8 @@ def _at(fields: list, index: int) -> object:
 
 def _tier(medium: object) -> str:
     if medium is None or medium == "GPU":
-        return "gpu"
-    return "store"  # CPU / disk offload on the worker's own host
+        return GPU_TIER
+    return STORE_TIER  # CPU / disk offload on the worker's own host
 
 
 def normalize_hashes(hashes: object, where: str) -> list[int]:
@@ -149,32 +147,18 @@ def normalize_hashes(hashes: object, where: str) -> list[int]:
         raise ValueError(f"{where}: {len(hashes)} hashes, at most {limits.MAX_HASHES_PER_EVENT}")
     if not hashes:
         return hashes
-    if all(type(h) is int for h in hashes):
-        if min(hashes) >= 0 and max(hashes) <= _U64:
-            return hashes
+    if all(type(h) is int for h in hashes) and min(hashes) >= 0 and max(hashes) <= U64_MAX:
+        return hashes
     return [_one_hash(h, where) for h in hashes]
 
 
 def _one_hash(h: object, where: str) -> int:
     if type(h) is int:
-        if not -(1 << 63) <= h <= _U64:
+        if not -(1 << 63) <= h <= U64_MAX:
             raise ValueError(f"{where}: hash {h} is not a 64-bit integer")
-        return h & _U64
+        return h & U64_MAX
     if isinstance(h, bytes):
         if not 1 <= len(h) <= 64:
             raise ValueError(f"{where}: byte hash of {len(h)} bytes")
-        return int.from_bytes(h, "big") & _U64
+        return int.from_bytes(h, "big") & U64_MAX
     raise ValueError(f"{where}: hash of type {type(h).__name__}")
-
-
-def encode_batch(
-    events: list[list], ts: float = 0.0, data_parallel_rank: int | None = None
-) -> bytes:
-    """Build a payload the way vLLM's array_like structs encode (for tests and benches).
-
-    ``events`` are already positional, e.g. ``["BlockRemoved", [1, 2], "GPU"]``.
-    """
-    batch: list = [ts, events]
-    if data_parallel_rank is not None:
-        batch.append(data_parallel_rank)
-    return msgpack.packb(batch, use_bin_type=True)

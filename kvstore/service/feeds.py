@@ -12,7 +12,7 @@
   subscription reconnects with backoff.
 
 Decoding errors are logged and counted, never fatal: a feed must not take
-the router down.
+the router down. Feeds change router state only through its public methods.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from kvstore._proto import store_pb2, store_pb2_grpc
 from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import decode_message
-from kvstore.wire.events import StoreEvent
+from kvstore.wire.events import GPU_TIER, StoreEvent
 
 log = logging.getLogger(__name__)
 
@@ -61,60 +62,62 @@ async def follow_vllm(
             try:
                 batch = decode_message(frames)
             except ValueError as exc:
-                router.events_dropped += 1
+                router.record_dropped()
                 log.warning("vLLM events from %s: %s", endpoint, exc)
                 continue
             if last_seq is not None and batch.seq != last_seq + 1:
                 log.info("vLLM events from %s: seq jumped %d -> %d", endpoint, last_seq, batch.seq)
             last_seq = batch.seq
-            target = ref
-            if target is None:
-                worker = router.admission.workers.get(name)
-                target = worker.ref if worker is not None else WorkerRef(name, 0)
-            router.apply_vllm_batch(target, batch)
+            if ref is not None:
+                router.apply_vllm_batch(ref, batch)
+            else:
+                router.apply_named_vllm_batch(name, batch)
     finally:
         sock.close(0)
 
 
 async def follow_store(router: Router, address: str, retry_s: float = 1.0) -> None:
     """Follow one store server's Events stream until cancelled; reconnect on failure."""
-    from kvstore._proto import store_pb2, store_pb2_grpc
-
     while True:
-        bound: tuple[str, int] | None = None  # (node id, peer generation) this stream feeds
+        bound: list[tuple[str, int]] = []  # the (node id, peer generation) this stream feeds
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = store_pb2_grpc.KVStoreStub(channel)
-                async for message in stub.Events(store_pb2.EventsRequest()):
-                    try:
-                        event = StoreEvent.decode(message.payload)
-                    except ValueError as exc:
-                        router.events_dropped += 1
-                        log.warning("store events from %s: %s", address, exc)
-                        continue
-                    if event.tier == "gpu":  # relayed for a worker: no peer needed
-                        router.apply_relayed_worker_event(event)
-                        continue
-                    if bound is None:
-                        peer = router.peers.peers.get(event.worker)
-                        if peer is None:
-                            peer = router.advertise_peer(event.worker, address, "", [])
-                        bound = (peer.node_id, peer.generation)
-                    router.apply_store_events(*bound, [event])
+            await _follow_store_once(router, address, bound)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # network errors: log, drop the node, retry
+        except Exception as exc:  # noqa: BLE001 -- any stream failure: log, drop the node, retry
             log.warning("store events from %s ended: %s", address, exc)
-        if bound is not None:
-            router.remove_peer(*bound)
+        for node_id, generation in bound:
+            router.remove_peer(node_id, generation)
         await asyncio.sleep(retry_s)
 
 
-class Subscriptions:
-    """Starts and stops per-worker vLLM subscriptions as workers come and go.
+async def _follow_store_once(router: Router, address: str, bound: list[tuple[str, int]]) -> None:
+    """One Events stream; ``bound`` gets the peer it feeds once its node id is known."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = store_pb2_grpc.KVStoreStub(channel)
+        async for message in stub.Events(store_pb2.EventsRequest()):
+            try:
+                event = StoreEvent.decode(message.payload)
+            except ValueError as exc:
+                router.record_dropped()
+                log.warning("store events from %s: %s", address, exc)
+                continue
+            if event.tier == GPU_TIER:  # relayed for a worker: no peer needed
+                router.apply_relayed_worker_event(event)
+                continue
+            if not bound:
+                peer = router.ensure_peer(event.worker, address)
+                bound.append((peer.node_id, peer.generation))
+            router.apply_store_events(*bound[0], [event])
 
-    Register with ``router.add_listener(subs.on_worker_change)``; the router
-    may call it from any thread, tasks are created on ``loop``.
+
+class Subscriptions:
+    """A router's running feeds, as tasks on one event loop.
+
+    Per-worker vLLM subscriptions follow admissions: :meth:`start` registers
+    a router listener, which the router may call from any thread; tasks are
+    created on ``loop``. Static vLLM endpoints and store streams are added
+    with :meth:`add_vllm` and :meth:`add_store`. :meth:`close` ends them all.
     """
 
     def __init__(self, router: Router, loop: asyncio.AbstractEventLoop):
@@ -122,6 +125,9 @@ class Subscriptions:
         self.loop = loop
         self.tasks: dict[WorkerRef, asyncio.Task] = {}
         self.static: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.router.add_listener(self.on_worker_change)
 
     def on_worker_change(self, admitted: Worker | None, removed: Worker | None) -> None:
         if not self.loop.is_closed():  # after shutdown the core may still be used directly
@@ -137,17 +143,15 @@ class Subscriptions:
                 follow_vllm(self.router, admitted.card.kv_events_endpoint, ref=admitted.ref)
             )
 
-    def add_static(self, spec: str) -> None:
-        """``NAME=ENDPOINT``: a publisher whose events belong to worker NAME."""
-        name, sep, endpoint = spec.partition("=")
-        if not sep or not name or not endpoint:
-            raise ValueError(f"--zmq-endpoint {spec!r}: expected NAME=tcp://host:port")
+    def add_vllm(self, name: str, endpoint: str) -> None:
+        """A vLLM publisher whose events belong to whichever generation of ``name`` is admitted."""
         self.static.append(self.loop.create_task(follow_vllm(self.router, endpoint, name=name)))
 
     def add_store(self, address: str) -> None:
         self.static.append(self.loop.create_task(follow_store(self.router, address)))
 
     async def close(self) -> None:
+        self.router.remove_listener(self.on_worker_change)
         tasks = [*self.tasks.values(), *self.static]
         for task in tasks:
             task.cancel()

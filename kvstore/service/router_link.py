@@ -94,7 +94,7 @@ class RemoteRouterLink:
     async def _advertise_or_warn(self) -> None:
         try:
             await self._advertise(refresh=self.advertised)
-        except Exception as exc:  # router down or restarted: start over next time
+        except Exception as exc:  # noqa: BLE001 -- router down or restarted: start over next time
             if self.advertised:
                 log.warning(
                     "router %s lost our advertisement (%s); re-advertising",
@@ -128,7 +128,7 @@ class RemoteRouterLink:
                 continue  # the snapshot replays them once the router is back
             try:
                 await asyncio.to_thread(self.client.publish, batch)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- any RPC failure: log, keep pumping
                 log.warning(
                     "could not forward %d events to router %s: %s",
                     len(batch),
@@ -150,10 +150,11 @@ def _brief(exc: Exception) -> str:
     return details() if callable(details) else str(exc)
 
 
-def snapshot_events(store, node_id: str) -> list[StoreEvent]:
-    """Every sealed block of ``store`` as STORED events, one per namespace."""
+def snapshot_events(sealed: list[tuple[str, int]], node_id: str) -> list[StoreEvent]:
+    """Sealed block keys (``BlockIndex.snapshot()``) as STORED events of ``node_id``,
+    batched per namespace."""
     by_ns: dict[str, list[int]] = {}
-    for ns, block_hash in store.lru:
+    for ns, block_hash in sealed:
         by_ns.setdefault(ns, []).append(block_hash)
     return [
         StoreEvent(STORED, ns, hashes[i : i + MAX_BATCH], node_id)

@@ -1,76 +1,28 @@
 """Thin gRPC handlers: proto in, core call, proto out, KVError -> status.
 
 No decisions are made here; every check lives in the core so it is tested
-without a network. ``WorkerSession`` is the one handler with a lifetime: the
-worker stays admitted while its call is open.
+without a network, and handlers use only the Router's public methods. Cards
+are decoded by ``kvstore.wire.card_proto``, errors mapped by
+``kvstore.service.status``. ``WorkerSession`` is the one handler with a
+lifetime: the worker stays admitted while its call is open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 
 import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.admission import Worker
-from kvstore.router.card import WorkerCard
 from kvstore.router.core import Router
 from kvstore.service import status
+from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError
 
 log = logging.getLogger(__name__)
-
-_SCALARS = [
-    "display_name",
-    "source_path",
-    "model_config_checksum",
-    "tokenizer_checksum",
-    "prompt_formatter_checksum",
-    "chat_template_checksum",
-    "generation_config_checksum",
-    "prompt_context",
-    "context_length",
-    "kv_block_size",
-    "worker_type",
-    "router_config",
-    "indexer_semantics_override",
-    "indexer_scope_override",
-    "lora",
-    "lora_base",
-    "hash_format",
-    "namespace",
-    "component",
-    "endpoint",
-    "address",
-    "capacity_blocks",
-    "node_id",
-    "final_namespace",
-    "kv_events_endpoint",
-]
-_LISTS = ["aliases", "needs", "multimodal"]
-# Proto3 cannot tell "unset" from "": these take the card's defaults when empty.
-_DEFAULTED = {"hash_format", "worker_type", "namespace", "component", "endpoint"}
-
-
-def card_from_proto(msg: router_pb2.WorkerCard) -> WorkerCard:
-    defaults = WorkerCard("x", 1)
-    kwargs = {}
-    for name in _SCALARS:
-        value = getattr(msg, name)
-        kwargs[name] = value if (value or name not in _DEFAULTED) else getattr(defaults, name)
-    for name in _LISTS:
-        kwargs[name] = list(getattr(msg, name))
-    kwargs["extra_files"] = dict(msg.extra_files)
-    return WorkerCard(**kwargs)
-
-
-def card_to_proto(card: WorkerCard) -> router_pb2.WorkerCard:
-    msg = router_pb2.WorkerCard(**{name: getattr(card, name) for name in _SCALARS})
-    for name in _LISTS:
-        getattr(msg, name).extend(getattr(card, name))
-    msg.extra_files.update(card.extra_files)
-    return msg
 
 
 def _admitted(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse:
@@ -97,22 +49,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except KVError as exc:
             await status.abort(context, exc)
 
-    def _members(self, worker: Worker) -> int:
-        wset = self.router.admission.sets.get(worker.key)
-        return len(wset.members) if wset else 0
-
     async def RegisterWorker(self, request, context):
         worker = await self._call(
             context, self.router.register_worker, request.name, card_from_proto(request.card)
         )
-        return _admitted(worker, self._members(worker))
+        return _admitted(worker, self.router.members(worker.key))
 
     async def WorkerSession(self, request, context):
         worker = await self._call(
             context, self.router.register_worker, request.name, card_from_proto(request.card)
         )
         try:
-            yield _admitted(worker, self._members(worker))
+            yield _admitted(worker, self.router.members(worker.key))
             while not context.done():  # hold the session; cancellation ends it
                 await asyncio.sleep(3600)
         finally:
@@ -193,26 +141,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def PublishEvents(self, request, context):
-        applied, dropped = await self._call(
+        result = await self._call(
             context,
             self.router.publish_store_events,
             request.node_id,
             request.generation,
             list(request.events),
         )
-        return router_pb2.PublishEventsResponse(applied=applied, dropped=dropped)
+        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
 
-    async def RouterStats(self, request, context):
-        s = self.router.stats()
-        return router_pb2.RouterStatsResponse(
-            workers=s.workers,
-            worker_sets=s.worker_sets,
-            domains=s.domains,
-            peers=s.peers,
-            indexed_blocks=s.indexed_blocks,
-            events_applied=s.events_applied,
-            events_dropped=s.events_dropped,
-            blocks_ingested=s.blocks_ingested,
-            active_requests=s.active_requests,
-            rejected_registrations=s.rejected_registrations,
-        )
+    async def RouterStats(self, request, context):  # noqa: ARG002 -- the servicer's signature
+        return router_pb2.RouterStatsResponse(**asdict(self.router.stats()))

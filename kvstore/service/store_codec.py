@@ -1,15 +1,17 @@
-"""Protobuf messages <-> core dataclasses. No logic beyond field mapping."""
+"""Protobuf messages <-> the store core's records. No logic beyond field mapping."""
 
 from __future__ import annotations
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.store.fetch import FetchResult
 from kvstore.store.memory import CudaIpcRef, HostShmRef
-from kvstore.store.registry import Instance, LayerReg, Registration
+from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult
+from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
 from kvstore.wire.errors import invalid
 from kvstore.wire.fingerprint import LayerGeometry
+from kvstore.wire.kv_layout import LayoutKind
 
-KIND_NAMES = {pb.KV_FIRST: "kv_first", pb.BLOCKS_FIRST: "blocks_first", pb.MLA: "mla"}
-KIND_VALUES = {v: k for k, v in KIND_NAMES.items()}
+# ---------------------------------------------------------------- requests
 
 
 def decode_registration(req: pb.RegisterLayersRequest) -> Registration:
@@ -35,7 +37,7 @@ def decode_layer(index: int, spec: pb.LayerSpec) -> LayerReg:
             segments=spec.segments,
             kv_layout=spec.kv_layout,
         ),
-        layout_kind=KIND_NAMES.get(spec.layout_kind, f"unspecified({spec.layout_kind})"),
+        layout_kind=LayoutKind.from_proto(spec.layout_kind),
         num_blocks=spec.num_blocks,
         block_stride=spec.block_stride,
         segment_stride=spec.segment_stride,
@@ -60,6 +62,17 @@ def decode_memory(index: int, spec: pb.LayerSpec) -> HostShmRef | CudaIpcRef:
     )
 
 
+def caller_id(req: pb.SaveRequest | pb.LoadRequest) -> CallerId:
+    return CallerId(req.instance_id, req.rank, req.session)
+
+
+def refs(blocks) -> list[tuple[int, int]]:
+    return [(b.block_hash, b.block_id) for b in blocks]
+
+
+# --------------------------------------------------------------- responses
+
+
 def registration_update(inst: Instance, reg: Registration) -> pb.RegistrationUpdate:
     msg = pb.RegistrationUpdate(
         session=reg.session, ranks_registered=len(inst.ranks), world_size=reg.world_size
@@ -74,5 +87,41 @@ def registration_update(inst: Instance, reg: Registration) -> pb.RegistrationUpd
     return msg
 
 
-def refs(blocks) -> list[tuple[int, int]]:
-    return [(b.block_hash, b.block_id) for b in blocks]
+def save_response(r: SaveResult) -> pb.SaveResponse:
+    return pb.SaveResponse(written=r.written, skipped=r.skipped, sealed=r.sealed, bytes=r.bytes)
+
+
+def load_response(r: LoadResult) -> pb.LoadResponse:
+    return pb.LoadResponse(loaded=r.loaded, bytes=r.bytes)
+
+
+def prefetch_response(r: FetchResult) -> pb.PrefetchResponse:
+    return pb.PrefetchResponse(
+        local_blocks=r.local_blocks, fetched_blocks=r.fetched_blocks, peer=r.peer
+    )
+
+
+def query_response(r: QueryResult) -> pb.QueryResponse:
+    return pb.QueryResponse(prefix_blocks=r.prefix_blocks, lease_id=r.lease_id)
+
+
+def stats_response(s: NodeStats, ucx_address: str) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        device=",".join(s.devices),
+        pool_bytes=s.pool.pool_bytes,
+        used_bytes=s.pool.used_bytes,
+        free_bytes=s.pool.free_bytes,
+        sealed_blocks=s.index.sealed_blocks,
+        inflight_blocks=s.index.inflight_blocks,
+        hits=s.requests.hits,
+        misses=s.requests.misses,
+        evictions=s.index.evictions,
+        bytes_saved=s.requests.bytes_saved,
+        bytes_loaded=s.requests.bytes_loaded,
+        instances=s.registry.instances,
+        sealed_instances=s.registry.sealed_instances,
+        leases=s.index.leases,
+        ucx_address=ucx_address,
+        fetched_blocks=s.fetcher.fetched_blocks,
+        served_blocks=s.source.served_blocks,
+    )

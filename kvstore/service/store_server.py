@@ -17,14 +17,19 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.cli.router import add_router_to_server, close_router
 from kvstore.copy import copier_for
 from kvstore.service.router_link import LocalRouterLink, RemoteRouterLink, snapshot_events
+from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService
 from kvstore.store.attach import attach
-from kvstore.store.blocks import BlockStore
+from kvstore.store.blocks import BlockIndex
+from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
+from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
+from kvstore.transfer import PeerServer
+from kvstore.wire.events import StoreEvent
+from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "kvstore.v1.KVStore"
@@ -78,50 +83,57 @@ def resolve_devices(device: str) -> list[str]:
 class StoreServer:
     """One store server: start it, read ``.port``, stop it."""
 
-    def __init__(self, config: ServerConfig, router=None):
-        """``router``: a router core to embed and serve on this server's port."""
+    def __init__(self, config: ServerConfig, router: ServedRouter | None = None):
+        """``router``: a router (with its feeds) to embed and serve on this server's port."""
         self.config = config
-        self.router = router
+        self.embedded_router = router
+        self.router = router.router if router is not None else None
         self.devices = resolve_devices(config.device)
         self.node_id = config.node_id or f"{socket.gethostname()}:{config.port}"
-        self.pools = {d: SlotPool(config.pool_size, d, config.slab_bytes) for d in self.devices}
+        pools = {d: SlotPool(config.pool_size, d, config.slab_bytes) for d in self.devices}
         self.registry = Registry(mapper=attach)
-        self.store = BlockStore(
-            self.pools,
-            {d: copier_for(d) for d in self.devices},
-            node_id=self.node_id,
-            on_event=self._on_event,
-        )
-        self.service = KVStoreService(self.registry, self.store, ",".join(self.devices))
+        self.index = BlockIndex(pools, on_event=self._on_event)
+        self.peer_server: PeerServer | None = None
+        fetcher = source = None
+        if config.transfer:
+            source = StoreSource(self.index)
+            self.peer_server = PeerServer(source, config.host, config.ucx_port)
+            sink = StoreSink(self.index, self.registry)
+            fetcher = Fetcher(self.index, sink, self._find_peers, config.fetch_timeout_s)
+        copiers = {d: copier_for(d) for d in self.devices}
+        self.node = StoreNode(self.registry, self.index, copiers, fetcher, source)
+        self.service = KVStoreService(self.node, self.peer_server)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._event_sinks = [self.service.publish]
         self._expirer: asyncio.Task | None = None
-        self.link = None
-        self.peer_server = None
+        self.link: LocalRouterLink | RemoteRouterLink | None = None
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
         self._event_sinks.append(sink)
 
-    def _on_event(self, event) -> None:
+    def _on_event(self, event: StoreEvent) -> None:
+        event.worker = self.node_id  # the index does not know which node it is
         for sink in self._event_sinks:
             sink(event)
 
     async def start(self) -> int:
+        if self.peer_server is not None:  # first: Stats reports its address
+            await self.peer_server.start()
+            log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if self.router is not None:
-            add_router_to_server(self.server, self.router)
+        if self.embedded_router is not None:
+            self.embedded_router.start(self.server)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         if not self.config.node_id:
-            self.node_id = self.store.node_id = f"{socket.gethostname()}:{self.port}"
+            self.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()
-        await self._start_transfer()
         await self._link_router()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -135,34 +147,15 @@ class StoreServer:
         )
         return self.port
 
-    async def _start_transfer(self) -> None:
-        if not self.config.transfer:
-            return
-        from kvstore.store.fetcher import Fetcher
-        from kvstore.store.peer_store import StoreSink, StoreSource, local_layout_from
-        from kvstore.transfer import PeerServer
-
-        self.service.source = StoreSource(self.store)
-        self.peer_server = PeerServer(self.service.source, self.config.host, self.config.ucx_port)
-        await self.peer_server.start()
-        self.service.ucx_address = self.peer_server.address
-        sink = StoreSink(self.store, local_layout_from(self.registry))
-        self.service.fetcher = Fetcher(
-            self.store, sink, self._find_peers, self.config.fetch_timeout_s
-        )
-        log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
-
-    async def _find_peers(self, namespace: str, hashes: list[int]) -> list:
+    async def _find_peers(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
         """Peers for a fetch: the router's answer, else the --peer list."""
-        from kvstore.wire.peers import PeerPrefix
-
         peers = []
         if self.link is not None:
             try:
                 peers = [
                     p for p in await self.link.query_prefix(namespace, hashes) if p.ucx_address
                 ]
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- any router failure: fall back
                 log.warning("router peer lookup failed (%s); trying the --peer list", exc)
         return peers or [PeerPrefix(a, "", a, 0) for a in self.config.peers]
 
@@ -175,15 +168,15 @@ class StoreServer:
             return
         await self.link.start(
             f"{self.config.host}:{self.port}",
-            self.service.ucx_address,
-            lambda: snapshot_events(self.store, self.node_id),
+            self.peer_server.address if self.peer_server is not None else "",
+            lambda: snapshot_events(self.index.snapshot(), self.node_id),
         )
         self.add_event_sink(self.link.publish)
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_EVERY_S)
-            self.store.expire()
+            self.node.expire()
 
     async def stop(self, grace: float = 2.0) -> None:
         if self._expirer:
@@ -196,8 +189,8 @@ class StoreServer:
             await stop_ucx()
         if self.server:
             await self.server.stop(grace)
-        if self.router is not None:
-            await close_router(self.router)
+        if self.embedded_router is not None:
+            await self.embedded_router.close()
         log.info("kvstore store server stopped")
 
 
@@ -211,7 +204,7 @@ async def stop_ucx() -> None:
     try:
         ucxx.stop_notifier_thread()
         ucxx.reset()
-    except Exception as exc:  # still referenced somewhere: exit will reclaim it
+    except Exception as exc:  # noqa: BLE001 -- still referenced somewhere: exit reclaims it
         log.warning("UCX did not shut down cleanly: %s", exc)
 
 

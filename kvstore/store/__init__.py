@@ -1,2 +1,3 @@
-"""One node's core: registry and seal, memory mapping, slot pool, block index,
-and peer-fetch policy. Plain Python, testable without grpc or ucx."""
+"""One node's core: registration and seal, memory mapping, slot pool, block
+index, the node's use cases and peer fetch. Plain Python, testable without grpc
+or ucx; see README.md in this folder."""

@@ -2,14 +2,17 @@
 
 Runs inside :meth:`Registry.register` after validation and before anything
 is recorded, so a handle that cannot be mapped, or a layer that does not fit
-in its mapping, refuses the registration and leaves nothing mapped.
+in its mapping, refuses the registration and leaves nothing mapped
+(docs/design.md §1: every handle is mapped before the rank is recorded; a
+rank's layers share one device and fit their mappings). Layers that share an
+allocation share one mapping.
 """
 
 from __future__ import annotations
 
 from kvstore.copy import LayerRegion
 from kvstore.store.memory import MappedRegion
-from kvstore.store.registry import Registration
+from kvstore.store.registry import LayerReg, Registration
 from kvstore.wire.errors import KVError, invalid
 
 
@@ -18,34 +21,39 @@ def attach(reg: Registration) -> None:
     opened: dict[tuple, MappedRegion] = {}
     try:
         for layer in reg.layers:
-            name = layer.geometry.name
-            where = f"layer {name!r} of {reg.where()} memory"
+            where = f"layer {layer.geometry.name!r} of {reg.where()} memory"
             ref = layer.memory
             if ref is None:
                 raise invalid(f"{where} is missing")
-            region = opened.get(ref.key())
-            if region is None:
-                region = opened[ref.key()] = ref.open(where)
-            if ref.offset + layer.extent() > region.size:
-                raise invalid(
-                    f"{where}: offset {ref.offset} + {layer.extent()} bytes of blocks "
-                    f"exceed the {region.size}-byte mapping"
-                )
-            reg.regions[name] = LayerRegion(
-                base=region.base + ref.offset,
-                num_blocks=layer.num_blocks,
-                segments=layer.geometry.segments,
-                segment_bytes=layer.segment_bytes,
-                block_stride=layer.block_stride,
-                segment_stride=layer.segment_stride,
-            )
+            mapped = opened.get(ref.key())
+            if mapped is None:
+                mapped = opened[ref.key()] = ref.open(where)
+            reg.regions[layer.geometry.name] = _layer_region(layer, mapped, where)
         devices = {r.device for r in opened.values()}
         if len(devices) != 1:
             raise invalid(f"layers of {reg.where()} live on several devices: {sorted(devices)}")
         reg.device = devices.pop()
         reg.mapped = list(opened.values())
     except KVError:
-        for region in opened.values():
-            region.close()
+        for mapped in opened.values():
+            mapped.close()
         reg.regions.clear()
         raise
+
+
+def _layer_region(layer: LayerReg, mapped: MappedRegion, where: str) -> LayerRegion:
+    """Where ``layer``'s blocks lie inside ``mapped``; refused when they overrun it."""
+    offset = layer.memory.offset
+    if offset + layer.extent() > mapped.size:
+        raise invalid(
+            f"{where}: offset {offset} + {layer.extent()} bytes of blocks "
+            f"exceed the {mapped.size}-byte mapping"
+        )
+    return LayerRegion(
+        base=mapped.base + offset,
+        num_blocks=layer.num_blocks,
+        segments=layer.geometry.segments,
+        segment_bytes=layer.segment_bytes,
+        block_stride=layer.block_stride,
+        segment_stride=layer.segment_stride,
+    )

@@ -24,6 +24,23 @@ def round_size(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    """Bytes of one pool, or of several summed (see :meth:`PoolStats.total`)."""
+
+    pool_bytes: int = 0
+    used_bytes: int = 0
+    free_bytes: int = 0
+
+    @staticmethod
+    def total(parts: list[PoolStats]) -> PoolStats:
+        return PoolStats(
+            sum(p.pool_bytes for p in parts),
+            sum(p.used_bytes for p in parts),
+            sum(p.free_bytes for p in parts),
+        )
+
+
 @dataclass
 class _Slab:
     """A slab serving one slot size: a stack of its free slot indices."""
@@ -69,8 +86,8 @@ class SlotPool:
     def free_bytes(self) -> int:
         return self.pool_bytes - self.used_bytes
 
-    def slots_per_slab(self, nbytes: int) -> int:
-        return self.slab_bytes // round_size(nbytes)
+    def stats(self) -> PoolStats:
+        return PoolStats(self.pool_bytes, self.used_bytes, self.free_bytes)
 
     def can_alloc(self, nbytes: int, count: int) -> bool:
         size = round_size(nbytes)

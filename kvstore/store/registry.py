@@ -1,9 +1,10 @@
-"""Instances, rank registrations and the seal (DESIGN.md section 1).
+"""Instances, rank registrations and the seal (docs/design.md §1).
 
 Plain Python, no network: the gRPC handler validates nothing itself, it
 hands a :class:`Registration` to :meth:`Registry.register`, which either
 refuses it (``KVError`` naming field, layer and rank; nothing changes) or
 records it and, when all ``world_size`` ranks are in, seals the instance.
+The rules a registration must meet live in :mod:`kvstore.store.validation`.
 
 Decisions happen in one synchronous call, so on the asyncio server no other
 registration can interleave between the check and the insert.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,27 +22,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.store.memory import MappedRegion
-from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
+from kvstore.store.validation import check_against, check_fields, check_seal_would_succeed
+from kvstore.wire.errors import invalid, not_found, precondition
 from kvstore.wire.fingerprint import LayerGeometry, fingerprint
-from kvstore.wire.kv_layout import KV_LAYOUTS
-from kvstore.wire.limits import (
-    MAX_BLOCK_SIZE,
-    MAX_BYTES_PER_BLOCK,
-    MAX_LAYERS,
-    MAX_NAME_LEN,
-    MAX_NUM_BLOCKS,
-    MAX_TP_SIZE,
-    MAX_WORLD_SIZE,
-)
-from kvstore.wire.names import final_namespace, is_client_namespace
+from kvstore.wire.kv_layout import LayoutKind
+from kvstore.wire.names import final_namespace
 
 if TYPE_CHECKING:
     from kvstore.copy import LayerRegion
 
 log = logging.getLogger(__name__)
-
-INSTANCE_ID_RE = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_NAME_LEN}}}")
-LAYOUT_KINDS = {"kv_first": 2, "blocks_first": 1, "mla": 1}  # kind -> segments
 
 
 @dataclass
@@ -50,7 +39,7 @@ class LayerReg:
     """One layer as one rank registered it."""
 
     geometry: LayerGeometry
-    layout_kind: str
+    layout_kind: LayoutKind | None  # None: unset or unknown on the wire (refused)
     num_blocks: int
     block_stride: int
     segment_stride: int
@@ -69,6 +58,15 @@ class LayerReg:
             + (self.num_blocks - 1) * self.block_stride
             + self.segment_bytes
         )
+
+
+@dataclass(frozen=True)
+class CallerId:
+    """Who a Save or Load says it comes from."""
+
+    instance_id: str
+    rank: int
+    session: str
 
 
 @dataclass
@@ -92,8 +90,16 @@ class Registration:
     _holds: int = 0
     retired: bool = False
 
+    @property
+    def caller_id(self) -> CallerId:
+        return CallerId(self.instance_id, self.rank, self.session)
+
     def where(self) -> str:
         return f"instance {self.instance_id!r} rank {self.rank} (tp_rank {self.tp_rank})"
+
+    def layer_regions(self) -> list[LayerRegion]:
+        """The mapped region of each layer, in registration order (what a copy plans over)."""
+        return [self.regions[layer.geometry.name] for layer in self.layers]
 
     def hold(self) -> None:
         """A copy is about to touch this rank's memory: keep it mapped."""
@@ -132,6 +138,13 @@ class Seal:
     def slot_index(self, layer_id: int, tp_rank: int) -> int:
         return layer_id * self.tp_size + tp_rank
 
+    def slots_of(self, reg: Registration) -> np.ndarray:
+        """Slot index of each of ``reg``'s layers, in its registration order."""
+        return np.array(
+            [self.slot_index(self.layer_ids[la.geometry.name], reg.tp_rank) for la in reg.layers],
+            dtype=np.int64,
+        )
+
     @functools.cached_property
     def slot_bytes(self) -> np.ndarray:
         """Bytes of each slot, by slot index (all ranks of a layer agree); read-only."""
@@ -149,6 +162,28 @@ class Instance:
     @property
     def first(self) -> Registration:
         return next(iter(self.ranks.values()))
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of each tp_rank's memory, by tp_rank."""
+        devices = ["cpu"] * (self.seal.tp_size if self.seal else self.first.tp_size)
+        for reg in self.ranks.values():
+            devices[reg.tp_rank] = reg.device
+        return devices
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A Save or Load caller, resolved: its registration and its instance's seal."""
+
+    seal: Seal
+    reg: Registration
+
+
+@dataclass(frozen=True)
+class RegistryStats:
+    instances: int = 0
+    sealed_instances: int = 0
 
 
 Mapper = Callable[[Registration], None]
@@ -175,7 +210,7 @@ class Registry:
         inst = self.instances.get(reg.instance_id)
         if inst is not None:
             check_against(inst, reg)
-        check_seal_would_succeed(inst, reg)
+        check_seal_would_succeed(list(inst.ranks.values()) if inst else [], reg)
         if self._mapper is not None:
             self._mapper(reg)  # raises KVError; nothing recorded yet
         if inst is None:
@@ -227,153 +262,35 @@ class Registry:
 
     # ------------------------------------------------------------- look-ups
 
-    def caller(self, instance_id: str, rank: int, session: str) -> tuple[Instance, Registration]:
+    def caller(self, who: CallerId) -> Caller:
         """The sealed instance and registration a Save/Load comes from."""
-        inst = self.instances.get(instance_id)
+        inst = self.instances.get(who.instance_id)
         if inst is None:
-            raise not_found(f"instance_id {instance_id!r} is not registered")
-        reg = self.sessions.get(session)
-        if reg is None or reg.instance_id != instance_id:
-            raise invalid(f"session does not belong to instance_id {instance_id!r}")
-        if reg.rank != rank:
-            raise invalid(f"rank {rank} is not the caller's: the session is rank {reg.rank}")
+            raise not_found(f"instance_id {who.instance_id!r} is not registered")
+        reg = self.sessions.get(who.session)
+        if reg is None or reg.instance_id != who.instance_id:
+            raise invalid(f"session does not belong to instance_id {who.instance_id!r}")
+        if reg.rank != who.rank:
+            raise invalid(f"rank {who.rank} is not the caller's: the session is rank {reg.rank}")
         if inst.seal is None:
             raise precondition(
-                f"instance {instance_id!r} is not sealed: "
+                f"instance {who.instance_id!r} is not sealed: "
                 f"{len(inst.ranks)}/{reg.world_size} ranks registered"
             )
-        return inst, reg
+        return Caller(inst.seal, reg)
 
+    def sealed(self, namespace: str) -> Instance | None:
+        """A sealed local instance whose blocks live in final namespace ``namespace``."""
+        for inst in self.instances.values():
+            if inst.seal is not None and inst.seal.final_namespace == namespace:
+                return inst
+        return None
 
-# ---------------------------------------------------------------- validation
-
-
-def check_fields(reg: Registration) -> None:
-    """Checks that need nothing but the request itself."""
-    if not INSTANCE_ID_RE.fullmatch(reg.instance_id):
-        raise invalid(f"instance_id {reg.instance_id[:64]!r} must match {INSTANCE_ID_RE.pattern}")
-    if not is_client_namespace(reg.client_namespace):
-        raise invalid(
-            f"client_namespace {reg.client_namespace[:160]!r} must match "
-            "[A-Za-z0-9_-]{1,128} (no dot: the dot separates the fingerprint)"
+    def stats(self) -> RegistryStats:
+        return RegistryStats(
+            instances=len(self.instances),
+            sealed_instances=sum(1 for i in self.instances.values() if i.seal is not None),
         )
-    _bounded("tp_size", reg.tp_size, 1, MAX_TP_SIZE)
-    _bounded("world_size", reg.world_size, 1, MAX_WORLD_SIZE)
-    if reg.tp_rank >= reg.tp_size:
-        raise invalid(f"tp_rank {reg.tp_rank} is outside [0, tp_size={reg.tp_size})")
-    if reg.world_size % reg.tp_size:
-        raise invalid(f"world_size {reg.world_size} is not a multiple of tp_size {reg.tp_size}")
-    if reg.rank >= reg.world_size:
-        raise invalid(f"rank {reg.rank} is outside [0, world_size={reg.world_size})")
-    _bounded("block_size", reg.block_size, 1, MAX_BLOCK_SIZE)
-    if not 0 < len(reg.hash_format) <= MAX_NAME_LEN:
-        raise invalid(f"hash_format must be 1..{MAX_NAME_LEN} characters")
-    if not reg.layers:
-        raise invalid(f"layers is empty for {reg.where()}")
-    if len(reg.layers) > MAX_LAYERS:
-        raise invalid(f"layers has {len(reg.layers)} entries, more than {MAX_LAYERS}")
-    names = set()
-    for layer in reg.layers:
-        check_layer(layer, reg)
-        if layer.geometry.name in names:
-            raise invalid(f"layer {layer.geometry.name!r} appears twice for {reg.where()}")
-        names.add(layer.geometry.name)
-
-
-def check_layer(layer: LayerReg, reg: Registration) -> None:
-    g = layer.geometry
-    at = f"layer {g.name[:64]!r} of {reg.where()}"
-    if not 0 < len(g.name) <= MAX_NAME_LEN:
-        raise invalid(f"layers.name must be 1..{MAX_NAME_LEN} characters ({reg.where()})")
-    if not 0 < len(g.dtype) <= 64:
-        raise invalid(f"dtype must be 1..64 characters ({at})")
-    if layer.layout_kind not in LAYOUT_KINDS:
-        raise invalid(
-            f"layout_kind {layer.layout_kind!r} must be one of {sorted(LAYOUT_KINDS)} ({at})"
-        )
-    if g.segments != LAYOUT_KINDS[layer.layout_kind]:
-        raise invalid(
-            f"segments {g.segments} does not match layout_kind "
-            f"{layer.layout_kind!r} ({LAYOUT_KINDS[layer.layout_kind]} expected) ({at})"
-        )
-    if g.kv_layout not in KV_LAYOUTS:
-        raise invalid(f"kv_layout {g.kv_layout!r} must be one of {KV_LAYOUTS} ({at})")
-    if (layer.layout_kind == "mla") != (g.kv_layout == "MLA"):
-        raise invalid(
-            f"kv_layout {g.kv_layout!r} and layout_kind {layer.layout_kind!r} disagree ({at})"
-        )
-    _bounded(f"bytes_per_block ({at})", g.bytes_per_block, 1, MAX_BYTES_PER_BLOCK)
-    if g.bytes_per_block % g.segments:
-        raise invalid(f"bytes_per_block {g.bytes_per_block} is not divisible by segments ({at})")
-    _bounded(f"num_blocks ({at})", layer.num_blocks, 1, MAX_NUM_BLOCKS)
-    if layer.block_stride < layer.segment_bytes and layer.num_blocks > 1:
-        raise invalid(
-            f"block_stride {layer.block_stride} is smaller than a block's "
-            f"{layer.segment_bytes} bytes per segment ({at})"
-        )
-    if g.segments == 2 and layer.segment_stride < layer.segment_bytes:
-        raise invalid(f"segment_stride {layer.segment_stride} overlaps segment 0 ({at})")
-
-
-def _bounded(name: str, value: int, lo: int, hi: int) -> None:
-    if not lo <= value <= hi:
-        raise invalid(f"{name} {value} is outside [{lo}, {hi}]")
-
-
-def check_against(inst: Instance, reg: Registration) -> None:
-    """Checks against the ranks already in the instance."""
-    first = inst.first
-    for name in ("client_namespace", "world_size", "tp_size", "block_size", "hash_format"):
-        mine, theirs = getattr(reg, name), getattr(first, name)
-        if mine != theirs:
-            raise invalid(
-                f"{name} {mine!r} of {reg.where()} disagrees with {theirs!r} "
-                f"registered by rank {first.rank}"
-            )
-    if reg.rank in inst.ranks:
-        raise exists(f"rank {reg.rank} of instance {reg.instance_id!r} is already registered")
-    for other in inst.ranks.values():
-        _check_cells(other, reg)
-
-
-def _check_cells(other: Registration, reg: Registration) -> None:
-    theirs = {layer.geometry.name: layer for layer in other.layers}
-    for layer in reg.layers:
-        peer = theirs.get(layer.geometry.name)
-        if peer is None:
-            continue
-        name = layer.geometry.name
-        if other.tp_rank == reg.tp_rank and not (layer.replicated and peer.replicated):
-            raise exists(
-                f"layer {name!r} tp_rank {reg.tp_rank} already has an owner: rank "
-                f"{other.rank}; rank {reg.rank} cannot own it too"
-            )
-        for fld in ("dtype", "bytes_per_block", "segments", "kv_layout"):
-            mine, ref = getattr(layer.geometry, fld), getattr(peer.geometry, fld)
-            if mine != ref:
-                raise invalid(
-                    f"layer {name!r} field {fld}: rank {reg.rank} says {mine!r} but "
-                    f"rank {other.rank} registered {ref!r}"
-                )
-
-
-def check_seal_would_succeed(inst: Instance | None, reg: Registration) -> None:
-    """Refuse the last rank if its arrival would leave a cell without owner."""
-    ranks = [*(inst.ranks.values() if inst else ()), reg]
-    if len(ranks) < reg.world_size:
-        return
-    owners: dict[str, set[int]] = {}
-    for r in ranks:
-        for layer in r.layers:
-            owners.setdefault(layer.geometry.name, set()).add(r.tp_rank)
-    for name in sorted(owners):
-        missing = sorted(set(range(reg.tp_size)) - owners[name])
-        if missing:
-            raise precondition(
-                f"sealing would fail: layer {name!r} has no owner for tp_rank "
-                f"{missing[0]} (rank {reg.rank} completes world_size "
-                f"{reg.world_size})"
-            )
 
 
 def make_seal(inst: Instance) -> Seal:
@@ -393,4 +310,13 @@ def make_seal(inst: Instance) -> Seal:
     )
 
 
-__all__ = ["Registry", "Registration", "LayerReg", "Instance", "Seal", "KVError"]
+__all__ = [
+    "Caller",
+    "CallerId",
+    "Instance",
+    "LayerReg",
+    "Registration",
+    "Registry",
+    "RegistryStats",
+    "Seal",
+]

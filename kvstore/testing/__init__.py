@@ -1,4 +1,7 @@
-"""Harness for the demo, tests and benches: a stand-in worker and in-process stores.
+"""Harness for the demo, tests and benches; no product code imports it except ``kvstore demo``.
 
-Nothing in the product imports this package except ``kvstore demo``.
+- ``store.py``: the store's core built in one line, in-process (``make_store``).
+- ``worker.py``: a stand-in inference worker rank in its own process.
+- ``raw_client.py``: requests a well-behaved client never sends, for refusal tests.
+- ``vllm_events.py``: vLLM KV event payloads, encoded as vLLM does.
 """

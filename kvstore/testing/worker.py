@@ -1,10 +1,11 @@
 """A stand-in inference worker rank, for the demo, tests and benchmarks.
 
 It owns a paged KV cache (shared memory on the host, or a CUDA tensor),
-registers it with a store server, and obeys commands from its parent over a
-multiprocessing pipe (local IPC between our own processes): fill blocks with
-deterministic random KV, save, load, and report checksums of blocks so the
-parent can compare bytes across processes without shipping them.
+registers it with a store server through the product client, and obeys
+commands from its parent over a multiprocessing pipe (local IPC between our
+own processes): fill blocks with deterministic random KV, save, load, and
+report checksums of blocks so the parent can compare bytes across processes
+without shipping them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
+from kvstore.wire.kv_layout import LayoutKind
 
 DTYPES = {
     "float16": torch.float16,
@@ -48,6 +50,19 @@ class WorkerSpec:
         names = [f"model.layers.{i}.self_attn" for i in range(self.layers)]
         return names + [f"mtp.layers.{i}.self_attn" for i in range(self.extra_layers)]
 
+    def shape(self) -> tuple[int, ...]:
+        """The KV tensor shape of one layer of this rank."""
+        heads = self.heads // self.tp_size
+        return LayoutKind(self.kind).shape(
+            self.num_blocks, self.block_size, heads, self.head_dim, self.kv_layout
+        )
+
+    def torch_device(self) -> str:
+        """The torch device of this rank; "cuda" spreads ranks over the visible GPUs."""
+        if self.device == "cuda":
+            return f"cuda:{self.tp_rank % torch.cuda.device_count()}"
+        return self.device
+
 
 class WorkerRank:
     """The in-process state of one rank."""
@@ -55,29 +70,7 @@ class WorkerRank:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.client = StoreClient(spec.address)
-        dtype = DTYPES[spec.dtype]
-        heads = spec.heads // spec.tp_size
-        self.layers: list[KVLayer] = []
-        for name in spec.layer_names():
-            if spec.device == "cpu":
-                shm = kv_cache_shm(
-                    spec.kind,
-                    spec.num_blocks,
-                    spec.block_size,
-                    heads,
-                    spec.head_dim,
-                    dtype,
-                    spec.kv_layout,
-                )
-                self.layers.append(KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm))
-            else:  # "cuda" spreads ranks over the visible GPUs
-                device = (
-                    f"cuda:{spec.tp_rank % torch.cuda.device_count()}"
-                    if spec.device == "cuda"
-                    else spec.device
-                )
-                t = torch.zeros(_shape(spec, heads), dtype=dtype, device=device)
-                self.layers.append(KVLayer(name, t, spec.kind, spec.kv_layout))
+        self.layers = [self._make_layer(name) for name in spec.layer_names()]
         self.session = self.client.register(
             spec.instance_id,
             spec.client_namespace,
@@ -87,9 +80,28 @@ class WorkerRank:
             block_size=spec.block_size,
         )
 
+    def _make_layer(self, name: str) -> KVLayer:
+        spec, dtype = self.spec, DTYPES[self.spec.dtype]
+        if spec.device == "cpu":
+            heads = spec.heads // spec.tp_size
+            shm = kv_cache_shm(
+                spec.kind,
+                spec.num_blocks,
+                spec.block_size,
+                heads,
+                spec.head_dim,
+                dtype,
+                spec.kv_layout,
+            )
+            return KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm)
+        tensor = torch.zeros(spec.shape(), dtype=dtype, device=spec.torch_device())
+        return KVLayer(name, tensor, spec.kind, spec.kv_layout)
+
     def blocks_of(self, layer: KVLayer, block_id: int) -> list[torch.Tensor]:
         t = layer.tensor
-        return [t[0, block_id], t[1, block_id]] if layer.kind == "kv_first" else [t[block_id]]
+        if layer.kind is LayoutKind.KV_FIRST:
+            return [t[0, block_id], t[1, block_id]]
+        return [t[block_id]]
 
     def fill(self, seeds: list[tuple[int, int]]) -> None:
         """Fill block ids with random KV determined by (seed, layer, rank) only."""
@@ -117,6 +129,24 @@ class WorkerRank:
                 for part in self.blocks_of(layer, block_id):
                     part.zero_()
 
+    def wait_sealed(self, timeout: float) -> dict:
+        seal = self.session.wait_sealed(timeout)
+        return {
+            "fingerprint": seal.fingerprint,
+            "final_namespace": seal.final_namespace,
+            "layer_ids": seal.layer_ids,
+        }
+
+    def save(self, blocks: list[tuple[int, int]]) -> dict:
+        r = self.session.save(blocks)
+        return {"written": r.written, "skipped": r.skipped, "sealed": r.sealed, "bytes": r.bytes}
+
+    def load(self, blocks: list[tuple[int, int]]) -> int:
+        return self.session.load(blocks).bytes
+
+    def state(self, _arg=None) -> dict:
+        return {"state": self.session.state, "ranks": self.session.ranks_registered}
+
     def close(self) -> None:
         self.session.close()
         self.client.close()
@@ -125,61 +155,41 @@ class WorkerRank:
                 layer.shm.close()
 
 
-def _shape(spec: WorkerSpec, heads: int) -> tuple[int, ...]:
-    inner = (
-        (spec.block_size, heads, spec.head_dim)
-        if spec.kv_layout == "NHD"
-        else (heads, spec.block_size, spec.head_dim)
-    )
-    return {
-        "kv_first": (2, spec.num_blocks, *inner),
-        "blocks_first": (spec.num_blocks, 2, *inner),
-        "mla": (spec.num_blocks, spec.block_size, spec.head_dim),
-    }[spec.kind]
+# The commands a parent may send: name -> WorkerRank method taking one argument.
+COMMANDS = {
+    "wait_sealed": WorkerRank.wait_sealed,
+    "fill": WorkerRank.fill,
+    "save": WorkerRank.save,
+    "load": WorkerRank.load,
+    "digest": WorkerRank.digest,
+    "clear": WorkerRank.clear,
+    "state": WorkerRank.state,
+}
 
 
 def _serve(spec: WorkerSpec, conn) -> None:
     try:
         rank = WorkerRank(spec)
-    except Exception as exc:  # report the refusal to the parent, then exit
+    except Exception as exc:  # noqa: BLE001 - any refusal goes to the parent, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ok", rank.session.session))
-    while True:
+    op = None
+    while op != "close":
         op, arg = conn.recv()
         try:
-            if op == "close":
-                rank.close()
-                conn.send(("ok", None))
-                return
-            result = _dispatch(rank, op, arg)
-            conn.send(("ok", result))
-        except Exception as exc:
+            conn.send(("ok", _run(rank, op, arg)))
+        except Exception as exc:  # noqa: BLE001 - any failure goes to the parent, which raises it
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _dispatch(rank: WorkerRank, op: str, arg):
-    if op == "wait_sealed":
-        seal = rank.session.wait_sealed(arg)
-        return {
-            "fingerprint": seal.fingerprint,
-            "final_namespace": seal.final_namespace,
-            "layer_ids": seal.layer_ids,
-        }
-    if op == "fill":
-        return rank.fill(arg)
-    if op == "save":
-        r = rank.session.save(arg)
-        return {"written": r.written, "skipped": r.skipped, "sealed": r.sealed, "bytes": r.bytes}
-    if op == "load":
-        return rank.session.load(arg).bytes
-    if op == "digest":
-        return rank.digest(arg)
-    if op == "clear":
-        return rank.clear(arg)
-    if op == "state":
-        return {"state": rank.session.state, "ranks": rank.session.ranks_registered}
-    raise ValueError(f"unknown worker command {op!r}")
+def _run(rank: WorkerRank, op: str, arg):
+    if op == "close":
+        return rank.close()
+    command = COMMANDS.get(op)
+    if command is None:
+        raise ValueError(f"unknown worker command {op!r}")
+    return command(rank, arg)
 
 
 class WorkerProcess:
@@ -197,9 +207,14 @@ class WorkerProcess:
             name=f"kvstore-worker-{spec.instance_id}-{spec.tp_rank}",
         )
         self.proc.start()
-        self.session = self._reply()
+        self.session = self.reply()
 
-    def _reply(self):
+    def send(self, op: str, arg=None) -> None:
+        """Send one command without waiting (pair it with :meth:`reply`)."""
+        self.conn.send((op, arg))
+
+    def reply(self):
+        """The answer to the oldest unanswered command; RuntimeError if it failed."""
         if not self.conn.poll(self.timeout):
             raise TimeoutError(f"worker {self.proc.name} did not answer in {self.timeout}s")
         status, value = self.conn.recv()
@@ -208,8 +223,8 @@ class WorkerProcess:
         return value
 
     def call(self, op: str, arg=None):
-        self.conn.send((op, arg))
-        return self._reply()
+        self.send(op, arg)
+        return self.reply()
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -248,8 +263,8 @@ class WorkerGroup:
     def each(self, op: str, arg=None) -> list:
         """Send one command to every rank at once, then gather the replies."""
         for w in self.workers:
-            w.conn.send((op, arg))
-        return [w._reply() for w in self.workers]
+            w.send(op, arg)
+        return [w.reply() for w in self.workers]
 
     def __getitem__(self, rank: int) -> WorkerProcess:
         return self.workers[rank]

@@ -34,7 +34,6 @@ from kvstore.transfer.ucx import (
 )
 from kvstore.transfer.wire import (
     MAX_BLOCKS_PER_FETCH,
-    MAX_HASH,
     Kind,
     Offer,
     check_namespace,
@@ -43,20 +42,18 @@ from kvstore.transfer.wire import (
     encode_go,
     encode_request,
 )
-from kvstore.wire.errors import Code, KVError
+from kvstore.wire.errors import Code, KVError, invalid
+from kvstore.wire.names import is_u64
 
 log = logging.getLogger(__name__)
 
 
 def _check_fetch_args(namespace: str, hashes: Sequence[int], timeout_s: float) -> list[int]:
-    def invalid(msg: str) -> KVError:
-        return KVError(Code.INVALID_ARGUMENT, msg)
-
     check_namespace(namespace, invalid)
     hashes = [int(h) for h in hashes]
     if len(hashes) > MAX_BLOCKS_PER_FETCH:
         raise invalid(f"{len(hashes)} hashes, limit {MAX_BLOCKS_PER_FETCH}")
-    if any(not 0 <= h <= MAX_HASH for h in hashes):
+    if not all(is_u64(h) for h in hashes):
         raise invalid("block hashes must be unsigned 64-bit")
     if not timeout_s > 0:
         raise invalid("timeout_s must be positive")

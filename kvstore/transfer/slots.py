@@ -8,6 +8,7 @@ message (see the package docstring).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,4 +188,4 @@ def segment_bounds(num_slots: int, *lists: np.ndarray) -> list[tuple[int, int]]:
     for starts in lists:
         cuts = np.union1d(cuts, starts[starts < num_slots])
     edges = [0, *cuts.tolist(), num_slots]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))

@@ -9,7 +9,7 @@ import os
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,11 +38,10 @@ DATA_TAG_BASE = 2
 #   intra-node traffic falls back to tcp over loopback.
 # - UCXPY_PROGRESS_MODE=blocking: the event loop progresses UCX when the
 #   worker's fd is readable, instead of a progress thread handing completions
-#   over. On a 2-core host this cut a small round trip from 0.56 to 0.09 ms and
-#   a one-block fetch from 5.1 to 1.6 ms, and raised fetch throughput from
-#   ~5 to ~7.5 GB/s; on the H200 host GPU fetches went from 82 to 98 GB/s
-#   (bench/transfer.py). The cost: UCX's own copies (shared-memory
-#   rendezvous) run on the loop's thread. Set it to "thread" to move them off.
+#   over: a control round trip costs one wake-up, not a thread hand-off
+#   (measured in bench/H200_NOTES.md). The cost: UCX's own copies
+#   (shared-memory rendezvous) run on the loop's thread. Set it to "thread"
+#   to move them off.
 # - UCXPY_ENABLE_PYTHON_FUTURE (only with a progress thread): a notifier
 #   thread wakes the loop per batch of completions instead of every pending
 #   request spinning on asyncio.sleep(0).
@@ -216,7 +215,7 @@ async def send_frame(conn: Conn, kind: Kind, deadline: float | None, *, body: by
 
 async def recv_frame(
     conn: Conn, expect: Sequence[Kind], deadline: float | None, after: Sequence[Awaitable] = ()
-) -> tuple[Kind, int, bytes]:
+) -> Frame:
     """Receive one frame (awaiting the operations ``after`` alongside: a frame just
     sent, so that a request and its answer cost one wake-up, not two). The first
     message lands in an INLINE_FRAME_BYTES buffer; a longer body, announced by the
@@ -225,13 +224,19 @@ async def recv_frame(
     await run_ops(
         conn, [*after, conn.ep.recv(first, tag=CONTROL_TAG)], deadline, "waiting for a frame"
     )
-    kind, arg = decode_preamble(first[: PREAMBLE.size].tobytes(), expect)
-    end = PREAMBLE.size + arg
+    kind, length = decode_preamble(first[: PREAMBLE.size].tobytes(), expect)
+    end = PREAMBLE.size + length
     if end <= INLINE_FRAME_BYTES:
-        return kind, arg, first[PREAMBLE.size : end].tobytes()
-    body = np.empty(arg, dtype=np.uint8)
+        return Frame(kind, length, first[PREAMBLE.size : end].tobytes())
+    body = np.empty(length, dtype=np.uint8)
     await run_ops(conn, [conn.ep.recv(body, tag=CONTROL_TAG)], deadline, f"receiving {kind.name}")
-    return kind, arg, body.tobytes()
+    return Frame(kind, length, body.tobytes())
+
+
+class Frame(NamedTuple):
+    kind: Kind
+    length: int
+    body: bytes
 
 
 def pump(

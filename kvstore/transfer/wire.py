@@ -13,7 +13,7 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -21,11 +21,12 @@ import numpy as np
 from kvstore.transfer.errors import PeerUnavailable, ProtocolError
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
+from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: run starts in REPLY and GO; 3: one message per control frame
-MAX_NAMESPACE_LEN = limits.MAX_NAMESPACE_LEN + 1 + 16  # client namespace "." fingerprint
+# Raised whenever a frame's layout changes: peers of another version are refused.
+PROTOCOL_VERSION = 3
 MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
 MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
 MAX_SLOTS_PER_FETCH = 1 << 20  # a peer trims its prefix to stay under this
@@ -41,7 +42,6 @@ INLINE_FRAME_BYTES = 64 << 10
 MAX_SEGMENT_BYTES = 64 << 20
 NO_CAP = 1 << 62  # run_starts without cuts at MAX_SEGMENT_BYTES
 MAX_LANES = limits.MAX_TP_SIZE
-MAX_HASH = (1 << 64) - 1
 
 MAGIC = b"KVTP"
 PREAMBLE = struct.Struct("<4sBBHQ")  # magic, version, kind, reserved, arg
@@ -52,6 +52,21 @@ class Kind(enum.IntEnum):
     REPLY = 2
     ERROR = 3
     GO = 4
+
+
+class Preamble(NamedTuple):
+    kind: Kind
+    length: int  # body bytes that follow
+
+
+class FetchRequest(NamedTuple):
+    namespace: str  # final namespace
+    hashes: list[int]
+
+
+class Go(NamedTuple):
+    accepted: int  # blocks the fetcher takes: all offered, or 0 to cancel
+    run_starts: bytes  # the fetcher's packed run starts, not yet checked
 
 
 _BODY_LIMITS = {
@@ -75,8 +90,8 @@ def encode_frame(kind: Kind, body: bytes) -> list[bytes]:
     return [pre, body]
 
 
-def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> tuple[Kind, int]:
-    """Check a preamble and return (kind, arg); arg is the body length."""
+def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> Preamble:
+    """Check a preamble: magic, version, an expected kind, a body within bounds."""
     magic, version, kind, _reserved, arg = PREAMBLE.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
@@ -88,7 +103,7 @@ def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> tuple[Kind, int]:
     limit = _BODY_LIMITS.get(kind)
     if limit is not None and not 0 < arg <= limit:
         raise ProtocolError(f"{kind.name} body of {arg} bytes, limit {limit}")
-    return kind, arg
+    return Preamble(kind, arg)
 
 
 def _unpack(body: bytes, max_len: int) -> Any:
@@ -105,7 +120,7 @@ def _unpack(body: bytes, max_len: int) -> Any:
             max_map_len=0,
             max_ext_len=0,
         )
-    except Exception as e:  # msgpack raises several unrelated types
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
         raise ProtocolError(f"malformed msgpack body: {e}") from None
 
 
@@ -114,7 +129,7 @@ def encode_request(namespace: str, hashes: Sequence[int]) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, namespace, packed], use_bin_type=True)
 
 
-def decode_request(body: bytes) -> tuple[str, list[int]]:
+def decode_request(body: bytes) -> FetchRequest:
     req = _unpack(body, MAX_REQUEST_BYTES)
     if not (isinstance(req, list) and len(req) == 3):
         raise ProtocolError("request is not [version, namespace, hashes]")
@@ -127,7 +142,7 @@ def decode_request(body: bytes) -> tuple[str, list[int]]:
     count = len(packed) // 8
     if not 0 < count <= MAX_BLOCKS_PER_FETCH:
         raise ProtocolError(f"{count} hashes, limit 1..{MAX_BLOCKS_PER_FETCH}")
-    return namespace, np.frombuffer(packed, dtype="<u8").tolist()
+    return FetchRequest(namespace, np.frombuffer(packed, dtype="<u8").tolist())
 
 
 @dataclass(frozen=True)
@@ -253,8 +268,8 @@ def encode_go(accepted: int, run_starts: Sequence[int] = ()) -> bytes:
     return msgpack.packb([accepted, encode_run_starts(run_starts)], use_bin_type=True)
 
 
-def decode_go(body: bytes, offered: int) -> tuple[int, bytes]:
-    """(accepted block count, the fetcher's packed run starts, not yet checked)."""
+def decode_go(body: bytes, offered: int) -> Go:
+    """The fetcher's answer to an offer of ``offered`` blocks."""
     go = _unpack(body, MAX_GO_BYTES)
     if not (
         isinstance(go, list)
@@ -266,7 +281,7 @@ def decode_go(body: bytes, offered: int) -> tuple[int, bytes]:
     accepted, packed = go
     if accepted not in (0, offered):
         raise ProtocolError(f"GO for {accepted} blocks, {offered} were offered")
-    return accepted, packed
+    return Go(accepted, packed)
 
 
 def _decode_layout(packed: Any) -> list[int]:
@@ -296,5 +311,5 @@ def decode_error(body: bytes, peer: str) -> KVError:
 
 
 def check_namespace(namespace: Any, error: Callable[[str], Exception]) -> None:
-    if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_NAMESPACE_LEN:
-        raise error(f"namespace must be a string of 1..{MAX_NAMESPACE_LEN} characters")
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_FINAL_NAMESPACE_LEN:
+        raise error(f"namespace must be a string of 1..{MAX_FINAL_NAMESPACE_LEN} characters")

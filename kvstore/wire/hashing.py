@@ -1,4 +1,4 @@
-"""Block hashes in the native format ``kvstore-blake3-v1`` (DESIGN.md section 6).
+"""Block hashes in the native format ``kvstore-blake3-v1`` (docs/design.md §6).
 
 local[i] = blake3(little-endian u32 tokens of full block i)[:8]
 seq[0]   = local[0]

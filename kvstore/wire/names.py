@@ -57,3 +57,12 @@ def check_token(where: str, value: str) -> None:
 
 def is_u64(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+
+
+def device_uuid(raw_uuid: object) -> str:
+    """A CUDA device's UUID as the wire carries it: "GPU-" and the driver's UUID text.
+
+    Workers send it with a CUDA IPC handle; the store opens the handle only on
+    the local device whose UUID reads the same.
+    """
+    return f"GPU-{raw_uuid}"

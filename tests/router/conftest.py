@@ -1,6 +1,6 @@
 """Shared helpers: card factory, a manual clock, and a real gRPC router server.
 
-The server is the production one (grpc.aio + add_router_to_server) on an
+The server is the production one (grpc.aio + ServedRouter) on an
 ephemeral 127.0.0.1 port, run on its own event loop in a background thread so
 the tests can use the ordinary synchronous client.
 """
@@ -14,10 +14,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from kvstore.cli.router import add_router_to_server, close_router
 from kvstore.client.router_client import RouterClient
-from kvstore.router.card import WorkerCard
 from kvstore.router.core import Router, RouterConfig
+from kvstore.service.router_server import FeedSpecs, ServedRouter
+from kvstore.wire.card import WorkerCard
 
 BASE = WorkerCard(
     display_name="llama-8b",
@@ -53,8 +53,9 @@ class Clock:
 
 
 class ServerThread:
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, feeds: FeedSpecs | None = None):
         self.router = router
+        self.served = ServedRouter(router, feeds)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -69,14 +70,14 @@ class ServerThread:
 
     async def _serve(self) -> None:
         self.server = grpc.aio.server()
-        add_router_to_server(self.server, self.router)
+        self.served.start(self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self._stop = asyncio.Event()
         self._ready.set()
         await self._stop.wait()
         await self.server.stop(grace=1)
-        await close_router(self.router)
+        await self.served.close()
 
     def call(self, coro_fn, timeout: float = 30):
         """Run ``coro_fn()`` on the server's loop and wait for its result."""

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.router.admission import WorkerRef, WorkerSetKey
-from kvstore.router.card import card_checksum
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import BlockEvent
+from kvstore.wire.card import card_checksum
 from kvstore.wire.errors import KVError
 from tests.router.conftest import card
 
@@ -25,7 +25,7 @@ def snapshot(router: Router):
     return (
         {k: (s.checksum, sorted(s.members)) for k, s in router.admission.sets.items()},
         {n: w.ref for n, w in router.admission.workers.items()},
-        {d: dict(i.masks) for d, i in router.domains.items()},
+        {d: dict(i.masks) for d, i in router.domains.indexes.items()},
         {r: list(v) for r, v in router.loads.per_worker.items()},
     )
 
@@ -86,7 +86,9 @@ def test_rejected_worker_never_reaches_the_index(router):
             router.apply_worker_events(WorkerRef("misfit", gen), [BlockEvent("stored", HASHES)])
             == 0
         )
-    assert all(("misfit" not in {h[0].name for h in i.holders()}) for i in router.domains.values())
+    assert all(
+        ("misfit" not in {h[0].name for h in i.holders()}) for i in router.domains.indexes.values()
+    )
     assert router.stats().indexed_blocks == 0
     assert router.route("llama-8b", hashes=HASHES).worker.name == "healthy"
 

@@ -8,7 +8,6 @@ from dataclasses import fields
 import blake3
 import pytest
 
-from kvstore.router.card import NON_INPUTS, WorkerCard, card_checksum, validate_card
 from kvstore.router.identity import (
     Domain,
     IdentityAlgorithm,
@@ -17,6 +16,7 @@ from kvstore.router.identity import (
     routing_scope_id,
     semantics_material,
 )
+from kvstore.wire.card import NON_INPUTS, WorkerCard, card_checksum, validate_card
 from kvstore.wire.errors import KVError
 from kvstore.wire.framing import frame
 from tests.router.conftest import BASE, card

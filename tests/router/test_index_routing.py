@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.router.core import Router, RouterConfig
-from kvstore.router.holders import SlotIndex
+from kvstore.router.holders import HolderIndex
 from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import BlockEvent
 from kvstore.wire.errors import KVError
@@ -31,18 +31,28 @@ def stored(hashes):
 )
 def test_prefix_depths_match_a_direct_walk(holdings, active_bits):
     hashes = list(range(1000, 1006))
-    index = SlotIndex()
-    for s, held in enumerate(holdings):
-        index.slot(("h", s))
-        index.store(s, [h for h, keep in zip(hashes, held, strict=True) if keep])
+    index = HolderIndex()
+    for b, held in enumerate(holdings):
+        index.assign(("h", b))
+        index.store(b, [h for h, keep in zip(hashes, held, strict=True) if keep])
     active = active_bits & ((1 << len(holdings)) - 1)
-    expected = {s: index.prefix_length(hashes, s) for s in range(len(holdings)) if active >> s & 1}
+    expected = {b: walk(index, hashes, b) for b in range(len(holdings)) if active >> b & 1}
     assert index.prefix_depths(hashes, active) == expected
+    holders = [("h", b) for b in range(len(holdings)) if active >> b & 1]
+    assert index.holder_depths(hashes, holders) == {("h", b): d for b, d in expected.items()}
+
+
+def walk(index: HolderIndex, hashes: list[int], bit: int) -> int:
+    """Leading ``hashes`` whose mask carries ``bit``: the prefix depth, one block at a time."""
+    for i, h in enumerate(hashes):
+        if not index.masks.get(h, 0) >> bit & 1:
+            return i
+    return len(hashes)
 
 
 def test_remove_clear_and_release():
-    index = SlotIndex()
-    a, b = index.slot("a"), index.slot("b")
+    index = HolderIndex()
+    a, b = index.assign("a"), index.assign("b")
     index.store(a, [1, 2, 3])
     index.store(b, [2, 3, 4])
     index.remove(a, [3, 99])
@@ -51,7 +61,7 @@ def test_remove_clear_and_release():
     assert index.masks == {1: 1, 2: 1}
     index.release("a")
     assert index.masks == {} and index.holders() == ["b"]
-    assert index.slot("c") == a  # the freed slot is reused, with no stale bits
+    assert index.assign("c") == a  # the freed bit is reused, with no stale entries
 
 
 def test_route_follows_the_longest_prefix(router):
@@ -66,7 +76,7 @@ def test_route_follows_the_longest_prefix(router):
 
 def test_partial_block_is_not_hashed(router):
     router.register_worker("w", card())
-    r = router.route("llama-8b", token_ids=PROMPT + [1, 2, 3], track=False)
+    r = router.route("llama-8b", token_ids=[*PROMPT, 1, 2, 3], track=False)
     assert r.total_blocks == 8
 
 
@@ -121,7 +131,7 @@ def test_tier_weights_rank_gpu_over_offloaded(router):
     s = router.register_worker("s", card())
     router.apply_worker_events(g.ref, stored(HASHES[:4]))
     router.apply_worker_events(s.ref, [BlockEvent("stored", HASHES, tier="store")])
-    r = router.route("llama-8b", hashes=HASHES[:5] + [1], track=False)
+    r = router.route("llama-8b", hashes=[*HASHES[:5], 1], track=False)
     # 4 GPU blocks (credit 4, and shared in GPU memory) beat 5 offloaded ones (credit 3.75).
     assert (r.worker.name, r.gpu_blocks) == ("g", 4)
     # When prefill dominates and offloaded blocks are credited in full, the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.router.core import Router
+from kvstore.router.core import EventsApplied, Router
 from kvstore.wire.errors import KVError
 from kvstore.wire.events import StoreEvent
 from tests.router.conftest import Clock, card
@@ -49,7 +49,7 @@ def test_incompatible_peer_is_never_returned_even_for_identical_hashes(router):
 def test_gpu_tier_and_foreign_node_events_do_not_make_a_peer(router):
     p = peer(router, "a")
     router.register_worker("w", card())
-    applied, dropped = router.publish_store_events(
+    result = router.publish_store_events(
         "a",
         p.generation,
         [
@@ -58,7 +58,7 @@ def test_gpu_tier_and_foreign_node_events_do_not_make_a_peer(router):
             ev("ghost", HASHES, tier="gpu"),  # not an admitted worker
         ],
     )
-    assert (applied, dropped) == (1, 2)
+    assert result == EventsApplied(applied=1, dropped=2)
     assert router.query_prefix(NS, HASHES) == []
     assert router.route("llama-8b", hashes=HASHES, track=False).gpu_blocks == 5
 
@@ -78,7 +78,9 @@ def test_restart_clears_old_blocks_and_stale_generation_is_dropped(router):
     new = peer(router, "a")  # re-advertised without a generation: a restart
     assert new.generation != old.generation
     assert router.query_prefix(NS, HASHES) == []
-    assert router.publish_store_events("a", old.generation, [ev("a", HASHES)]) == (0, 1)
+    assert router.publish_store_events("a", old.generation, [ev("a", HASHES)]) == EventsApplied(
+        0, 1
+    )
     assert router.query_prefix(NS, HASHES) == []
     router.publish_store_events("a", new.generation, [ev("a", HASHES[:2])])
     assert router.query_prefix(NS, HASHES)[0].prefix_blocks == 2

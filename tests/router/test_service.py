@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import grpc
@@ -17,10 +18,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
-from kvstore.cli.router import add_router_arguments, build_router
+from kvstore.cli.router import add_router_arguments, build_served_router
 from kvstore.client.router_client import RouterClient
 from kvstore.router.vllm_events import BlockEvent
-from kvstore.service.router_service import card_from_proto, card_to_proto
+from kvstore.service.router_server import FeedSpecs
+from kvstore.wire.card import WorkerCard
+from kvstore.wire.card_proto import card_from_proto, card_to_proto
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.hashing import block_hashes
 from tests.router.conftest import card
@@ -49,6 +53,15 @@ def test_card_round_trips_through_proto():
         final_namespace=NS,
     )
     assert card_from_proto(card_to_proto(c)) == c
+
+
+def test_card_proto_carries_every_card_field():
+    """A new card field must be added to the proto and to its codec."""
+    card_fields = {f.name for f in fields(WorkerCard)}
+    assert {f.name for f in router_pb2.WorkerCard.DESCRIPTOR.fields} == card_fields
+    assert card_from_proto(router_pb2.WorkerCard(display_name="m", kv_block_size=16)) == (
+        WorkerCard("m", 16)
+    )
 
 
 def test_register_route_done_over_grpc(served):
@@ -83,31 +96,31 @@ def test_register_route_done_over_grpc(served):
 def test_rejection_and_bad_input_statuses(served):
     router, client, _ = served
     client.register_worker("ok", card())
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(KVError) as err:
         client.register_worker("bad", card(tokenizer_checksum="tok-2", context_length=8))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "tokenizer_checksum" in err.value.details() and "context_length" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.FAILED_PRECONDITION
+    assert "tokenizer_checksum" in err.value.message and "context_length" in err.value.message
+    with pytest.raises(KVError) as err:
         client.register_worker("bad", card(namespace="has.dot"))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "card.namespace" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "card.namespace" in err.value.message
+    with pytest.raises(KVError) as err:
         client.register_worker("", card())
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.INVALID_ARGUMENT and "name" in err.value.message
+    with pytest.raises(KVError) as err:
         client.route("no-such-model")
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.NOT_FOUND
+    with pytest.raises(KVError) as err:
         client.route("llama-8b", token_ids=[1] * 16, hashes=[1])
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.INVALID_ARGUMENT
+    with pytest.raises(KVError) as err:
         client.remove_worker("ghost")
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.code == Code.NOT_FOUND
     assert list(router.admission.workers) == ["ok"]
 
 
 def test_worker_session_ends_with_the_call(served):
-    router, client, server = served
+    router, _, server = served
     channel = grpc.insecure_channel(server.address)
     stub = router_pb2_grpc.RouterStub(channel)
     call = stub.WorkerSession(
@@ -138,7 +151,8 @@ def test_store_client_advertise_publish_query(served):
     router, client, _ = served
     gen = client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
     hashes = [5, 6, 7]
-    assert client.publish([StoreEvent("stored", NS, hashes, "node-a")]) == (1, 0)
+    reply = client.publish([StoreEvent("stored", NS, hashes, "node-a")])
+    assert (reply.applied, reply.dropped) == (1, 0)
     with RouterClient(client.address) as other:
         other.advertise_peer("node-b", "127.0.0.1:50052", "", [NS])
         other.publish([StoreEvent("stored", NS, hashes[:1], "node-b")])
@@ -153,16 +167,15 @@ def test_store_client_advertise_publish_query(served):
     assert client.query_prefix("tenant.ffffffffffffffff", hashes) == []
     # A restart (new advertisement) makes the old generation stale.
     client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
-    assert client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen) == (0, 1)
-    with pytest.raises(grpc.RpcError) as err:
+    reply = client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen)
+    assert (reply.applied, reply.dropped) == (0, 1)
+    with pytest.raises(KVError) as err:
         client.publish([b"\x00not msgpack map"])
-    assert (
-        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "events[0]" in err.value.details()
-    )
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == Code.INVALID_ARGUMENT and "events[0]" in err.value.message
+    with pytest.raises(KVError) as err:
         client.query_prefix("no-fingerprint", hashes)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "final_namespace" in err.value.details()
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "final_namespace" in err.value.message
     assert router.stats().peers == 2
 
 
@@ -183,7 +196,7 @@ def test_router_follows_a_real_store_servers_event_stream(served):
 
     store = server.call(start_store)
     try:
-        router.subscriptions.add_store(f"127.0.0.1:{store.port}")
+        server.loop.call_soon_threadsafe(server.served.follow_store, f"127.0.0.1:{store.port}")
         hashes = [41, 42, 43]
 
         def publish_until_seen():
@@ -225,9 +238,12 @@ def test_flags_standalone_and_embedded():
         ]
     )
     assert (args.host, args.port) == ("127.0.0.1", 50061)
-    router = build_router(args)
-    assert router.config.identity.value == "r1" and router.config.scoring.overlap_weight == 2
-    assert router.feed_specs == (["w=tcp://127.0.0.1:5557"], ["127.0.0.1:50051"])
+    served = build_served_router(args)
+    config = served.router.config
+    assert config.identity.value == "r1" and config.scoring.overlap_weight == 2
+    assert served.feeds == FeedSpecs(
+        vllm=(("w", "tcp://127.0.0.1:5557"),), stores=("127.0.0.1:50051",)
+    )
     for action in p._actions:
         assert action.help, action.dest
     embedded = argparse.ArgumentParser()
@@ -236,9 +252,11 @@ def test_flags_standalone_and_embedded():
     add_router_arguments(embedded, embedded=True)  # no clash with the host command's flags
     assert embedded.parse_args(["--no-router"]).no_router
     with pytest.raises(ValueError, match="--temperature"):
-        build_router(p.parse_args(["--temperature", "-1"]))
+        build_served_router(p.parse_args(["--temperature", "-1"]))
     with pytest.raises(ValueError, match="--zmq-endpoint"):
-        build_router(p.parse_args(["--zmq-endpoint", "tcp://x:1"]))
+        build_served_router(p.parse_args(["--zmq-endpoint", "tcp://x:1"]))
+    with pytest.raises(ValueError, match="--zmq-endpoint"):
+        build_served_router(p.parse_args(["--zmq-endpoint", "w="]))
 
 
 def test_standalone_router_serves_health_and_stops_on_sigterm():

@@ -7,15 +7,18 @@ tests depend on neither vLLM nor msgspec.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import msgpack
 import pytest
 import zmq
 
+from kvstore.cli.router import add_router_arguments, feed_specs
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import decode_batch, decode_message
+from kvstore.testing.vllm_events import encode_batch
 from tests.router.conftest import ServerThread, card
 
 H = [0x1111, 0x2222, 0x3333, 0xFFFF_FFFF_FFFF_FFFF]
@@ -31,8 +34,7 @@ def removed(hashes, medium="GPU"):
 
 
 def batch(*events, ts=1.5, dp_rank=None) -> bytes:
-    body = [ts, list(events)] + ([dp_rank] if dp_rank is not None else [])
-    return msgpack.packb(body, use_bin_type=True)
+    return encode_batch(list(events), ts=ts, data_parallel_rank=dp_rank)
 
 
 def frames(payload: bytes, seq: int = 0, topic: bytes = b"") -> list[bytes]:
@@ -186,15 +188,17 @@ def test_replaced_worker_old_publisher_is_ignored(served, pub):
     for _ in range(20):
         old_sock.send_multipart(frames(batch(stored([0xDEAD]))))
     time.sleep(0.2)
-    masks = [i.masks for i in router.domains.values()]
+    masks = [i.masks for i in router.domains.indexes.values()]
     assert all(0xDEAD not in m for m in masks) and any(0xBEEF in m for m in masks)
 
 
 def test_static_endpoint_flag_feeds_the_named_worker(pub):
     sock, endpoint = pub()
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    args = parser.parse_args(["--zmq-endpoint", f"w={endpoint}"])
     router = Router()
-    router.feed_specs = ([f"w={endpoint}"], [])
-    server = ServerThread(router)
+    server = ServerThread(router, feed_specs(args))
     try:
         with RouterClient(server.address) as client:
             client.register_worker("w", card())

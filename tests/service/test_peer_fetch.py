@@ -118,11 +118,11 @@ def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
 
 def _router_knows(b_addr, ns, hashes) -> bool:
     from kvstore._proto import store_pb2 as pb
-    from kvstore.client.store_client import _call
+    from kvstore.client.store_client import call
 
     client = StoreClient(b_addr)
     try:
-        r = _call(
+        r = call(
             client.stub.Prefetch, pb.PrefetchRequest(namespace=ns, block_hashes=hashes[:1]), 10
         )
         return r.fetched_blocks + r.local_blocks == 1
@@ -131,8 +131,8 @@ def _router_knows(b_addr, ns, hashes) -> bool:
 
 
 def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
-    (a_addr, a, a_proc), (b_addr, b, _), _ = cluster
-    src, ns = instance(a_addr, "src")
+    (a_addr, _a, a_proc), (b_addr, b, _), _ = cluster
+    src, _ns = instance(a_addr, "src")
     dst, _ = instance(b_addr, "dst")
     try:
         hashes = [9000 + i for i in range(6)]
@@ -143,7 +143,7 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
         a_proc.wait(timeout=10)
         used = b.stats().used_bytes
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
+        with pytest.raises(RuntimeError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
             dst[0].call("load", [(h, 16 + i) for i, h in enumerate(hashes)])
         assert time.monotonic() - t0 < 30
         stats = b.stats()

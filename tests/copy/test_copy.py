@@ -1,6 +1,6 @@
 """Copy engine: every byte of every layout, host copier and (on a GPU) CUDA copier.
 
-The oracle is kvstore.copy.reference (torch indexing on the original tensors).
+The oracle is kvstore.copy.testing (torch indexing on the original tensors).
 Tensors are views over a raw uint8 buffer, so results are compared byte for
 byte on the buffers (bf16 noise contains NaNs; torch.equal would lie).
 """
@@ -28,13 +28,12 @@ from kvstore.copy import (
     copier_for,
     merge_adjacent,
     plan,
-    reference_gather,
-    reference_scatter,
     region_from_tensor,
     split_pieces,
 )
 from kvstore.copy.host import native_copy_function
 from kvstore.copy.plan import check_disjoint
+from kvstore.copy.testing import reference_gather, reference_scatter
 
 FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
 HAS_CUDA = torch.cuda.is_available()

@@ -20,7 +20,7 @@ from kvstore.copy.geometry import physical_order, region_from_tensor
 def reference_gather(
     tensors: Sequence[torch.Tensor], kinds: Sequence[str], block_ids: Sequence[int] | np.ndarray
 ) -> list[torch.Tensor]:
-    """Per layer, a uint8 tensor [len(block_ids), slot_bytes] of slot images (on the tensor's device)."""
+    """Per layer, a uint8 tensor [len(block_ids), slot_bytes] of slot images, on its device."""
     ids = _ids(block_ids, tensors)
     images = []
     for t, kind in zip(tensors, kinds, strict=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,7 @@ SIZES = [100, 4096, 5000, 16384, 40000, SLAB]
 
 def overlaps(live: dict[int, int]) -> bool:
     spans = sorted(live.items())
-    return any(a + sa > b for (a, sa), (b, _) in zip(spans, spans[1:]))
+    return any(a + sa > b for (a, sa), (b, _) in itertools.pairwise(spans))
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,8 +1,8 @@
 """Copy-engine benchmark: gather (save) and scatter (load) throughput vs a contiguous copy.
 
-    python bench/copy.py --quick              # < 1 min on a 2-core host
-    python bench/copy.py                      # full sweep
-    python bench/copy.py --device cuda        # on a GPU (rows merge into the same JSON)
+    python bench/copy_engine.py --quick              # < 1 min on a 2-core host
+    python bench/copy_engine.py                      # full sweep
+    python bench/copy_engine.py --device cuda        # on a GPU (rows merge into the same JSON)
 
 For each layout, slot size (one layer of one block) and block count, a request
 moves `num_blocks` random blocks of `num_layers` layers between a paged cache
@@ -18,32 +18,26 @@ measurement (bench_e2e) can be registered in SECTIONS next to "copy".
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import platform
+import statistics
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-# Run as a script, this file's folder would come first on sys.path and this
-# module would shadow the standard library's `copy` (imported by dataclasses).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from kvstore.copy import HostCopier, Pieces, copier_for, plan, region_from_tensor
+from kvstore.wire.kv_layout import KINDS
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from kvstore.copy import HostCopier, Pieces, copier_for, plan, region_from_tensor  # noqa: E402
-
-RESULTS = Path(_HERE) / "results"
-LAYOUTS = ("kv_first", "blocks_first", "mla")
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUTS = KINDS
 SLOT_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
 STYLES = ("-", "--", ":", "-.")  # one line style per block count in the plot
 GBPS_NOTE = (
@@ -249,7 +243,7 @@ def bench_copy(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 def bench_e2e(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Save / Load of 256 blocks x 32 layers through a real server (bench/e2e_store.py)."""
-    from bench.e2e_store import bench_e2e as run
+    from e2e_store import bench_e2e as run  # bench/ is sys.path[0] when run as a script
 
     return run(args)
 
@@ -413,8 +407,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--total-mib", type=int, default=0, help="override bytes per request")
     p.add_argument("--out", type=Path, default=RESULTS / "copy.json")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-streaming", action="store_true",
-                   help="host: plain memcpy only (no cache-bypassing stores), for comparison")  # fmt: skip
+    p.add_argument(
+        "--no-streaming",
+        action="store_true",
+        help="host: plain memcpy only (no cache-bypassing stores), for comparison",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda":
         args.device = "cuda:0"

@@ -121,20 +121,18 @@ class NodeState:
         slot_bytes: int = 4096,
         pool_blocks: int = 32,
     ) -> tuple[str, str]:
-        """Serve from a real BlockStore (TP1, two layers) whose sealed blocks hold
+        """Serve from a real store node (TP1, two layers) whose sealed blocks hold
         slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
-        from kvstore.store.peer_store import StoreSource
+        from kvstore.store.fetch import StoreSource
         from kvstore.testing.store import make_instance, make_store
 
-        self.registry, self.store = make_store(
-            pool_bytes=pool_blocks * 2 * slot_bytes, slab_bytes=8 * slot_bytes
-        )
+        self.node = make_store(pool_bytes=pool_blocks * 2 * slot_bytes, slab_bytes=8 * slot_bytes)
         self.ranks = make_instance(
-            self.registry, "peer", tp_size=1, layers=2, num_blocks=16, block_bytes=slot_bytes
+            self.node.registry, "peer", tp_size=1, layers=2, num_blocks=16, block_bytes=slot_bytes
         )
-        self.seal = self.registry.instances["peer"].seal
+        self.seal = self.node.registry.instances["peer"].seal
         await self._save_store(hashes)
-        self.server = make_server(behaviour, StoreSource(self.store), 30.0)
+        self.server = make_server(behaviour, StoreSource(self.node.index), 30.0)
         await self.server.start()
         return self.server.address, self.seal.final_namespace
 
@@ -145,7 +143,7 @@ class NodeState:
             for i, h in enumerate(batch):
                 for s, t in enumerate(rank.tensors):  # slot s = layer s (TP1)
                     t[:, i] = torch_from(slot_content(h, s, t[:, i].numel())).view(2, -1)
-            await self.store.save(self.seal, rank.reg, [(h, i) for i, h in enumerate(batch)])
+            await self.node.save(rank.reg.caller_id, [(h, i) for i, h in enumerate(batch)])
 
     async def evict_with(self, hashes: list[int]) -> dict:
         """Save ``hashes`` too, pushing older unpinned blocks out of the pool."""
@@ -154,9 +152,9 @@ class NodeState:
 
     async def store_state(self) -> dict:
         return {
-            "evictions": self.store.counters.evictions,
+            "evictions": self.node.index.stats().evictions,
             "sent_half": self.server.sent_half,
-            "held": [k[1] for k, b in self.store.blocks.items() if b.sealed and b.pins],
+            "held": [k[1] for k, b in self.node.index.blocks.items() if b.sealed and b.pins],
         }
 
     async def leases(self) -> dict:
@@ -341,7 +339,7 @@ def test_fetch_every_byte_several_slot_sizes(nodes):
 
 def test_fetch_partial_prefix(nodes):
     """The peer holds blocks 0-4 and 6 of 8: only the prefix 0-4 comes back."""
-    held = HASHES[:5] + [HASHES[6]]
+    held = [*HASHES[:5], HASHES[6]]
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(held, [32 << 10] * 64))
     out = client.call("fetch", address=address, hashes=HASHES[:8])
@@ -581,7 +579,7 @@ def test_lease_released_when_fetcher_killed_mid_transfer(nodes):
 
 
 def test_transfer_racing_an_eviction_on_the_peer_is_safe(nodes):
-    """A real BlockStore serves: while the fetch is paused half-way, the peer saves
+    """A real store node serves: while the fetch is paused half-way, the peer saves
     enough new blocks to evict; the leased blocks stay pinned and every byte arrives."""
     server, client = nodes(), nodes()
     leased, pressure = HASHES[:8], [(1 << 40) + i for i in range(64)]

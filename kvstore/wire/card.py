@@ -1,6 +1,8 @@
-"""Worker cards and the card checksum (DESIGN.md section 5).
+"""Worker cards, the card checksum and card validation (docs/design.md §5).
 
-A worker describes what it serves in a :class:`WorkerCard`. Two kinds of
+Every worker and every router agree on this format: a worker sends its card
+when it registers, and the router admits, checksums and compares cards with
+the functions here. A worker describes what it serves in a :class:`WorkerCard`. Two kinds of
 fields live on it:
 
 * checksum inputs: everything that changes which prompts a worker accepts,
@@ -20,19 +22,22 @@ cannot change it.
 from __future__ import annotations
 
 import posixpath
-import re
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import blake3
 
 from kvstore.wire import limits
 from kvstore.wire.errors import invalid
 from kvstore.wire.framing import frame
+from kvstore.wire.names import (
+    check_final_namespace,
+    check_name,
+    check_token,
+    is_client_namespace,
+)
 
 CARD_MARKER = "kvstore/card/v1"
-NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}")
-TOKEN_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # roles, hash formats, needs
-FINAL_NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}\.[0-9a-f]{{16}}")
 
 
 @dataclass
@@ -150,97 +155,126 @@ def _short(value: object) -> str:
     return text if len(text) <= 48 else text[:45] + "..."
 
 
+# -- validation: one table per rule, checked in this order --------------------
+
+# (field, lowest, highest) for the integer fields.
+_RANGES = (
+    ("kv_block_size", 1, limits.MAX_BLOCK_SIZE),
+    ("context_length", 0, limits.MAX_CONTEXT_LENGTH),
+    ("capacity_blocks", 0, (1 << 63) - 1),
+)
+# Single tokens ([A-Za-z0-9_.:-]{1,64}) and lists of them.
+_TOKENS = ("hash_format", "worker_type", "component", "endpoint")
+_TOKEN_LISTS = ("needs", "multimodal")
+# (longest allowed, fields) for free text.
+_MAX_LENGTHS = (
+    (
+        limits.MAX_CHECKSUM_LEN,
+        (
+            "model_config_checksum",
+            "tokenizer_checksum",
+            "prompt_formatter_checksum",
+            "chat_template_checksum",
+            "generation_config_checksum",
+        ),
+    ),
+    (
+        limits.MAX_TEXT_LEN,
+        (
+            "prompt_context",
+            "router_config",
+            "indexer_semantics_override",
+            "indexer_scope_override",
+            "source_path",
+        ),
+    ),
+    (limits.MAX_ADDRESS_LEN, ("address", "node_id", "kv_events_endpoint")),
+)
+
+
 def validate_card(card: WorkerCard) -> None:
     """Raise INVALID_ARGUMENT naming the first bad field; change nothing."""
-    _name("card.display_name", card.display_name)
-    if len(card.aliases) > limits.MAX_ALIASES:
-        raise invalid(f"card.aliases: {len(card.aliases)} aliases, at most {limits.MAX_ALIASES}")
-    for i, alias in enumerate(card.aliases):
-        _name(f"card.aliases[{i}]", alias)
-    if len(set(card.aliases)) != len(card.aliases):
+    for check in _CHECKS:
+        check(card)
+
+
+def _check_names(card: WorkerCard) -> None:
+    check_name("card.display_name", card.display_name)
+    aliases = card.aliases
+    if len(aliases) > limits.MAX_ALIASES:
+        raise invalid(f"card.aliases: {len(aliases)} aliases, at most {limits.MAX_ALIASES}")
+    for i, alias in enumerate(aliases):
+        check_name(f"card.aliases[{i}]", alias)
+    if len(set(aliases)) != len(aliases):
         raise invalid("card.aliases: duplicate alias")
-    if card.display_name in card.aliases:
+    if card.display_name in aliases:
         raise invalid(f"card.aliases: contains the display name {card.display_name!r}")
-    if not 1 <= card.kv_block_size <= limits.MAX_BLOCK_SIZE:
-        raise invalid(
-            f"card.kv_block_size: {card.kv_block_size} not in [1, {limits.MAX_BLOCK_SIZE}]"
-        )
-    if not 0 <= card.context_length <= limits.MAX_CONTEXT_LENGTH:
-        raise invalid(f"card.context_length: {card.context_length} out of range")
-    _token("card.hash_format", card.hash_format)
-    _token("card.worker_type", card.worker_type)
-    for list_field in ("needs", "multimodal"):
-        items = getattr(card, list_field)
+
+
+def _check_ranges(card: WorkerCard) -> None:
+    for name, lowest, highest in _RANGES:
+        value = getattr(card, name)
+        if not lowest <= value <= highest:
+            raise invalid(f"card.{name}: {value} not in [{lowest}, {highest}]")
+
+
+def _check_tokens(card: WorkerCard) -> None:
+    for name in _TOKENS:
+        check_token(f"card.{name}", getattr(card, name))
+    for name in _TOKEN_LISTS:
+        items = getattr(card, name)
         if len(items) > limits.MAX_LIST_ITEMS:
-            raise invalid(f"card.{list_field}: {len(items)} items, at most {limits.MAX_LIST_ITEMS}")
+            raise invalid(f"card.{name}: {len(items)} items, at most {limits.MAX_LIST_ITEMS}")
         for i, item in enumerate(items):
-            _token(f"card.{list_field}[{i}]", item)
-    for cs in (
-        "model_config_checksum",
-        "tokenizer_checksum",
-        "prompt_formatter_checksum",
-        "chat_template_checksum",
-        "generation_config_checksum",
-    ):
-        if len(getattr(card, cs)) > limits.MAX_CHECKSUM_LEN:
-            raise invalid(f"card.{cs}: longer than {limits.MAX_CHECKSUM_LEN}")
-    if len(card.extra_files) > limits.MAX_EXTRA_FILES:
-        raise invalid(
-            f"card.extra_files: {len(card.extra_files)} files, at most {limits.MAX_EXTRA_FILES}"
-        )
-    basenames = [pair[0] for pair in extra_file_pairs(card.extra_files)]
-    for name, checksum in card.extra_files.items():
+            check_token(f"card.{name}[{i}]", item)
+
+
+def _check_lengths(card: WorkerCard) -> None:
+    for longest, names in _MAX_LENGTHS:
+        for name in names:
+            if len(getattr(card, name)) > longest:
+                raise invalid(f"card.{name}: longer than {longest}")
+
+
+def _check_extra_files(card: WorkerCard) -> None:
+    files = card.extra_files
+    if len(files) > limits.MAX_EXTRA_FILES:
+        raise invalid(f"card.extra_files: {len(files)} files, at most {limits.MAX_EXTRA_FILES}")
+    for name, checksum in files.items():
         if len(name) > limits.MAX_ADDRESS_LEN or len(checksum) > limits.MAX_CHECKSUM_LEN:
             raise invalid(f"card.extra_files[{name[:64]!r}]: name or checksum too long")
-    if any(not b for b in basenames):
+    basenames = [pair[0] for pair in extra_file_pairs(files)]
+    if not all(basenames):
         raise invalid("card.extra_files: a file name has an empty basename")
     if len(set(basenames)) != len(basenames):
         raise invalid("card.extra_files: two files share a basename")
-    for text_field in (
-        "prompt_context",
-        "router_config",
-        "indexer_semantics_override",
-        "indexer_scope_override",
-        "source_path",
-    ):
-        if len(getattr(card, text_field)) > limits.MAX_TEXT_LEN:
-            raise invalid(f"card.{text_field}: longer than {limits.MAX_TEXT_LEN}")
+
+
+def _check_lora(card: WorkerCard) -> None:
     if card.lora and not card.lora_base:
         raise invalid("card.lora_base: a LoRA card must name its base model")
     if card.lora_base and not card.lora:
         raise invalid("card.lora_base: set on a card that is not a LoRA")
     if card.lora_base:
-        _name("card.lora_base", card.lora_base)
-    if not NAMESPACE_RE.fullmatch(card.namespace):
+        check_name("card.lora_base", card.lora_base)
+
+
+def _check_namespaces(card: WorkerCard) -> None:
+    if not is_client_namespace(card.namespace):
         raise invalid(
-            f"card.namespace: {card.namespace[:64]!r} does not match [A-Za-z0-9_-]{{1,128}}"
+            f"card.namespace: {card.namespace[:64]!r} does not match "
+            f"[A-Za-z0-9_-]{{1,{limits.MAX_NAMESPACE_LEN}}}"
         )
-    _token("card.component", card.component)
-    _token("card.endpoint", card.endpoint)
-    for addr in ("address", "node_id", "kv_events_endpoint"):
-        if len(getattr(card, addr)) > limits.MAX_ADDRESS_LEN:
-            raise invalid(f"card.{addr}: longer than {limits.MAX_ADDRESS_LEN}")
-    if card.final_namespace and not FINAL_NAMESPACE_RE.fullmatch(card.final_namespace):
-        raise invalid(
-            f"card.final_namespace: {card.final_namespace[:64]!r} is not "
-            "'<client namespace>.<16 hex fingerprint>'"
-        )
-    if not 0 <= card.capacity_blocks < 1 << 63:
-        raise invalid("card.capacity_blocks: out of range")
+    if card.final_namespace:
+        check_final_namespace("card.final_namespace", card.final_namespace)
 
 
-def _name(where: str, value: str) -> None:
-    if not value or len(value) > limits.MAX_NAME_LEN or not value.isprintable():
-        raise invalid(
-            f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}"
-        )
-
-
-def _token(where: str, value: str) -> None:
-    if not TOKEN_RE.fullmatch(value):
-        raise invalid(f"{where}: {value[:64]!r} does not match [A-Za-z0-9_.:-]{{1,64}}")
-
-
-def card_field_names() -> list[str]:
-    """All card fields (used by the proto conversion and its test)."""
-    return [f.name for f in fields(WorkerCard)]
+_CHECKS: tuple[Callable[[WorkerCard], None], ...] = (
+    _check_names,
+    _check_ranges,
+    _check_tokens,
+    _check_lengths,
+    _check_extra_files,
+    _check_lora,
+    _check_namespaces,
+)

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.client.store_client import StoreClient, _call
+from kvstore.client.store_client import StoreClient, call
 from kvstore.testing.worker import WorkerGroup
 from kvstore.wire.errors import KVError
 from kvstore.wire.events import StoreEvent
@@ -73,16 +73,16 @@ def test_save_in_one_instance_load_in_another_every_byte(server):
 
 
 def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
-    a, ns = instance(server, "a")
+    a, _ns = instance(server, "a")
     try:
-        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*block_id 99"):
+        with pytest.raises(RuntimeError, match=r"INVALID_ARGUMENT.*block_id 99"):
             a[0].call("save", [(1, 99)])
-        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*twice"):
+        with pytest.raises(RuntimeError, match=r"INVALID_ARGUMENT.*twice"):
             a[0].call("save", [(1, 0), (1, 1)])
         client = StoreClient(server.address)
         session = a[0].session
         with pytest.raises(KVError, match="not the caller's"):
-            _call(
+            call(
                 client.stub.Save,
                 pb.SaveRequest(
                     instance_id="a", rank=1, session=session, blocks=[pb.BlockRef(block_hash=1)]
@@ -91,7 +91,7 @@ def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
             )
         assert client.stats().used_bytes == 0
         a.each("save", [(1, 0), (2, 1)])  # a load into one block_id twice is refused
-        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT.*block_id 5 is the target"):
+        with pytest.raises(RuntimeError, match=r"INVALID_ARGUMENT.*block_id 5 is the target"):
             a[0].call("load", [(1, 5), (2, 5)])
         assert client.stats().bytes_loaded == 0
     finally:
@@ -126,7 +126,7 @@ def test_concurrent_instances_save_and_load_every_byte(server):
                     )
                 )
         for ws, _ in insts:
-            [w._reply() for w in ws]
+            [w.reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
             for w in ws.workers:
                 w.conn.send(
@@ -137,7 +137,7 @@ def test_concurrent_instances_save_and_load_every_byte(server):
                     )
                 )
         for ws, _ in insts:
-            [w._reply() for w in ws]
+            [w.reply() for w in ws]
         ns = insts[0][1]
         client = StoreClient(server.address)
         assert client.stats().sealed_blocks == 8 + 3 * 8
@@ -153,7 +153,7 @@ def test_concurrent_instances_save_and_load_every_byte(server):
                     )
                 )
         for ws, _ in insts:
-            [w._reply() for w in ws]
+            [w.reply() for w in ws]
         for k, (ws, _) in enumerate(insts):
             other = insts[(k + 1) % 3][0]
             assert ws.each("digest", list(range(24, 32))) == other.each(

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.client.store_client import KVLayer, StoreClient, _call, kv_cache_shm
+from kvstore.client.store_client import KVLayer, StoreClient, call, kv_cache_shm
+from kvstore.testing.raw_client import register_raw
 from kvstore.wire.errors import Code, KVError
 
 LAYERS = 2
@@ -45,7 +46,7 @@ def kit(server):
     sessions = []
 
     def register(req):
-        sess = client.register_raw(req)
+        sess = register_raw(client, req)
         sessions.append(sess)
         return sess
 
@@ -236,10 +237,10 @@ def test_missing_memory_handle(kit):
 
 
 def test_unknown_instance(kit):
-    request, register, server = kit
+    _request, _register, server = kit
     client = StoreClient(server.address)
     with pytest.raises(KVError) as info:
-        _call(
+        call(
             client.stub.Save,
             pb.SaveRequest(
                 instance_id="ghost",

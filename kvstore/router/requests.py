@@ -1,0 +1,86 @@
+"""What a request to the router may carry: bounds and formats, checked up front.
+
+Every public :class:`~kvstore.router.core.Router` method runs these before it
+takes its lock, so a refused request (INVALID_ARGUMENT naming the field) has
+changed nothing. The bounds are the ones in ``kvstore.wire.limits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.wire import limits
+from kvstore.wire.errors import invalid
+from kvstore.wire.events import StoreEvent
+from kvstore.wire.names import U64_MAX, check_final_namespace, check_name
+
+
+def check_route(
+    model: str,
+    token_ids: Sequence[int] | None,
+    hashes: Sequence[int] | None,
+    request_id: str,
+    decode_tokens: int,
+) -> list[int]:
+    """Validate a route request; return its block hashes (empty when tokens are given)."""
+    check_name("model", model)
+    if token_ids and hashes:
+        raise invalid("token_ids and block_hashes: give one of them, not both")
+    if token_ids is not None and len(token_ids) > limits.MAX_TOKEN_IDS:
+        raise invalid(f"token_ids: {len(token_ids)} tokens, at most {limits.MAX_TOKEN_IDS}")
+    checked = check_hashes("block_hashes", hashes) if hashes else []
+    check_request_id(request_id)
+    if not 0 <= decode_tokens <= limits.MAX_DECODE_TOKENS:
+        raise invalid(f"decode_tokens: {decode_tokens} not in [0, {limits.MAX_DECODE_TOKENS}]")
+    return checked
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > limits.MAX_REQUEST_ID_LEN:
+        raise invalid(f"request_id: longer than {limits.MAX_REQUEST_ID_LEN}")
+
+
+def check_hashes(where: str, hashes: Sequence[int]) -> list[int]:
+    """At most MAX_BLOCK_HASHES u64 values, as a list."""
+    if len(hashes) > limits.MAX_BLOCK_HASHES:
+        raise invalid(f"{where}: {len(hashes)} hashes, at most {limits.MAX_BLOCK_HASHES}")
+    hashes = list(hashes)
+    if hashes and (min(hashes) < 0 or max(hashes) > U64_MAX):
+        raise invalid(f"{where}: hashes must be u64")
+    return hashes
+
+
+def check_peer(
+    node_id: str, store_address: str, ucx_address: str, namespaces: Sequence[str], lease_ms: int
+) -> None:
+    """Every field of a store's advertisement."""
+    check_name("node_id", node_id)
+    for where, addr in (("store_address", store_address), ("ucx_address", ucx_address)):
+        if len(addr) > limits.MAX_ADDRESS_LEN:
+            raise invalid(f"{where}: longer than {limits.MAX_ADDRESS_LEN}")
+    if len(namespaces) > limits.MAX_NAMESPACES_PER_PEER:
+        raise invalid(
+            f"final_namespaces: {len(namespaces)} given, at most {limits.MAX_NAMESPACES_PER_PEER}"
+        )
+    for i, ns in enumerate(namespaces):
+        check_final_namespace(f"final_namespaces[{i}]", ns)
+    if not 0 <= lease_ms <= limits.MAX_LEASE_MS:
+        raise invalid(f"lease_ms: {lease_ms} not in [0, {limits.MAX_LEASE_MS}]")
+
+
+def decode_store_events(payloads: Sequence[bytes]) -> list[StoreEvent]:
+    """Every payload decoded and bounded, or INVALID_ARGUMENT naming the first bad one."""
+    if len(payloads) > limits.MAX_EVENTS_PER_PUBLISH:
+        raise invalid(f"events: {len(payloads)} events, at most {limits.MAX_EVENTS_PER_PUBLISH}")
+    events = []
+    for i, payload in enumerate(payloads):
+        if len(payload) > limits.MAX_EVENT_BYTES:
+            raise invalid(f"events[{i}]: {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}")
+        try:
+            event = StoreEvent.decode(payload)
+        except ValueError as exc:
+            raise invalid(f"events[{i}]: {exc}") from exc
+        if len(event.block_hashes) > limits.MAX_HASHES_PER_EVENT:
+            raise invalid(f"events[{i}].block_hashes: more than {limits.MAX_HASHES_PER_EVENT}")
+        events.append(event)
+    return events

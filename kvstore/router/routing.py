@@ -1,0 +1,130 @@
+"""One route, step by step: draw a WorkerSet, measure each member's prefix, answer.
+
+The router core calls these under its lock, in this order:
+
+    draw_worker_set   among the sets a model name resolves to, by member count
+    hash_tokens       token ids -> block hashes (native hash format only)
+    candidates        per member: prefix depth on its GPU, in its own store, at a peer
+    (scoring.py)      cost of each candidate, then the argmin or a softmax draw
+    route_result      the answer, with each block counted in the best tier holding it
+
+A member's depths come from two kinds of index: its own events, in its
+indexer domain (gpu and offload tiers, domains.py), and the store peers of
+its card's final namespace (its node's store, and the deepest other holder,
+peers.py). One prefix walk per domain and per namespace serves every member.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.router.admission import Worker, WorkerSet, WorkerSetKey
+from kvstore.router.domains import DomainIndexes
+from kvstore.router.peers import Peers, StoreDepths
+from kvstore.router.scoring import Candidate, ScoringConfig, explain
+from kvstore.wire.errors import precondition
+from kvstore.wire.events import GPU_TIER, STORE_TIER
+from kvstore.wire.hashing import HASH_FORMAT, block_hashes
+
+
+@dataclass
+class RouteResult:
+    worker: Worker
+    request_id: str
+    total_blocks: int
+    overlap_blocks: int
+    gpu_blocks: int
+    store_blocks: int
+    remote_blocks: int
+    cost: float
+    reason: str
+    worker_set: WorkerSetKey
+    worker_sets: int
+
+
+def draw_worker_set(sets: list[WorkerSet], rng: random.Random) -> WorkerSet:
+    """One of the matching WorkerSets, drawn by member count (a rolling upgrade)."""
+    if len(sets) == 1:
+        return sets[0]
+    return rng.choices(sets, weights=[len(s.members) for s in sets], k=1)[0]
+
+
+def hash_tokens(wset: WorkerSet, token_ids: Sequence[int]) -> list[int]:
+    """The router hashes tokens only for WorkerSets of the native hash format."""
+    if wset.reference.hash_format != HASH_FORMAT:
+        raise precondition(
+            f"token_ids: WorkerSet {wset.key} uses hash format "
+            f"{wset.reference.hash_format!r}; send block_hashes"
+        )
+    return block_hashes(token_ids, wset.reference.kv_block_size)
+
+
+def candidates(
+    wset: WorkerSet, hashes: list[int], domains: DomainIndexes, peers: Peers
+) -> list[Candidate]:
+    """Per member: its gpu / local store / remote prefix lengths of ``hashes``."""
+    members = list(wset.members.values())
+    cands = [Candidate(w.ref, 0, 0, 0) for w in members]
+    if hashes:
+        _own_depths(members, cands, hashes, domains)
+        _store_depths(members, cands, hashes, peers)
+    return cands
+
+
+def _own_depths(
+    members: list[Worker], cands: list[Candidate], hashes: list[int], domains: DomainIndexes
+) -> None:
+    """GPU and own-offload depths, from the workers' own events in their domains."""
+    depths = domains.depths(members, hashes)
+    for w, c in zip(members, cands, strict=True):
+        c.gpu = depths.get((w.ref, GPU_TIER), 0)
+        c.store = depths.get((w.ref, STORE_TIER), 0)
+
+
+def _store_depths(
+    members: list[Worker], cands: list[Candidate], hashes: list[int], peers: Peers
+) -> None:
+    """Depths in the store peers of each member's final namespace: its own node's
+    store (local) and the deepest other holder (remote)."""
+    by_ns: dict[str, StoreDepths] = {}
+    for w, c in zip(members, cands, strict=True):
+        ns = w.card.final_namespace
+        if not ns:
+            continue
+        depths = by_ns.get(ns)
+        if depths is None:
+            depths = by_ns[ns] = peers.store_depths(ns, hashes)
+        c.store = max(c.store, depths.own(w.card.node_id))
+        c.remote = depths.elsewhere(w.card.node_id)
+
+
+def route_result(
+    wset: WorkerSet,
+    sets: list[WorkerSet],
+    best: Candidate,
+    cands: list[Candidate],
+    request_id: str,
+    total: int,
+    cfg: ScoringConfig,
+) -> RouteResult:
+    """The answer: each block is counted in the best tier that holds it."""
+    reason = explain(best, cands, total, cfg)
+    if len(sets) > 1:
+        n = sum(len(s.members) for s in sets)
+        reason += f"; WorkerSet {wset.key} drawn by worker count ({len(wset.members)}/{n})"
+    local = max(best.gpu, best.store)
+    return RouteResult(
+        wset.members[best.ref.name],
+        request_id,
+        total,
+        best.overlap,
+        best.gpu,
+        max(0, best.store - best.gpu),
+        max(0, best.remote - local),
+        best.cost,
+        reason,
+        wset.key,
+        len(sets),
+    )

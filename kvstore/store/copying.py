@@ -1,0 +1,80 @@
+"""Moving one request's bytes between a worker's paged cache and the pool.
+
+A :class:`CopyJob` is planned on the event loop (which slots, which block
+ids) and run in a worker thread by :func:`copy_in_thread`; on a GPU each job
+gets its own stream (:func:`run_copy`), so concurrent requests overlap and each
+waits only for its own bytes (docs/design.md §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.copy import plan
+
+if TYPE_CHECKING:
+    from kvstore.copy import LayerRegion
+
+SAVE = "save"  # paged cache -> slots
+LOAD = "load"  # slots -> paged cache
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """One request's copy: the caller's layers, its block ids, the slots' addresses."""
+
+    op: str  # SAVE or LOAD
+    device: str
+    regions: list[LayerRegion]  # the caller's layers, in registration order
+    block_ids: np.ndarray  # int64, one per block, in the caller's cache
+    addresses: np.ndarray  # uint64 (layers, blocks): each block's slot of each layer
+    nbytes: int
+
+    def run(self, copier: Any) -> None:
+        """Plan the pieces and copy them; returns once the bytes are in place."""
+        run_copy(copier, self.device, self.op, plan(self.regions, self.block_ids, self.addresses))
+
+
+async def copy_in_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run a copy off the event loop; a cancelled caller still waits for it.
+
+    Bytes already moving cannot be stopped: freeing their slots or unmapping
+    their worker memory before the thread is done would corrupt other blocks
+    or crash the server. So cancellation is deferred until the copy lands.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                future.result()  # the copy's own error wins
+                cancelled = True
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def run_copy(copier: Any, device: str, op: str, pieces: Any) -> None:
+    """Run ``copier.save``/``load`` and return only once the bytes are in place.
+
+    The CUDA copier only enqueues; each call gets its own stream on its device
+    so concurrent requests overlap and each waits for just its own copy.
+    """
+    if device == "cpu":
+        getattr(copier, op)(pieces)
+        return
+    import cupy
+
+    with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        getattr(copier, op)(pieces, stream)
+        stream.synchronize()

@@ -1,0 +1,236 @@
+"""Peer transfer on a node: both ends of the transfer engine, and the fetch policy
+(docs/design.md §4).
+
+* :class:`StoreSource` serves a fetching peer: it pins the longest sealed
+  prefix asked for (a :class:`~kvstore.store.blocks.Lease`, so nothing it
+  sends is evicted) until the last byte is out.
+* :class:`StoreSink` reserves slots for incoming blocks in *detached* blocks,
+  outside the index, so nothing half-written is ever seen; ``commit`` adopts
+  them into the index in one synchronous step, ``abort`` frees them.
+* :class:`Fetcher` decides whom to ask. Which peers: the router's
+  ``QueryPrefix`` answer for exactly this final namespace (so a peer with
+  another layout is never asked), or, without a router, an explicit ``--peer``
+  list. A failed or hung peer costs at most ``timeout_s``; the fetch then
+  retries once on the next peer that holds the prefix.
+
+The transfer engine (:mod:`kvstore.transfer`) moves slots and knows nothing of
+blocks; these adapters are the only place the two meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.store.block import Block
+from kvstore.store.blocks import BlockIndex, Lease
+from kvstore.store.registry import Registry
+from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch
+from kvstore.wire.errors import KVError, invalid, precondition, unavailable
+from kvstore.wire.peers import PeerPrefix
+
+log = logging.getLogger(__name__)
+
+FindPeers = Callable[[str, list[int]], Awaitable[list[PeerPrefix]]]
+
+
+def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
+    """Every slot of ``blocks``, block after block, as a transfer reads or writes it
+    (straight in the pool). Vectorised over blocks: a fetch of thousands of slots
+    builds no per-slot object."""
+    counts = np.fromiter((len(b.slot_bytes) for b in blocks), dtype=np.int64, count=len(blocks))
+    if not blocks:
+        empty = np.zeros(0, dtype=np.int64)
+        return SlotTable(empty.astype(np.uint64), empty, empty, counts, owner=index)
+    rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    bases, memory = [], []
+    for block in blocks:
+        devices = tuple(block.devices)
+        row = rows.get(devices)
+        if row is None:
+            row = rows[devices] = _slot_bases(index, block)
+        bases.append(row[0])
+        memory.append(row[1])
+    offsets = np.concatenate([b.offsets for b in blocks]).astype(np.uint64)
+    return SlotTable(
+        np.concatenate(bases) + offsets,
+        np.concatenate([b.slot_bytes for b in blocks]).astype(np.int64),
+        np.concatenate(memory),
+        counts,
+        owner=index,  # keeps the pools, and so the slots' memory, alive
+    )
+
+
+def _slot_bases(index: BlockIndex, block: Block) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot of a block placed like ``block``: its pool's base, and its memory key
+    (0 for host memory, else the CUDA pool's base: runs never cross allocations)."""
+    pools = [index.pool(d) for d in block.devices]
+    rank = np.arange(len(block.slot_bytes)) % block.tp_size
+    base = np.array([p.base for p in pools], dtype=np.uint64)[rank]
+    memory = np.array([p.base if p.buffer.is_cuda else 0 for p in pools], dtype=np.int64)
+    return base, memory[rank]
+
+
+@dataclass
+class PeerLease:
+    """What a serving peer holds for one fetch: pinned blocks and their slots."""
+
+    hashes: list[int]
+    slots: SlotTable
+    index: BlockIndex
+    lease: Lease
+
+    def release(self) -> None:
+        self.index.unpin(self.lease)  # a second call does nothing
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    served_blocks: int = 0  # blocks leased to fetching peers
+
+
+class StoreSource:
+    """Serves a peer's fetch out of this node's sealed blocks."""
+
+    def __init__(self, index: BlockIndex):
+        self.index = index
+        self._served = 0
+
+    def lease(self, namespace: str, hashes: list[int]) -> PeerLease | None:
+        blocks = self.index.sealed_prefix(namespace, hashes)
+        if not blocks:
+            return None
+        self._served += len(blocks)
+        lease = self.index.pin(blocks, refresh=False)
+        return PeerLease(lease.hashes, slot_table(self.index, blocks), self.index, lease)
+
+    def stats(self) -> SourceStats:
+        return SourceStats(self._served)
+
+
+@dataclass
+class StoreReservation:
+    """Detached blocks a fetch writes into; invisible until commit."""
+
+    index: BlockIndex
+    blocks: list[Block]
+    slots: SlotTable
+    done: bool = False
+
+    def commit(self) -> None:
+        """Make every received block visible (a block saved meanwhile wins)."""
+        if self.done:
+            return
+        self.done = True
+        kept = sum(self.index.adopt(block) for block in self.blocks)
+        log.info("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.index.discard(self.blocks)
+
+
+class StoreSink:
+    """Reserves local slots for blocks of a namespace that a local instance serves."""
+
+    def __init__(self, index: BlockIndex, registry: Registry):
+        self.index = index
+        self.registry = registry
+
+    def reserve(
+        self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
+    ) -> StoreReservation:
+        inst = self.registry.sealed(namespace)
+        if inst is None or inst.seal is None:
+            raise precondition(
+                f"no sealed local instance serves namespace {namespace}; "
+                "register one before fetching its blocks"
+            )
+        expect = inst.seal.slot_bytes.tolist()
+        for i, sizes in enumerate(slot_sizes):
+            if list(sizes) != expect:
+                raise invalid(
+                    f"peer offered block {i} with slot sizes that do not match "
+                    f"the layout of namespace {namespace}"
+                )
+        blocks = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
+        return StoreReservation(self.index, blocks, slot_table(self.index, blocks))
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    local_blocks: int  # prefix already here before the fetch
+    fetched_blocks: int  # blocks pulled from the peer
+    peer: str = ""
+
+    @property
+    def prefix_blocks(self) -> int:
+        return self.local_blocks + self.fetched_blocks
+
+
+@dataclass(frozen=True)
+class FetcherStats:
+    fetched_blocks: int = 0  # committed blocks pulled from peers, each counted once
+
+
+class Fetcher:
+    """Pulls blocks this node misses from a peer store that holds them."""
+
+    def __init__(
+        self, index: BlockIndex, sink: StoreSink, find_peers: FindPeers, timeout_s: float = 10.0
+    ):
+        self.index = index
+        self.sink = sink
+        self.find_peers = find_peers
+        self.timeout_s = timeout_s
+        self._running: dict[tuple, asyncio.Task[FetchResult]] = {}
+        self._fetched = 0
+
+    def stats(self) -> FetcherStats:
+        return FetcherStats(self._fetched)
+
+    async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
+        """Make the longest prefix of ``hashes`` that any peer holds local."""
+        local = len(self.index.sealed_prefix(namespace, hashes))
+        missing = hashes[local:]
+        if not missing:
+            return FetchResult(local, 0)
+        key = (namespace, tuple(missing))
+        task = self._running.get(key)
+        if task is None:  # ranks loading the same blocks share one fetch
+            task = asyncio.ensure_future(self._fetch(namespace, missing))
+            self._running[key] = task
+            task.add_done_callback(lambda _t: self._running.pop(key, None))
+        fetched = await asyncio.shield(task)
+        return dataclasses.replace(fetched, local_blocks=local)
+
+    async def _fetch(self, namespace: str, missing: list[int]) -> FetchResult:
+        peers = await self.find_peers(namespace, missing)
+        if not peers:
+            return FetchResult(0, 0)
+        last: KVError | None = None
+        for peer in peers[:2]:  # the best, then one retry elsewhere
+            want = missing[: peer.prefix_blocks] if peer.prefix_blocks else missing
+            try:
+                n = await fetch(peer.ucx_address, namespace, want, self.sink, self.timeout_s)
+            except (PeerUnavailable, PeerTimeout) as err:
+                log.warning(
+                    "fetch of %d blocks from %s (%s) failed: %s",
+                    len(want),
+                    peer.node_id,
+                    peer.ucx_address,
+                    err,
+                )
+                last = err
+                continue
+            self._fetched += n
+            log.info("fetched %d/%d blocks of %s from %s", n, len(missing), namespace, peer.node_id)
+            return FetchResult(0, n, peer.node_id)
+        raise last or unavailable("no peer could serve the fetch")

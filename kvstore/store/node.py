@@ -1,0 +1,282 @@
+"""One store node's use cases: register, save, load, prefetch, query, release, clear.
+
+What a store request does, start to end, over the node's parts: the registry
+(who may call, and the seal), the block index (which slots), the copy engine
+(the bytes) and, with peer transfer on, the fetcher (docs/design.md §2, §4).
+The gRPC handlers in :mod:`kvstore.service.store_service` decode a request,
+make one call here and encode its result. A refusal is a ``KVError``, and
+a request is checked whole before it changes anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.store.block import Block
+from kvstore.store.blocks import BlockIndex, IndexStats, Writer
+from kvstore.store.copying import LOAD, SAVE, CopyJob, copy_in_thread
+from kvstore.store.fetch import Fetcher, FetcherStats, FetchResult, SourceStats, StoreSource
+from kvstore.store.pool import PoolStats
+from kvstore.store.registry import (
+    Caller,
+    CallerId,
+    Instance,
+    Listener,
+    Registration,
+    Registry,
+    RegistryStats,
+)
+from kvstore.wire.errors import KVError, invalid, precondition
+from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS
+from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_MS = 30_000
+BlockRef = tuple[int, int]  # (block_hash, block_id)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    written: int = 0  # blocks whose caller slots this save wrote
+    skipped: int = 0  # blocks already sealed, or whose caller slots another writer has
+    sealed: int = 0  # blocks this save completed
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    loaded: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    prefix_blocks: int
+    lease_id: str = ""  # set when a lease was asked for and the prefix is not empty
+
+
+@dataclass
+class Counters:
+    """What the node's requests did since it started."""
+
+    hits: int = 0  # queried hashes found sealed
+    misses: int = 0
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """The node's counters and every part's own stats record."""
+
+    devices: tuple[str, ...]
+    requests: Counters
+    index: IndexStats
+    pool: PoolStats  # every device's pool, summed
+    registry: RegistryStats
+    fetcher: FetcherStats = field(default_factory=FetcherStats)
+    source: SourceStats = field(default_factory=SourceStats)
+
+
+class StoreNode:
+    """One node's core; peer transfer is on when a fetcher and a source are given."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        index: BlockIndex,
+        copiers: dict[str, Any],
+        fetcher: Fetcher | None = None,
+        source: StoreSource | None = None,
+    ):
+        """``copiers``: the copy engine of each device of ``index``'s pools."""
+        self.registry = registry
+        self.index = index
+        self.copiers = copiers
+        self.fetcher = fetcher
+        self.source = source
+        self.counters = Counters()
+
+    # ---------------------------------------------------------- registration
+
+    def register(self, reg: Registration) -> Instance:
+        try:
+            return self.registry.register(reg)
+        except KVError as err:
+            log.warning("registration of %s refused: %s", reg.where(), err)
+            raise
+
+    def leave(self, session: str) -> None:
+        """A rank's session ended: unregister it, drop what it left inflight."""
+        self.registry.unregister(session)
+        self.index.drop_writer(session)
+
+    def watch(self, listener: Listener) -> None:
+        """Call ``listener(instance)`` after every registration change."""
+        self.registry.on_change(listener)
+
+    # ---------------------------------------------------------------- blocks
+
+    async def save(self, who: CallerId, refs: list[BlockRef]) -> SaveResult:
+        """Copy the caller's slots of ``refs`` out of its paged cache."""
+        caller = self.registry.caller(who)
+        reg = caller.reg
+        check_refs(reg, refs)
+        slots = caller.seal.slots_of(reg)
+        claim = self.index.claim(
+            caller.seal.final_namespace,
+            [h for h, _ in refs],
+            caller.seal,
+            slots,
+            Writer(reg.session, reg.tp_rank, reg.device),
+        )
+        if not claim.blocks:
+            return SaveResult(skipped=claim.skipped)
+        block_ids = [refs[i][1] for i in claim.picked]
+        job = self._job(SAVE, caller, claim.blocks, block_ids, slots)
+        try:
+            await self._copy(job, reg)
+        except BaseException:
+            self.index.abandon(claim)
+            raise
+        done = self.index.finish(claim)
+        self.counters.bytes_saved += job.nbytes
+        return SaveResult(done.written, claim.skipped, done.sealed, job.nbytes)
+
+    async def load(self, who: CallerId, refs: list[BlockRef]) -> LoadResult:
+        """Copy the caller's slots of sealed blocks ``refs`` into its paged cache,
+        fetching a missing prefix from a peer first when peer transfer is on."""
+        caller = self.registry.caller(who)
+        reg = caller.reg
+        check_load_refs(reg, refs)  # before a fetch brings anything in
+        namespace, hashes = caller.seal.final_namespace, [h for h, _ in refs]
+        if self.fetcher is not None:
+            await self.fetcher.prefetch(namespace, hashes)
+        blocks = self.index.require_sealed(namespace, hashes)
+        for block in blocks:
+            if block.devices[reg.tp_rank] != reg.device:
+                raise invalid(
+                    f"block_hash {block.block_hash:#018x} tp_rank {reg.tp_rank} slots live "
+                    f"on {block.devices[reg.tp_rank]}, caller is on {reg.device}"
+                )
+        job = self._job(LOAD, caller, blocks, [i for _, i in refs], caller.seal.slots_of(reg))
+        lease = self.index.pin(blocks)  # kept from eviction and clear while the bytes move
+        try:
+            await self._copy(job, reg)
+        finally:
+            self.index.unpin(lease)
+        self.counters.bytes_loaded += job.nbytes
+        return LoadResult(len(refs), job.nbytes)
+
+    def _job(
+        self, op: str, caller: Caller, blocks: list[Block], block_ids: list[int], slots: np.ndarray
+    ) -> CopyJob:
+        device = caller.reg.device
+        return CopyJob(
+            op,
+            device,
+            caller.reg.layer_regions(),
+            np.array(block_ids, dtype=np.int64),
+            self.index.addresses(blocks, slots, device),
+            len(blocks) * int(caller.seal.slot_bytes[slots].sum()),
+        )
+
+    async def _copy(self, job: CopyJob, reg: Registration) -> None:
+        reg.hold()  # the rank's memory stays mapped until the copy is done
+        try:
+            await copy_in_thread(job.run, self.copiers[job.device])
+        finally:
+            reg.unhold()
+
+    async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
+        """Make the longest prefix of ``hashes`` that a peer holds local."""
+        if self.fetcher is None:
+            raise precondition("peer transfer is off on this server (--no-transfer)")
+        check_count("block_hashes", len(hashes))
+        return await self.fetcher.prefetch(namespace, hashes)
+
+    def query(
+        self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0
+    ) -> QueryResult:
+        """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned for
+        ``lease_ms`` (DEFAULT_LEASE_MS when 0) or until released."""
+        check_count("block_hashes", len(hashes))
+        if lease_ms > MAX_LEASE_MS:
+            raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
+        blocks = self.index.sealed_prefix(namespace, hashes)
+        self.counters.hits += len(blocks)
+        self.counters.misses += len(hashes) - len(blocks)
+        if not lease or not blocks:
+            return QueryResult(len(blocks))
+        held = self.index.pin(blocks, ttl_ms=lease_ms or DEFAULT_LEASE_MS)
+        return QueryResult(len(blocks), held.lease_id)
+
+    def release(self, lease_id: str) -> int:
+        """Release a query lease; the number of blocks it held."""
+        return self.index.release(lease_id)
+
+    def clear(self, namespace: str = "") -> int:
+        """Drop every unpinned sealed block of final namespace ``namespace`` ("" = all)."""
+        if len(namespace) > MAX_FINAL_NAMESPACE_LEN:
+            raise invalid("namespace is too long")
+        n = self.index.clear(namespace or None)
+        log.warning("cleared %d blocks of %s on request", n, namespace or "every namespace")
+        return n
+
+    def expire(self) -> None:
+        """Release expired leases and drop stale inflight blocks (run every second)."""
+        self.index.expire()
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> NodeStats:
+        return NodeStats(
+            devices=self.index.devices,
+            requests=dataclasses.replace(self.counters),
+            index=self.index.stats(),
+            pool=self.index.pool_stats(),
+            registry=self.registry.stats(),
+            fetcher=self.fetcher.stats() if self.fetcher else FetcherStats(),
+            source=self.source.stats() if self.source else SourceStats(),
+        )
+
+
+def check_count(field_name: str, count: int) -> None:
+    if count > MAX_BLOCKS_PER_REQUEST:
+        raise invalid(f"{field_name} has {count} entries, more than {MAX_BLOCKS_PER_REQUEST}")
+
+
+def check_refs(reg: Registration, refs: list[BlockRef]) -> None:
+    """(block_hash, block_id) pairs of a Save or Load: 1..MAX_BLOCKS_PER_REQUEST of
+    them, no hash twice, every block_id inside the caller's registered cache."""
+    if not refs:
+        raise invalid("blocks is empty")
+    check_count("blocks", len(refs))
+    limit = min(layer.num_blocks for layer in reg.layers)
+    seen: set[int] = set()
+    for block_hash, block_id in refs:
+        if block_id >= limit:
+            raise invalid(
+                f"block_id {block_id} is outside the registered cache of rank "
+                f"{reg.rank} ({limit} blocks)"
+            )
+        if block_hash in seen:
+            raise invalid(f"block_hash {block_hash:#018x} appears twice in one request")
+        seen.add(block_hash)
+
+
+def check_load_refs(reg: Registration, refs: list[BlockRef]) -> None:
+    """check_refs, and distinct targets: a load writes each ref's block into the
+    caller's cache, so two refs into one block_id would race on the same bytes."""
+    check_refs(reg, refs)
+    seen: set[int] = set()
+    for _, block_id in refs:
+        if block_id in seen:
+            raise invalid(f"block_id {block_id} is the target of two blocks in one load")
+        seen.add(block_id)

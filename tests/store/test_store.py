@@ -1,0 +1,290 @@
+"""A store node's core: inflight -> sealed, dedup, eviction, leases, faults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.store.node import QueryResult
+from kvstore.testing.store import make_instance, make_store, run
+from kvstore.wire.errors import Code, KVError
+
+
+def fill(rank, block_id, value):
+    for li, t in enumerate(rank.tensors):
+        t[:, block_id] = (value * 7 + li * 3 + rank.reg.tp_rank) % 251
+
+
+async def save_all(node, ranks, refs):
+    return [await node.save(r.reg.caller_id, refs) for r in ranks]
+
+
+def used_bytes(node) -> int:
+    return node.index.pool_stats().used_bytes
+
+
+def test_block_invisible_until_every_rank_wrote():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    seal = node.registry.instances["a"].seal
+    fill(ranks[0], 3, 1)
+    run(node.save(ranks[0].reg.caller_id, [(42, 3)]))
+    assert node.query(seal.final_namespace, [42]) == QueryResult(0)
+    assert node.index.stats().inflight_blocks == 1
+    run(node.save(ranks[1].reg.caller_id, [(42, 3)]))
+    assert node.query(seal.final_namespace, [42]) == QueryResult(1)
+    assert node.index.stats().sealed_blocks == 1 and node.index.stats().inflight_blocks == 0
+
+
+def test_save_then_load_round_trip_into_other_ids():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    for b in range(4):
+        for r in ranks:
+            fill(r, b, b + 10)
+    run(save_all(node, ranks, [(100 + b, b) for b in range(4)]))
+    before = [r.block(b) for r in ranks for b in range(4)]
+    for r in ranks:
+        for t in r.tensors:
+            t.zero_()
+    for r in ranks:
+        run(node.load(r.reg.caller_id, [(100 + b, 8 + b) for b in range(4)]))
+    after = [r.block(8 + b) for r in ranks for b in range(4)]
+    assert all(torch.equal(x, y) for xs, ys in zip(before, after) for x, y in zip(xs, ys))
+
+
+def test_bad_saves_change_nothing():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    for refs, words in [
+        ([(1, 99)], "block_id 99"),
+        ([(1, 0), (1, 1)], "appears twice"),
+        ([], "blocks is empty"),
+    ]:
+        with pytest.raises(KVError) as info:
+            run(node.save(ranks[0].reg.caller_id, refs))
+        assert info.value.code == Code.INVALID_ARGUMENT
+        assert words in info.value.message
+    assert node.index.blocks == {} and used_bytes(node) == 0
+
+
+def test_load_of_missing_block_loads_nothing():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    fill(ranks[0], 0, 5)
+    run(save_all(node, ranks, [(1, 0)]))
+    ranks[0].tensors[0][:, 5] = 9
+    with pytest.raises(KVError) as info:
+        run(node.load(ranks[0].reg.caller_id, [(1, 5), (2, 6)]))
+    assert info.value.code == Code.NOT_FOUND
+    assert (ranks[0].tensors[0][:, 5] == 9).all()  # untouched
+
+
+def test_two_instances_of_one_namespace_keep_one_copy():
+    node = make_store()
+    a = make_instance(node.registry, "a")
+    b = make_instance(node.registry, "b")
+    seal = node.registry.instances["a"].seal
+    assert seal.final_namespace == node.registry.instances["b"].seal.final_namespace
+    for r in a + b:
+        fill(r, 0, 3)
+
+    async def race():
+        return await asyncio.gather(*(node.save(r.reg.caller_id, [(7, 0)]) for r in a + b))
+
+    results = run(race())
+    assert sum(x.written for x in results) == 2 and sum(x.skipped for x in results) == 2
+    assert node.index.stats().sealed_blocks == 1
+    used = used_bytes(node)
+    assert used == 2 * 2 * 1024  # 2 layers x 2 ranks, one copy
+
+
+def test_writer_death_drops_its_inflight_blocks():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    run(node.save(ranks[0].reg.caller_id, [(1, 0), (2, 1)]))
+    assert node.index.stats().inflight_blocks == 2
+    node.leave(ranks[0].reg.session)
+    assert node.index.stats().inflight_blocks == 0 and used_bytes(node) == 0
+
+
+def test_writer_dying_during_copy_never_seals():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    seal = node.registry.instances["a"].seal
+    run(node.save(ranks[0].reg.caller_id, [(1, 0)]))
+
+    async def die_mid_save():
+        task = asyncio.create_task(node.save(ranks[1].reg.caller_id, [(1, 0)]))
+        await asyncio.sleep(0)  # the copy thread is running
+        node.leave(ranks[1].reg.session)
+        return await task
+
+    run(die_mid_save())
+    assert node.query(seal.final_namespace, [1]) == QueryResult(0)
+    assert used_bytes(node) == 0
+
+
+def test_lru_evicts_oldest_unpinned_and_respects_leases():
+    events = []
+    node = make_store(pool_bytes=256 << 10, slab_bytes=64 << 10, events=events)
+    ranks = make_instance(node.registry, "a", num_blocks=128)
+    seal = node.registry.instances["a"].seal
+    per_block = 4 * 1024
+    capacity = (256 << 10) // per_block  # 64 blocks
+    run(save_all(node, ranks, [(h, h) for h in range(capacity)]))
+    hit = node.query(seal.final_namespace, [0, 1], lease=True)
+    assert hit.prefix_blocks == 2
+    run(save_all(node, ranks, [(1000, 100)]))
+    assert node.index.stats().evictions == 1
+    assert (
+        node.query(seal.final_namespace, [0, 1, 2]).prefix_blocks == 2
+    )  # 2 was the oldest unpinned
+    assert events[-1].type == "stored" and any(e.type == "removed" for e in events)
+    node.release(hit.lease_id)
+
+
+def test_everything_pinned_gives_resource_exhausted():
+    node = make_store(pool_bytes=64 << 10, slab_bytes=64 << 10)
+    ranks = make_instance(node.registry, "a", num_blocks=32)
+    seal = node.registry.instances["a"].seal
+    run(save_all(node, ranks, [(h, h) for h in range(16)]))
+    lease = node.query(seal.final_namespace, list(range(16)), lease=True).lease_id
+    with pytest.raises(KVError) as info:
+        run(node.save(ranks[0].reg.caller_id, [(99, 20)]))
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert node.index.stats().sealed_blocks == 16 and node.index.stats().inflight_blocks == 0
+    node.release(lease)
+    run(save_all(node, ranks, [(99, 20)]))
+    assert node.query(seal.final_namespace, [99]).prefix_blocks == 1
+
+
+def test_expired_lease_and_stale_inflight_are_swept():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    seal = node.registry.instances["a"].seal
+    run(save_all(node, ranks, [(1, 0)]))
+    run(node.save(ranks[0].reg.caller_id, [(2, 1)]))
+    lease = node.query(seal.final_namespace, [1], lease=True, lease_ms=10).lease_id
+    node.index.expire(now=10**9)
+    assert lease and node.index.stats().leases == 0
+    assert node.index.blocks[(seal.final_namespace, 1)].pins == 0
+    assert node.index.stats().inflight_blocks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["save", "lease", "release", "load"]),
+            st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+        ),
+        max_size=40,
+    )
+)
+def test_lru_invariants(ops):
+    node = make_store(pool_bytes=128 << 10, slab_bytes=32 << 10)
+    ranks = make_instance(node.registry, "a", num_blocks=64)
+    seal = node.registry.instances["a"].seal
+    ns = seal.final_namespace
+    leases: list[tuple[str, list[int]]] = []
+    for op, hashes in ops:
+        refs = [(h, h) for h in hashes]
+        if op == "save":
+            try:
+                run(save_all(node, ranks, refs))
+            except KVError as err:
+                assert err.code == Code.RESOURCE_EXHAUSTED
+        elif op == "lease":
+            hit = node.query(ns, hashes, lease=True)
+            if hit.lease_id:
+                leases.append((hit.lease_id, hashes[: hit.prefix_blocks]))
+        elif op == "release" and leases:
+            node.release(leases.pop(0)[0])
+        elif op == "load":
+            n = node.query(ns, hashes).prefix_blocks
+            if n:
+                run(node.load(ranks[0].reg.caller_id, refs[:n]))
+        # invariants
+        node.index.pool("cpu").check()
+        for _lease, held in leases:
+            for h in held:
+                assert node.index.blocks[(ns, h)].sealed, "a leased block was evicted"
+        assert set(node.index.snapshot()) == {k for k, b in node.index.blocks.items() if b.sealed}
+        assert all(b.pins >= 0 for b in node.index.blocks.values())
+        used = sum(b.nbytes for b in node.index.blocks.values() if b.sealed)
+        assert used_bytes(node) == used + sum(
+            int(b.slot_bytes[b.offsets >= 0].sum())
+            for b in node.index.blocks.values()
+            if not b.sealed
+        )
+
+
+def test_cancelled_save_waits_for_its_copy_then_frees_everything():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+
+    async def cancel_mid_copy():
+        task = asyncio.create_task(node.save(ranks[0].reg.caller_id, [(1, 0), (2, 1)]))
+        await asyncio.sleep(0)  # prepared; the copy thread is running
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_mid_copy())
+    assert node.index.stats().inflight_blocks == 0 and used_bytes(node) == 0
+    node.index.pool("cpu").check()
+
+
+def test_departed_rank_memory_stays_mapped_until_its_copy_ends():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    reg = ranks[0].reg
+    closed = []
+
+    class Region:
+        def close(self):
+            closed.append(True)
+
+    reg.mapped = [Region()]
+    reg.hold()
+    node.registry.unregister(reg.session)
+    assert closed == []  # a copy still holds it
+    reg.unhold()
+    assert closed == [True]
+
+
+def test_clear_keeps_pinned_blocks_and_refuses_an_overlong_namespace():
+    events = []
+    node = make_store(events=events)
+    ranks = make_instance(node.registry, "a")
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(1, 0), (2, 1), (3, 2)]))
+    lease = node.query(ns, [1], lease=True).lease_id
+    with pytest.raises(KVError) as info:
+        node.clear("n" * 200)
+    assert info.value.code == Code.INVALID_ARGUMENT and "too long" in info.value.message
+    assert node.clear(ns) == 2
+    assert events[-1].type == "cleared" and events[-1].namespace == ns
+    assert node.query(ns, [1, 2]).prefix_blocks == 1  # the leased block stayed
+    node.release(lease)
+    assert node.clear("") == 1 and used_bytes(node) == 0
+
+
+def test_stats_gather_every_parts_own_record():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(1, 0), (2, 1)]))
+    node.query(ns, [1, 2, 3], lease=True)
+    stats = node.stats()
+    assert stats.devices == ("cpu",)
+    assert (stats.registry.instances, stats.registry.sealed_instances) == (1, 1)
+    assert (stats.index.sealed_blocks, stats.index.inflight_blocks, stats.index.leases) == (2, 0, 1)
+    assert (stats.requests.hits, stats.requests.misses) == (2, 1)
+    assert stats.requests.bytes_saved == stats.pool.used_bytes == 2 * 4 * 1024
+    assert stats.fetcher.fetched_blocks == stats.source.served_blocks == 0
