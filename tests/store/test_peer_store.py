@@ -8,7 +8,7 @@ import pytest
 from kvstore.store.fetch import StoreSink, StoreSource
 from kvstore.testing.store import make_instance, make_store, run
 from kvstore.wire.errors import Code, KVError
-from tests.test_store import save_all, used_bytes
+from tests.store.test_store import save_all, used_bytes
 
 
 def setup(pool_bytes=256 << 10):
