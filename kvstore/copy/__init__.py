@@ -15,13 +15,14 @@ import functools
 
 from kvstore.copy.cuda import CudaCopier
 from kvstore.copy.geometry import LayerRegion, region_from_tensor
-from kvstore.copy.host import HostCopier
+from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
 
 __all__ = [
     "CudaCopier",
     "HostCopier",
     "LayerRegion",
+    "MemoryFault",
     "Pieces",
     "copier_for",
     "merge_adjacent",

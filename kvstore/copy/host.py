@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,8 @@ from kvstore.copy.plan import Pieces, check_disjoint, split_pieces
 log = logging.getLogger(__name__)
 
 _C_SOURCE = r"""
+#include <setjmp.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -69,20 +71,52 @@ static void copy_streaming(unsigned char *dst, const unsigned char *src, size_t 
 #endif
 }
 
-/* Copy count pieces: nbytes[i] bytes from src[i] to dst[i]. */
-void kvstore_copy_pieces(const uint64_t *src, const uint64_t *dst, const uint64_t *nbytes,
-                         size_t count, int streaming) {
+/* A worker may shrink the shared-memory object it registered while a copy reads
+   or writes it: touching a page past the object's end raises SIGBUS. A copy runs
+   under a per-thread guard; the handler jumps back out of a guarded copy (which
+   then reports the fault) and hands any other SIGBUS to the previous handler. */
+static __thread sigjmp_buf *guard;
+static struct sigaction previous;
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *env = guard;
+    (void)sig; (void)info; (void)ctx;
+    if (env) {
+        guard = NULL;
+        siglongjmp(*env, 1);
+    }
+    sigaction(SIGBUS, &previous, NULL); /* not ours: the fault repeats under it */
+}
+
+int kvstore_guard_install(void) {
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    return sigaction(SIGBUS, &action, &previous);
+}
+
+/* Copy count pieces: nbytes[i] bytes from src[i] to dst[i]. Returns 0, or 1 when
+   a page vanished under the copy (SIGBUS); the pieces are then partly copied. */
+int kvstore_copy_pieces(const uint64_t *src, const uint64_t *dst, const uint64_t *nbytes,
+                        size_t count, int streaming) {
+    sigjmp_buf env;
+    if (sigsetjmp(env, 1)) return 1;
+    guard = &env;
     if (!streaming) {
         for (size_t i = 0; i < count; ++i)
             memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)nbytes[i]);
-        return;
-    }
-    for (size_t i = 0; i < count; ++i)
-        copy_streaming((unsigned char *)(uintptr_t)dst[i],
-                       (const unsigned char *)(uintptr_t)src[i], (size_t)nbytes[i]);
+    } else {
+        for (size_t i = 0; i < count; ++i)
+            copy_streaming((unsigned char *)(uintptr_t)dst[i],
+                           (const unsigned char *)(uintptr_t)src[i], (size_t)nbytes[i]);
 #if defined(__SSE2__)
-    _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */
+        _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */
 #endif
+    }
+    guard = NULL;
+    return 0;
 }
 """
 
@@ -150,7 +184,10 @@ class HostCopier:
         ranges = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
         run = self._range_copy
         futures = [self._executor().submit(run, table, lo, hi, streaming) for lo, hi in ranges[1:]]
-        run(table, *ranges[0], streaming)  # the calling thread takes the first share
+        try:
+            run(table, *ranges[0], streaming)  # the calling thread takes the first share
+        finally:
+            wait(futures)  # no thread may still touch these bytes once this returns or raises
         for f in futures:
             f.result()
         return total
@@ -195,16 +232,22 @@ def _python_range_copy(table: np.ndarray, lo: int, hi: int, streaming: bool) -> 
         memmove(dst, src, n)
 
 
-def _native_range_copy(fn: Callable[..., None]) -> RangeCopy:
+class MemoryFault(OSError):
+    """Memory under a copy vanished (a shared-memory object shrank): SIGBUS, caught."""
+
+
+def _native_range_copy(fn: Callable[..., int]) -> RangeCopy:
     def run(table: np.ndarray, lo: int, hi: int, streaming: bool) -> None:
         base, row = table.ctypes.data, table.strides[0]
-        fn(base + lo * 8, base + row + lo * 8, base + 2 * row + lo * 8, hi - lo, int(streaming))
+        rows = (base + lo * 8, base + row + lo * 8, base + 2 * row + lo * 8)
+        if fn(*rows, hi - lo, int(streaming)):
+            raise MemoryFault("a page under the copy vanished (its memory object shrank)")
 
     return run
 
 
 @functools.cache
-def native_copy_function() -> Callable[..., None] | None:
+def native_copy_function() -> Callable[..., int] | None:
     """ctypes handle on kvstore_copy_pieces, building it on first use; None if it cannot be built.
 
     KVSTORE_NATIVE_COPY=0 disables it (forces the Python loop).
@@ -216,9 +259,12 @@ def native_copy_function() -> Callable[..., None] | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("kvstore: native host copy unavailable, using a Python memmove loop: %s", e)
         return None
+    if lib.kvstore_guard_install() != 0:
+        log.warning("kvstore: cannot install the SIGBUS guard; using a Python memmove loop")
+        return None
     fn = lib.kvstore_copy_pieces
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_int]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return fn
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.copy import MemoryFault
 from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, IndexStats, Writer
 from kvstore.store.copying import LOAD, SAVE, CopyJob, copy_in_thread
@@ -191,14 +192,21 @@ class StoreNode:
         reg.hold()  # the rank's memory stays mapped until the copy is done
         try:
             await copy_in_thread(job.run, self.copiers[job.device])
+        except MemoryFault as err:
+            raise precondition(
+                f"{job.op}: the registered KV memory of rank {reg.rank} of instance "
+                f"{reg.instance_id!r} shrank or vanished under the copy ({err}); "
+                "re-register it"
+            ) from None
         finally:
             reg.unhold()
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
         """Make the longest prefix of ``hashes`` that a peer holds local."""
+        check_count("block_hashes", len(hashes))
+        check_distinct("block_hashes", hashes)  # a peer would serve, and we store, each copy
         if self.fetcher is None:
             raise precondition("peer transfer is off on this server (--no-transfer)")
-        check_count("block_hashes", len(hashes))
         return await self.fetcher.prefetch(namespace, hashes)
 
     def query(
@@ -250,6 +258,12 @@ class StoreNode:
 def check_count(field_name: str, count: int) -> None:
     if count > MAX_BLOCKS_PER_REQUEST:
         raise invalid(f"{field_name} has {count} entries, more than {MAX_BLOCKS_PER_REQUEST}")
+
+
+def check_distinct(field_name: str, hashes: list[int]) -> None:
+    if len(set(hashes)) != len(hashes):
+        first = next(h for i, h in enumerate(hashes) if h in hashes[:i])
+        raise invalid(f"{field_name}: block_hash {first:#018x} appears more than once")
 
 
 def check_refs(reg: Registration, refs: list[BlockRef]) -> None:

@@ -55,6 +55,8 @@ def _check_fetch_args(namespace: str, hashes: Sequence[int], timeout_s: float) -
         raise invalid(f"{len(hashes)} hashes, limit {MAX_BLOCKS_PER_FETCH}")
     if not all(is_u64(h) for h in hashes):
         raise invalid("block hashes must be unsigned 64-bit")
+    if len(set(hashes)) != len(hashes):
+        raise invalid("block hashes must be distinct: a peer would serve each copy")
     if not timeout_s > 0:
         raise invalid("timeout_s must be positive")
     return hashes

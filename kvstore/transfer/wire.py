@@ -142,7 +142,10 @@ def decode_request(body: bytes) -> FetchRequest:
     count = len(packed) // 8
     if not 0 < count <= MAX_BLOCKS_PER_FETCH:
         raise ProtocolError(f"{count} hashes, limit 1..{MAX_BLOCKS_PER_FETCH}")
-    return FetchRequest(namespace, np.frombuffer(packed, dtype="<u8").tolist())
+    hashes = np.frombuffer(packed, dtype="<u8")
+    if len(np.unique(hashes)) != count:
+        raise ProtocolError("hashes must be distinct")
+    return FetchRequest(namespace, hashes.tolist())
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from kvstore.client.store_client import StoreClient
+from kvstore._proto import store_pb2 as pb
+from kvstore.client.store_client import StoreClient, call
 from kvstore.demo import free_port
 from kvstore.testing.worker import WorkerGroup
+from kvstore.wire.errors import Code, KVError
 from tests.conftest import wait_for
 
 pytest.importorskip("ucxx")
@@ -104,6 +106,13 @@ def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
             group.each("fill", [(h, i) for i, h in enumerate(hashes)])
             group.each("save", [(h, i) for i, h in enumerate(hashes)])
         assert wait_for(lambda: _router_knows(b_addr, ns, hashes), timeout=15)
+        served = a.stats().served_blocks
+        with pytest.raises(KVError) as err:  # one hash 8 times: refused before any peer is asked
+            call(
+                b.stub.Prefetch, pb.PrefetchRequest(namespace=ns, block_hashes=[hashes[1]] * 8), 10
+            )
+        assert err.value.code is Code.INVALID_ARGUMENT and "block_hashes" in err.value.message
+        assert a.stats().served_blocks == served and b.stats().sealed_blocks == 1
         dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes)])
         assert dst.each("digest", list(range(16, 28))) == src.each("digest", list(range(12)))
         sb = b.stats()
@@ -117,9 +126,6 @@ def test_fetch_from_peer_every_byte_and_other_layouts_never_asked(cluster):
 
 
 def _router_knows(b_addr, ns, hashes) -> bool:
-    from kvstore._proto import store_pb2 as pb
-    from kvstore.client.store_client import call
-
     client = StoreClient(b_addr)
     try:
         r = call(

@@ -455,15 +455,20 @@ def test_bad_requests_are_refused_and_the_server_survives(nodes):
     too_many = wire.encode_request(NS, list(range(wire.MAX_BLOCKS_PER_FETCH + 1)))
     garbage = b"\xc1\xff\x00not msgpack"
     bad_ns = msgpack.packb([wire.PROTOCOL_VERSION, "x" * 1000, b"\0" * 8])
+    twice = wire.encode_request(NS, [HASHES[0]] * 8)  # would pin and send one block 8 times
     good = wire.encode_request(NS, HASHES[:2])
     replies = client.call(
         "raw",
         address=address,
-        replies=4,
-        frames=request(too_many) + request(garbage) + request(bad_ns) + request(good),
+        replies=5,
+        frames=request(too_many)
+        + request(garbage)
+        + request(bad_ns)
+        + request(twice)
+        + request(good),
     )
-    assert [r[0] for r in replies] == ["ERROR", "ERROR", "ERROR", "REPLY"], replies
-    assert all(r[2][0] == "INVALID_ARGUMENT" for r in replies[:3])
+    assert [r[0] for r in replies] == ["ERROR"] * 4 + ["REPLY"], replies
+    assert all(r[2][0] == "INVALID_ARGUMENT" for r in replies[:4])
 
     # Broken framing: the server drops that connection and allocates nothing.
     huge = [wire.encode_preamble(wire.Kind.REQUEST, 1 << 40)]
@@ -501,6 +506,8 @@ def test_invalid_arguments_fail_locally(nodes):
     assert out["code"] == "INVALID_ARGUMENT", out
     out = client.call("fetch", address="no-port", hashes=[1])
     assert out["code"] == "INVALID_ARGUMENT", out
+    out = client.call("fetch", address="127.0.0.1:1", hashes=[5, 6, 5])
+    assert out["code"] == "INVALID_ARGUMENT" and "distinct" in out["message"], out
 
 
 # ---- dying and hanging peers --------------------------------------------------------------
