@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.store.block import Block, BlockShape, Key, slot_mask
-from kvstore.store.pool import PoolStats, SlotPool
+from kvstore.store.eviction import same_size_victims, slab_victims
+from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
 
@@ -360,23 +361,34 @@ class BlockIndex:
             raise
 
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
-        while not pool.can_alloc(size, count):
-            if size > pool.slab_bytes or not self._evict_one(pool.device):
-                raise exhausted(
-                    f"pool on {pool.device} cannot hold {count} slots of {size} bytes: "
-                    f"{pool.used_bytes} of {pool.pool_bytes} bytes used and every sealed "
-                    f"block there is held by a load or lease"
-                )
-        return pool.alloc(size, count)
+        """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction)."""
+        if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
+            for block in same_size_victims(list(self._lru.values()), pool.device, size):
+                if pool.can_alloc(size, count):
+                    break
+                self._evict(block)
+            tried: set[int] = set()
+            while not pool.can_alloc(size, count):
+                others = (b for b in self.blocks.values() if not b.sealed)
+                found = slab_victims(pool, list(self._lru.values()), others, tried)
+                if found is None:
+                    break
+                tried.add(found[0])
+                for block in found[1]:
+                    self._evict(block)
+        offsets = pool.alloc(size, count)
+        if offsets is None:
+            raise exhausted(
+                f"pool on {pool.device} cannot hold {count} slots of {size} bytes: "
+                f"{pool.used_bytes} of {pool.pool_bytes} bytes used and every sealed "
+                f"block there is held by a load or lease"
+            )
+        return offsets
 
-    def _evict_one(self, device: str) -> bool:
-        for key, block in self._lru.items():
-            if block.pins == 0 and device in block.devices:
-                self._drop(block)
-                self._evictions += 1
-                self._emit(REMOVED, key[0], [key[1]])
-                return True
-        return False
+    def _evict(self, block: Block) -> None:
+        self._drop(block)
+        self._evictions += 1
+        self._emit(REMOVED, block.key[0], [block.key[1]])
 
     def _drop(self, block: Block) -> None:
         """Forget a block and free every slot it holds (detached ones too)."""

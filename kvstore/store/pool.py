@@ -89,6 +89,10 @@ class SlotPool:
     def stats(self) -> PoolStats:
         return PoolStats(self.pool_bytes, self.used_bytes, self.free_bytes)
 
+    def slab_of(self, offsets: np.ndarray) -> np.ndarray:
+        """The slab each offset lies in."""
+        return np.asarray(offsets, dtype=np.int64) // self.slab_bytes
+
     def can_alloc(self, nbytes: int, count: int) -> bool:
         size = round_size(nbytes)
         if size > self.slab_bytes:

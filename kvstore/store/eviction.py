@@ -1,0 +1,87 @@
+"""Which sealed blocks go when a pool has no room: eviction by bytes.
+
+A slab serves one slot size while it holds any slot (:mod:`kvstore.store.pool`),
+so freeing slots of another size helps only once a whole slab empties. Room for
+``count`` slots of size S is therefore made in two steps, each in LRU order:
+
+1. *Same size*: evict unpinned blocks that hold slots of size S on the device,
+   oldest first; their slots are reused as they are, one for one.
+2. *Whole slabs*: when no such block is left, empty one slab at a time: the
+   slab none of whose blocks is pinned or inflight and whose most recently used
+   block is the oldest. Every block with a slot in it goes.
+
+Saving one block of size S into a full pool so evicts about S when blocks of
+that size exist, and otherwise at most one slab plus the blocks that straddle
+its edges: never the whole cache, and two layouts sharing a pool do not flush
+each other. Plain functions over blocks; the block index applies the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from kvstore.store.block import Block
+from kvstore.store.pool import SlotPool, round_size
+
+
+def slots_on(block: Block, device: str) -> np.ndarray:
+    """Indices of the block's allocated slots that live on ``device``."""
+    ranks = [r for r, d in enumerate(block.devices) if d == device]
+    if not ranks:
+        return np.zeros(0, dtype=np.int64)
+    idx = np.concatenate([np.arange(r, len(block.offsets), block.tp_size) for r in ranks])
+    return idx[block.offsets[idx] >= 0]
+
+
+def same_size_victims(lru: Iterable[Block], device: str, nbytes: int) -> Iterator[Block]:
+    """Unpinned blocks, oldest first, holding a slot of ``nbytes`` (rounded) on ``device``.
+
+    Lazy: a save into a full pool usually stops after the first few.
+    """
+    size = round_size(nbytes)
+    sizes: dict[tuple[int, tuple], bool] = {}  # (slot-size array, device ranks) -> has size
+    for block in lru:
+        if block.pins or device not in block.devices:
+            continue
+        key = (id(block.slot_bytes), tuple(d == device for d in block.devices))
+        if key not in sizes:
+            on = block.slot_bytes[slots_on(block, device)]
+            sizes[key] = bool(np.any(round_size(on) == size))
+        if sizes[key]:
+            yield block
+
+
+def slab_victims(
+    pool: SlotPool, lru: list[Block], others: Iterable[Block], skip: set[int]
+) -> tuple[int, list[Block]] | None:
+    """The slab to empty next (see the module docstring) and its blocks, or None.
+
+    ``lru`` is every sealed block oldest first; ``others`` the blocks that may
+    not go (pinned ones are found in ``lru``); ``skip`` slabs already tried.
+    """
+    newest: dict[int, int] = {}  # slab -> LRU rank of its most recent block
+    members: dict[int, list[Block]] = {}
+    blocked: set[int] = set(skip)
+    for rank, block in enumerate(lru):
+        slabs = _slabs_of(pool, block)
+        if block.pins:
+            blocked.update(slabs)
+            continue
+        for slab in slabs:
+            newest[slab] = rank
+            members.setdefault(slab, []).append(block)
+    for block in others:
+        blocked.update(_slabs_of(pool, block))
+    candidates = [s for s in newest if s not in blocked]
+    if not candidates:
+        return None
+    slab = min(candidates, key=newest.__getitem__)
+    return slab, members[slab]
+
+
+def _slabs_of(pool: SlotPool, block: Block) -> set[int]:
+    if pool.device not in block.devices:
+        return set()
+    return set(pool.slab_of(block.offsets[slots_on(block, pool.device)]).tolist())
