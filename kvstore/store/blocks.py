@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.store.block import Block, BlockShape, Key, slot_mask
-from kvstore.store.eviction import same_size_victims, slab_victims
+from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
@@ -363,10 +363,8 @@ class BlockIndex:
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
         """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction)."""
         if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
-            for block in same_size_victims(list(self._lru.values()), pool.device, size):
-                if pool.can_alloc(size, count):
-                    break
-                self._evict(block)
+            lru = list(self._lru.values())
+            self._evict(same_size_victims(lru, pool, size, pool.shortfall(size, count)))
             tried: set[int] = set()
             while not pool.can_alloc(size, count):
                 others = (b for b in self.blocks.values() if not b.sealed)
@@ -374,8 +372,7 @@ class BlockIndex:
                 if found is None:
                     break
                 tried.add(found[0])
-                for block in found[1]:
-                    self._evict(block)
+                self._evict(found[1])
         offsets = pool.alloc(size, count)
         if offsets is None:
             raise exhausted(
@@ -385,27 +382,32 @@ class BlockIndex:
             )
         return offsets
 
-    def _evict(self, block: Block) -> None:
-        self._drop(block)
-        self._evictions += 1
-        self._emit(REMOVED, block.key[0], [block.key[1]])
+    def _evict(self, blocks: list[Block]) -> None:
+        """Drop unpinned sealed blocks: one free per slot size, one event per namespace."""
+        removed: dict[str, list[int]] = {}
+        frees = SlotFrees()
+        for block in blocks:
+            self._drop(block, frees)
+            removed.setdefault(block.key[0], []).append(block.key[1])
+        frees.apply(self._pools)
+        self._evictions += len(blocks)
+        for namespace, hashes in removed.items():
+            self._emit(REMOVED, namespace, hashes)
 
-    def _drop(self, block: Block) -> None:
-        """Forget a block and free every slot it holds (detached ones too)."""
+    def _drop(self, block: Block, frees: SlotFrees | None = None) -> None:
+        """Forget a block and free every slot it holds (detached ones too), at once
+        or, with ``frees``, when the caller applies them."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
             self._lru.pop(block.key, None)
         for session in block.writers:
             self._writers.get(session, set()).discard(block.key)
-        for tp_rank, device in enumerate(block.devices):
-            if device is None:
-                continue
-            idx = np.arange(tp_rank, len(block.offsets), block.tp_size)
-            idx = idx[block.offsets[idx] >= 0]
-            for size in np.unique(block.slot_bytes[idx]).tolist():
-                sel = idx[block.slot_bytes[idx] == size]
-                self._pools[device].free(size, block.offsets[sel])
+        now = frees is None
+        frees = SlotFrees() if now else frees
+        frees.add(block)
         block.offsets[:] = -1
+        if now:
+            frees.apply(self._pools)
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:
         self._seq += 1

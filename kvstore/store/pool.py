@@ -94,11 +94,15 @@ class SlotPool:
         return np.asarray(offsets, dtype=np.int64) // self.slab_bytes
 
     def can_alloc(self, nbytes: int, count: int) -> bool:
+        return self.shortfall(nbytes, count) == 0
+
+    def shortfall(self, nbytes: int, count: int) -> int:
+        """Slots of ``nbytes`` missing for ``alloc(nbytes, count)`` to succeed."""
         size = round_size(nbytes)
         if size > self.slab_bytes:
-            return False
+            return count
         have = self._class_free.get(size, 0) + len(self._free_slabs) * (self.slab_bytes // size)
-        return have >= count
+        return max(0, count - have)
 
     def alloc(self, nbytes: int, count: int) -> np.ndarray | None:
         """``count`` slot offsets of at least ``nbytes`` each, or None (nothing taken)."""
