@@ -5,6 +5,13 @@ stand alone (``kvstore serve --router HOST:PORT``). Both links offer the same
 three operations to the server; the remote one batches events onto a
 background task, keeps its advertisement alive with a lease, and replays
 every sealed block after the router restarts so its index is whole again.
+
+A publish that fails (the router is down, hung or slow) may or may not have
+been applied, so the link does not guess: it advertises again as a new
+generation, which drops what the router held for this node, and replays every
+sealed block. Until then lookups do not wait on the router: a Load that misses
+falls back to the ``--peer`` list at once, and a lookup of a reachable router
+waits at most ``QUERY_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kvstore.wire.errors import unavailable
 from kvstore.wire.events import STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
@@ -21,6 +29,7 @@ log = logging.getLogger(__name__)
 LEASE_MS = 10_000
 REFRESH_S = 3.0
 MAX_BATCH = 1024
+QUERY_TIMEOUT_S = 1.0  # a Load miss waits this long on the router at most
 
 
 class LocalRouterLink:
@@ -55,6 +64,7 @@ class RemoteRouterLink:
         from kvstore.client.router_client import RouterClient
 
         self.client = RouterClient(address, timeout_s=5.0)
+        self.lookups = RouterClient(address, timeout_s=QUERY_TIMEOUT_S)
         self.node_id = node_id
         self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -128,21 +138,27 @@ class RemoteRouterLink:
                 continue  # the snapshot replays them once the router is back
             try:
                 await asyncio.to_thread(self.client.publish, batch)
-            except Exception as exc:  # noqa: BLE001 -- any RPC failure: log, keep pumping
+            except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
+                self.advertised = False  # the next keepalive re-advertises and replays all
                 log.warning(
-                    "could not forward %d events to router %s: %s",
+                    "could not forward %d events to router %s (%s); re-advertising "
+                    "with a full snapshot within %.0f s",
                     len(batch),
                     self.client.address,
                     _brief(exc),
+                    REFRESH_S,
                 )
 
     async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
-        return await asyncio.to_thread(self.client.query_prefix, namespace, hashes, self.node_id)
+        if not self.advertised:
+            raise unavailable(f"router {self.client.address} is not reachable right now")
+        return await asyncio.to_thread(self.lookups.query_prefix, namespace, hashes, self.node_id)
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         self.client.close()
+        self.lookups.close()
 
 
 def _brief(exc: Exception) -> str:

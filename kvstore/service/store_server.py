@@ -28,6 +28,7 @@ from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
 from kvstore.transfer import PeerServer
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
@@ -155,7 +156,12 @@ class StoreServer:
                 peers = [
                     p for p in await self.link.query_prefix(namespace, hashes) if p.ucx_address
                 ]
-            except Exception as exc:  # noqa: BLE001 -- any router failure: fall back
+            except KVError as exc:  # an outage is logged once by the link, not per Load
+                quiet = exc.code is Code.UNAVAILABLE
+                (log.debug if quiet else log.warning)(
+                    "router peer lookup failed (%s); trying the --peer list", exc
+                )
+            except Exception as exc:  # noqa: BLE001 -- any other router failure: fall back
                 log.warning("router peer lookup failed (%s); trying the --peer list", exc)
         return peers or [PeerPrefix(a, "", a, 0) for a in self.config.peers]
 
