@@ -2,24 +2,27 @@
 
 One rank (TP 1) of a 32-layer model with 8 KV heads x 128, 16 tokens a block,
 fp16 (64 KiB per layer per block) registers KV caches in shared memory (or
-on the GPU) with a `kvstore serve` subprocess, then times Save and Load of
-256 blocks x 32 layers. Two baselines from the same run on the same device:
-a contiguous torch copy of the same bytes, and the copier alone moving the
-same pieces in this process; their difference to the RPC is the gRPC and
-server overhead. Also the round trip of a Save whose one block is already
-sealed (no bytes move): the fixed cost of one call.
+on the GPU) with a `kvstore serve` subprocess whose pool holds two requests:
+from the third Save on, every Save of 256 new blocks evicts 256 old ones, as
+a cache in steady state does. Per repeat, in a fresh random order: a Save of
+new blocks, a Load of the previous repeat's blocks into other block ids, a
+Save whose one block is already sealed (the fixed cost of a call), the copier
+alone moving the same pieces in this process, and the ceiling (the faster of
+a contiguous torch copy and the copier's own routine on one piece of the same
+bytes). Loaded bytes are compared with the saved ones at the end.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
-from kvstore.copy import copier_for, plan, region_from_tensor
+from kvstore.copy import Pieces, copier_for, plan, region_from_tensor
 from kvstore.demo import free_port, start_server
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -42,50 +45,62 @@ def make_layers(device: str, cache_blocks: int) -> list[KVLayer]:
     return layers
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs (after one warm-up)."""
-    fn(0)
-    times = []
-    for r in range(1, repeats + 1):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(r)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def interleaved(ops: dict, repeats: int, seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per repeat of each op ``fn(r)``, ops in a fresh random order each repeat."""
+    rng = np.random.default_rng(seed)
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for r in range(repeats):
+        for name in rng.permutation(list(ops)):
+            _sync()
+            t0 = time.perf_counter()
+            ops[name](r)
+            _sync()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def _key(r: int, b: int) -> int:
+    return (r + 2) << 32 | b  # repeat r's block b (r = -2, -1 fill the pool first)
 
 
 def bench_e2e(args) -> tuple[list[dict], dict]:
     device = "cpu" if args.device == "cpu" else args.device
-    repeats = 3 if args.quick else 7
-    cache_blocks = 2 * SAVE_BLOCKS
+    repeats = 5 if args.quick else 11
     slot = 2 * BLOCK * HEADS * HEAD_DIM * 2
     nbytes = SAVE_BLOCKS * LAYERS * slot
     port = free_port()
-    proc = start_server(port, device.split(":")[0], (repeats + 2) * nbytes + (64 << 20))
-    address = f"127.0.0.1:{port}"
-    layers = make_layers(device, cache_blocks)
-    client = StoreClient(address, timeout=120)
+    proc = start_server(port, device.split(":")[0], 2 * nbytes)  # two requests: evicts
+    layers = make_layers(device, 2 * SAVE_BLOCKS)
+    client = StoreClient(f"127.0.0.1:{port}", timeout=120)
     sess = None
     try:
         sess = client.register("bench", "bench", layers, block_size=BLOCK)
-        ns = sess.wait_sealed(30).final_namespace
+        sess.wait_sealed(30)
         ids = list(range(SAVE_BLOCKS))
-
-        def save(r):
-            sess.save([((r + 1) << 32 | b, b) for b in ids], timeout=300)
-
-        def load(r):
-            sess.load([((r % repeats + 1) << 32 | b, SAVE_BLOCKS + b) for b in ids], timeout=300)
-
-        t_save = timed(save, repeats)
-        t_load = timed(load, repeats)
-        assert client.query(ns, [1 << 32]).prefix_blocks == 1
-        t_call = timed(lambda r: sess.save([(1 << 32, 0)]), 20)
-        t_copy = copy_only(layers, device, nbytes, repeats)
-        t_base = contiguous(device, nbytes, repeats)
+        for r in (-2, -1):
+            sess.save([(_key(r, b), b) for b in ids], timeout=300)
+        local = _local_copies(layers, device, nbytes)
+        ops = {
+            "save": lambda r: sess.save([(_key(r, b), b) for b in ids], timeout=300),
+            "load": lambda r: sess.load(
+                [(_key(r - 1, b), SAVE_BLOCKS + b) for b in ids], timeout=300
+            ),
+            "empty_save": lambda r: sess.save([(_key(r - 1, 0), 0)]),
+            "copier_only": lambda r: local.copier.save(local.pieces),
+            "one_range": lambda r: local.copier.save(local.one),
+            "torch_copy": lambda r: local.dst.copy_(local.src),
+        }
+        t = interleaved(ops, repeats)
+        for layer in layers:  # the check below must not see an earlier load's bytes
+            layer.tensor[:, SAVE_BLOCKS:].zero_()
+        sess.load([(_key(repeats - 1, b), SAVE_BLOCKS + b) for b in ids], timeout=300)
+        _check_loaded(layers)
+        evictions = client.stats().evictions
     finally:
         if sess is not None:
             sess.close()
@@ -95,57 +110,80 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
         for layer in layers:
             if layer.shm is not None:
                 layer.shm.close()
-    base_gbps = nbytes / t_base / 1e9
+    return _rows(t, device, slot, nbytes), _meta(t, repeats, evictions)
+
+
+def _rows(t: dict[str, list[float]], device: str, slot: int, nbytes: int) -> list[dict]:
+    ceiling = [min(a, b) for a, b in zip(t["torch_copy"], t["one_range"], strict=True)]
+    med = {k: statistics.median(v) for k, v in t.items()}
     rows = []
-    for op, t in (("save", t_save), ("load", t_load)):
-        gbps = nbytes / t / 1e9
-        rows.append(
-            {
-                "section": "e2e",
-                "device": device,
-                "layout": "kv_first",
-                "slot_bytes": slot,
-                "num_blocks": SAVE_BLOCKS,
-                "num_layers": LAYERS,
-                "total_bytes": nbytes,
-                "op": f"rpc_{op}",
-                "gbps": round(gbps, 3),
-                "baseline_gbps": round(base_gbps, 3),
-                "ratio": round(gbps / base_gbps, 3),
-                "ms": round(t * 1e3, 2),
-                "copier_only_ms": round(t_copy * 1e3, 2),
-                "overhead_ms": round((t - t_copy) * 1e3, 2),
-            }
-        )
-    meta = {
-        "save_call_ms_no_bytes": round(t_call * 1e3, 3),
-        "repeats": repeats,
-        "what": "one Save / Load RPC of 256 blocks x 32 layers (TP1, 64 KiB slots) "
-        "vs the copier alone and a contiguous copy of the same bytes",
-    }
+    for op in ("save", "load"):
+        ratios = [c / x for c, x in zip(ceiling, t[op], strict=True)]
+        rows.append({
+            "section": "e2e", "device": device, "layout": "kv_first", "slot_bytes": slot,
+            "num_blocks": SAVE_BLOCKS, "num_layers": LAYERS, "total_bytes": nbytes,
+            "op": f"rpc_{op}", "gbps": round(nbytes / med[op] / 1e9, 3),
+            "ceiling_gbps": round(nbytes / statistics.median(ceiling) / 1e9, 3),
+            "ratio": round(statistics.median(ratios), 3),
+            "ms_p10_p50_p90": [round(float(x) * 1e3, 2) for x in np.quantile(t[op], [.1, .5, .9])],
+            "ms": round(med[op] * 1e3, 2), "copier_only_ms": round(med["copier_only"] * 1e3, 2),
+            "overhead_ms_median_of_pairs": round(statistics.median(
+                [a - b for a, b in zip(t[op], t["copier_only"], strict=True)]) * 1e3, 2),
+            "verified": True, "evicting": op == "save",
+        })  # fmt: skip
+    return rows
+
+
+def _meta(t: dict[str, list[float]], repeats: int, evictions: int) -> dict:
+    med = {k: round(statistics.median(v) * 1e3, 3) for k, v in t.items()}
     print(
-        f"e2e: Save {t_save * 1e3:.1f} ms, Load {t_load * 1e3:.1f} ms, copier alone "
-        f"{t_copy * 1e3:.1f} ms, contiguous {t_base * 1e3:.1f} ms, empty Save call "
-        f"{t_call * 1e3:.2f} ms for {nbytes >> 20} MiB"
+        f"e2e: Save {med['save']:.1f} ms (evicting), Load {med['load']:.1f} ms, copier alone "
+        f"{med['copier_only']:.1f} ms, ceiling torch {med['torch_copy']:.1f} / one range "
+        f"{med['one_range']:.1f} ms, empty Save call {med['empty_save']:.2f} ms; "
+        f"{evictions} evictions; loaded bytes verified"
     )
-    return rows, meta
+    return {
+        "median_ms": med, "repeats": repeats, "evictions": evictions,
+        "what": "one Save (into a full pool: evicts 256 blocks) / Load RPC of 256 blocks x 32 "
+        "layers (TP1, 64 KiB slots), interleaved with the copier alone and the ceiling; "
+        "loaded bytes compared with the saved ones",
+    }  # fmt: skip
 
 
-def copy_only(layers: list[KVLayer], device: str, nbytes: int, repeats: int) -> float:
-    """The same pieces moved by the copier in this process, into a scratch pool."""
-    pool = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    pool.zero_()
+def _check_loaded(layers: list[KVLayer]) -> None:
+    """Blocks 0..255 were saved last and loaded into 256..511: same bytes in every layer."""
+    for layer in layers:
+        a = layer.tensor[:, :SAVE_BLOCKS].contiguous().view(torch.int16)
+        b = layer.tensor[:, SAVE_BLOCKS : 2 * SAVE_BLOCKS].contiguous().view(torch.int16)
+        if not torch.equal(a, b):
+            raise AssertionError(f"{layer.name}: loaded bytes differ from the saved ones")
+
+
+@dataclass
+class LocalCopies:
+    """The copier, the request's pieces into a scratch pool, and the same bytes as one piece."""
+
+    copier: object
+    pieces: Pieces
+    one: Pieces
+    src: torch.Tensor
+    dst: torch.Tensor
+    pool: torch.Tensor
+
+
+def _local_copies(layers: list[KVLayer], device: str, nbytes: int) -> LocalCopies:
+    pool = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     regions = [region_from_tensor(layer.tensor, "kv_first") for layer in layers]
     slot = regions[0].slot_bytes
     addrs = pool.data_ptr() + np.arange(LAYERS * SAVE_BLOCKS, dtype=np.uint64).reshape(
         LAYERS, SAVE_BLOCKS
     ) * np.uint64(slot)
     pieces = plan(regions, np.arange(SAVE_BLOCKS), addrs)
-    copier = copier_for(device)
-    return timed(lambda r: copier.save(pieces), repeats)
-
-
-def contiguous(device: str, nbytes: int, repeats: int) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return timed(lambda r: dst.copy_(src), repeats)
+    one = Pieces(
+        paged_addr=np.array([src.data_ptr()], dtype=np.uint64),
+        slot_addr=np.array([dst.data_ptr()], dtype=np.uint64),
+        nbytes=np.array([nbytes], dtype=np.uint64),
+    )
+    return LocalCopies(copier_for(device), pieces, one, src, dst, pool)
