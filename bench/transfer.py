@@ -58,24 +58,42 @@ GBPS_NOTE = (
     "as one ucxx message between the same two processes, request round trip "
     "included, timed interleaved; ratio = gbps / baseline_gbps; for mem=cuda also "
     "device_copy_gbps = one device-to-device cudaMemcpy of the same bytes in the "
-    "fetching process (bytes counted once) and ratio_device_copy = gbps / that"
+    "fetching process (bytes counted once) and ratio_device_copy = gbps / that; "
+    "ratio_p10_p50_p90 = raw time / fetch time per interleaved repeat; verified = a fetch "
+    "and a raw receive into a zeroed pool matched the serving pool's byte pattern"
 )
 
 
 # ---- the two processes' pools: slot views carved from one array -------------------------
 
 
-def make_pool(nbytes: int, mem: str, device: int) -> Any:
+PATTERN = 251  # the serving pool holds byte i % 251 at offset i: a fetch is checkable
+
+
+def make_pool(nbytes: int, mem: str, device: int, pattern: bool = False) -> Any:
+    """A pool with every page touched; ``pattern``: byte i is i % PATTERN, else zeros."""
     if mem == "cuda":
         import cupy
 
         with cupy.cuda.Device(device):
-            pool = cupy.zeros(nbytes, dtype=cupy.uint8)
-            pool[:] = 7
-            return pool
+            if pattern:
+                return (cupy.arange(nbytes, dtype=cupy.int64) % PATTERN).astype(cupy.uint8)
+            return cupy.zeros(nbytes, dtype=cupy.uint8)
+    if pattern:
+        return np.resize(np.arange(PATTERN, dtype=np.uint8), nbytes)
     pool = np.empty(nbytes, dtype=np.uint8)
-    pool.fill(7)  # touch every page before timing
+    pool.fill(0)  # touch every page before timing
     return pool
+
+
+def check_pattern(pool: Any, nbytes: int, what: str) -> None:
+    """The first ``nbytes`` of ``pool`` are the serving pool's bytes, as placed there."""
+    head = pool[:nbytes]
+    head = head.get() if hasattr(head, "get") else head  # cupy -> numpy
+    want = np.resize(np.arange(PATTERN, dtype=np.uint8), nbytes)
+    if not np.array_equal(head, want):
+        bad = int(np.argmax(head != want))
+        raise AssertionError(f"{what}: byte {bad} is {head[bad]}, expected {want[bad]}")
 
 
 def encode_hash(slot_bytes: int, slots_per_block: int, index: int, tp: int = 1) -> int:
@@ -181,7 +199,7 @@ async def _serve(pipe: Any, mem: str, pool_bytes: int) -> None:
     from kvstore.transfer.ucx import ucxx_module
 
     ucxx = ucxx_module()
-    pool = make_pool(pool_bytes, mem, device=0)
+    pool = make_pool(pool_bytes, mem, device=0, pattern=True)
     server = PeerServer(BenchSource(pool), timeout_s=60)
     await server.start()
 
@@ -219,6 +237,8 @@ class Row:
     repeats: int
     device_copy_gbps: float | None = None  # cuda: one cudaMemcpy of the same bytes, in-process
     ratio_device_copy: float | None = None
+    ratio_p10_p50_p90: list[float] | None = None  # per interleaved repeat: raw time / fetch time
+    verified: bool = False  # a fetch and a raw receive into a zeroed pool matched the peer
 
 
 def fetch_main(pipe: Any, env: dict, opts: dict) -> None:
@@ -294,6 +314,13 @@ async def _measure(opts: dict) -> dict:
         if dcopy:
             dc = nbytes / statistics.median(dcopy) / 1e9
             row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps / dc, 3)
+        ratios = np.asarray(raw) / np.asarray(fetched)
+        row.ratio_p10_p50_p90 = [round(float(q), 3) for q in np.quantile(ratios, [0.1, 0.5, 0.9])]
+        for what in ("fetch", "raw"):
+            pool[:nbytes] = 0
+            await (fetch_once(hashes) if what == "fetch" else raw_once(nbytes))
+            check_pattern(pool, nbytes, f"{what} of {nbytes} bytes in {slot}-byte slots")
+        row.verified = True
         rows.append(row)
         extra = f"  memcpy {row.device_copy_gbps} GB/s" if dcopy else ""
         print(
@@ -519,7 +546,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.tls = args.tls or [os.environ.get("UCX_TLS", "default")]
     args.total_mib = args.total_mib or (64 if args.quick else 256)
-    args.repeats = args.repeats or (5 if args.quick else 11)
+    args.repeats = args.repeats or (7 if args.quick else 15)
     args.latency_iters = args.latency_iters or (20 if args.quick else 100)
     args.slot_sizes = list(SLOT_SIZES)
     return args
