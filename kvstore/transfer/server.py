@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,12 +51,38 @@ from kvstore.wire.errors import Code, KVError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PortLimits:
+    """What one UCX peer port gives any caller; the port needs no credential, so
+    every resource a caller can make it hold is bounded in size and in time.
+
+    ``go_timeout_s`` is how long a lease waits for the fetcher's GO: shorter
+    than a client's query lease, so a REQUEST without GO pins blocks briefly.
+    A connection must send its first REQUEST within ``first_request_s`` and
+    each later one within ``idle_s``, else it is closed.
+    """
+
+    max_connections: int = 256  # each costs UCX endpoint descriptors
+    max_pinned_blocks: int = 16384  # over every connection's lease at once
+    go_timeout_s: float = 2.0
+    first_request_s: float = 5.0
+    idle_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PortStats:
+    connections: int
+    pinned_blocks: int
+    refused_connections: int
+    busy_refusals: int
+
+
 class PeerServer:
     """UCX listener on a store server that serves fetch requests from a SlotSource.
 
     One connection serves its fetches one after another; a fetcher that wants
-    parallelism opens more endpoints. ``timeout_s`` bounds how long a lease may
-    wait on a fetcher (for GO, then for all slot sends).
+    parallelism opens more endpoints. ``timeout_s`` bounds a whole fetch (GO,
+    then every slot send); ``limits`` bound what callers can hold (PortLimits).
     """
 
     def __init__(
@@ -65,15 +93,20 @@ class PeerServer:
         *,
         timeout_s: float = 30.0,
         send_window: int = SEND_WINDOW,
+        limits: PortLimits | None = None,
     ):
         self.source = source
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
         self.send_window = send_window
+        self.limits = limits or PortLimits()
         self._listener: Any = None
         self._conns: set[Conn] = set()
         self._handlers: set[asyncio.Task] = set()
+        self._pinned = 0
+        self._refused_connections = 0
+        self._busy_refusals = 0
 
     @property
     def address(self) -> str:
@@ -81,6 +114,11 @@ class PeerServer:
         if self._listener is None:
             raise RuntimeError("PeerServer is not started")
         return f"{self.host}:{self._listener.port}"
+
+    def stats(self) -> PortStats:
+        return PortStats(
+            len(self._conns), self._pinned, self._refused_connections, self._busy_refusals
+        )
 
     async def start(self) -> None:
         ucxx = ucxx_module()
@@ -99,14 +137,22 @@ class PeerServer:
 
     async def _on_connect(self, ep: Any) -> None:
         conn = Conn(ep, peer="fetcher")
+        if len(self._conns) >= self.limits.max_connections:
+            self._refused_connections += 1
+            if self._refused_connections & (self._refused_connections - 1) == 0:  # 1, 2, 4, ...
+                log.warning(
+                    "peer port full (%d connections): refused %d so far",
+                    len(self._conns),
+                    self._refused_connections,
+                )
+            conn.abort()
+            return
         task = asyncio.current_task()
         self._conns.add(conn)
         if task is not None:
             self._handlers.add(task)
         try:
-            while conn.usable:
-                _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline=None)
-                await self._serve(conn, body)
+            await self._serve_connection(conn)
         except (KVError, ProtocolError) as e:
             log.debug("connection from a fetcher ended: %s", e)
         except Exception:
@@ -117,6 +163,15 @@ class PeerServer:
             if task is not None:
                 self._handlers.discard(task)
 
+    async def _serve_connection(self, conn: Conn) -> None:
+        """REQUESTs one after another, each within its idle deadline."""
+        wait_s = self.limits.first_request_s
+        while conn.usable:
+            deadline = asyncio.get_running_loop().time() + wait_s
+            _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline)
+            await self._serve(conn, body)
+            wait_s = self.limits.idle_s
+
     async def _serve(self, conn: Conn, body: bytes) -> None:
         """One fetch: refuse, or lease, offer, await GO, send, release."""
         deadline = asyncio.get_running_loop().time() + self.timeout_s
@@ -125,22 +180,41 @@ class PeerServer:
         except ProtocolError as e:
             await self._refuse(conn, Code.INVALID_ARGUMENT, str(e), deadline)
             return
+        room = self.limits.max_pinned_blocks - self._pinned
+        if room <= 0:
+            self._busy_refusals += 1
+            await self._refuse(conn, Code.RESOURCE_EXHAUSTED, "peer busy: try another", deadline)
+            return
+        lease = await self._lease(conn, namespace, hashes[:room], deadline)
+        if lease is None:
+            return
+        held = len(lease.hashes)
+        self._pinned += held
+        try:
+            await self._send_lease(conn, lease, hashes, deadline)
+        finally:
+            when_settled(conn, functools.partial(self._release, lease, held))
+
+    async def _lease(
+        self, conn: Conn, namespace: str, hashes: list[int], deadline: float
+    ) -> Lease | None:
+        """The source's lease of the longest sealed prefix, or None once answered."""
         try:
             lease = self.source.lease(namespace, hashes)
         except KVError as e:
             await self._refuse(conn, e.code, e.message, deadline)
-            return
+            return None
         except Exception as e:
             log.exception("SlotSource.lease failed")
             await self._refuse(conn, Code.INTERNAL, f"lease failed: {e}", deadline)
-            return
+            return None
         if lease is None:
             await send_frame(conn, Kind.REPLY, deadline, body=encode_offer([]))
-            return
-        try:
-            await self._send_lease(conn, lease, hashes, deadline)
-        finally:
-            when_settled(conn, lease.release)
+        return lease
+
+    def _release(self, lease: Lease, held: int) -> None:
+        self._pinned -= held
+        lease.release()
 
     async def _send_lease(
         self, conn: Conn, lease: Lease, hashes: list[int], deadline: float
@@ -160,8 +234,9 @@ class PeerServer:
         if not table.num_blocks:
             await send_frame(conn, Kind.REPLY, deadline, body=offer)
             return
+        go_deadline = min(deadline, asyncio.get_running_loop().time() + self.limits.go_timeout_s)
         _, _, body = await recv_frame(
-            conn, [Kind.GO], deadline, after=frame_sends(conn, Kind.REPLY, offer)
+            conn, [Kind.GO], go_deadline, after=frame_sends(conn, Kind.REPLY, offer)
         )
         accepted, packed = decode_go(body, table.num_blocks)
         if accepted:  # GO accepts all that was offered, or nothing
@@ -173,10 +248,7 @@ class PeerServer:
     async def _send_slots(
         self, conn: Conn, views: list[Any], deadline: float, first: int = 0
     ) -> None:
-        """Send segments ``first``, ``first + 1``, ... each on its own tag.
-
-        A method of its own so that tests can make a peer fail half-way.
-        """
+        """Send segments ``first``, ``first + 1``, ... each on its own tag."""
 
         async def send(i: int, view: Any) -> None:
             await conn.ep.send(view, tag=DATA_TAG_BASE + first + i)

@@ -43,7 +43,9 @@ def torch_from(a: np.ndarray):
 # ---- misbehaving peers --------------------------------------------------------------
 
 
-def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
+def make_server(
+    behaviour: str, source: MemorySource, timeout_s: float, limits: dict | None = None
+) -> Any:
     from kvstore.transfer import server as peer_server
     from kvstore.transfer import ucx, wire
 
@@ -88,7 +90,7 @@ def make_server(behaviour: str, source: MemorySource, timeout_s: float) -> Any:
                 return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
             return await super()._serve(conn, body)
 
-    return Server(source, timeout_s=timeout_s)
+    return Server(source, timeout_s=timeout_s, limits=peer_server.PortLimits(**(limits or {})))
 
 
 # ---- a node: one spawned process driven over a pipe ------------------------------------
@@ -106,11 +108,12 @@ class NodeState:
         timeout_s: float = 30.0,
         gap_every: int = 0,
         lanes: int = 1,
+        limits: dict | None = None,
     ) -> str:
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
-        self.server = make_server(behaviour, self.source, timeout_s)
+        self.server = make_server(behaviour, self.source, timeout_s, limits)
         await self.server.start()
         return self.server.address
 
@@ -165,6 +168,20 @@ class NodeState:
             "segments": list(self.server.segments),
         }
 
+    async def port_stats(self) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(self.server.stats())
+
+    async def open_idle(self, address: str, n: int) -> int:
+        """Open ``n`` connections to ``address`` and keep them, sending nothing."""
+        from kvstore.transfer import ucx
+
+        self.idle = getattr(self, "idle", [])
+        for _ in range(n):
+            self.idle.append(await ucx.connect(address, asyncio.get_running_loop().time() + 5))
+        return len(self.idle)
+
     async def set_max_segment_bytes(self, nbytes: int) -> None:
         import kvstore.transfer.slots
 
@@ -198,8 +215,11 @@ class NodeState:
         out["elapsed"] = time.monotonic() - start
         return out | sink.report()
 
-    async def raw(self, address: str, frames: list[bytes], replies: int) -> list:
-        """Send hand-made control frames; collect [kind, arg, body] replies or the error."""
+    async def raw(
+        self, address: str, frames: list[bytes], replies: int, keep: bool = False
+    ) -> list:
+        """Send hand-made control frames; collect [kind, arg, body] replies or the error;
+        ``keep`` leaves the connection open afterwards."""
         from kvstore.transfer import ucx, wire
 
         conn = await ucx.connect(address, asyncio.get_running_loop().time() + 5)
@@ -214,7 +234,10 @@ class NodeState:
             except Exception as e:
                 out.append(["failed", type(e).__name__])
                 break
-        conn.abort()
+        if keep:
+            self.idle = [*getattr(self, "idle", []), conn]
+        else:
+            conn.abort()
         return out
 
 
@@ -508,6 +531,44 @@ def test_invalid_arguments_fail_locally(nodes):
     assert out["code"] == "INVALID_ARGUMENT", out
     out = client.call("fetch", address="127.0.0.1:1", hashes=[5, 6, 5])
     assert out["code"] == "INVALID_ARGUMENT" and "distinct" in out["message"], out
+
+
+# ---- what the peer port lets a caller hold ------------------------------------------------
+
+
+def test_a_request_without_go_pins_its_blocks_only_briefly(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:4], [4096]),
+                          limits={"go_timeout_s": 0.5})  # fmt: skip
+    from kvstore.transfer import wire
+
+    frames = wire.encode_frame(wire.Kind.REQUEST, wire.encode_request(NS, HASHES[:4]))
+    replies = client.call("raw", address=address, frames=frames, replies=1, keep=True)
+    assert replies[0][0] == "REPLY", replies
+    # The caller stays connected and never sends GO: the lease goes anyway.
+    assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=5)
+    assert server.call("port_stats")["pinned_blocks"] == 0
+
+
+def test_idle_and_surplus_connections_are_closed(nodes):
+    server, client = nodes(), nodes()
+    limits = {"max_connections": 2, "first_request_s": 1.0}
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]), limits=limits)
+    client.call("open_idle", address=address, n=4)
+    assert wait_until(lambda: server.call("port_stats")["refused_connections"] >= 2, timeout=5)
+    assert server.call("port_stats")["connections"] <= 2
+    assert wait_until(lambda: server.call("port_stats")["connections"] == 0, timeout=5)
+    out = client.call("fetch", address=address, hashes=HASHES[:2])  # the port still serves
+    assert out["n"] == [2] and out["corrupt"] == [], out
+
+
+def test_pinned_blocks_are_capped_across_the_port(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:6], [4096]),
+                          limits={"max_pinned_blocks": 3})  # fmt: skip
+    out = client.call("fetch", address=address, hashes=HASHES[:6])
+    assert out["n"] == [3] and out["corrupt"] == [], out  # a valid, shorter prefix
+    assert server.call("port_stats")["pinned_blocks"] == 0
 
 
 # ---- dying and hanging peers --------------------------------------------------------------
