@@ -38,6 +38,7 @@ bench-quick: $(STAMP)
 	$(PY) bench/copy_engine.py --quick
 	$(PY) bench/router.py --quick
 	$(PY) bench/transfer.py --quick
+	$(PY) bench/router_trace.py --quick --out /tmp/kvstore-router-trace-quick.json
 
 protos: $(STAMP)
 	$(PY) -m kvstore.protogen

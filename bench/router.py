@@ -1,24 +1,33 @@
-"""Router benchmark: event ingestion, route latency, index memory, prefix hit rate.
+"""Router benchmark: event ingest, worst call under churn, index memory, route latency, hit rate.
 
-    python bench/router.py            # full run (a few minutes on 2 cores)
-    python bench/router.py --quick    # under a minute
+    python bench/router.py            # full run: 256 workers, ~4.2M indexed blocks
+    python bench/router.py --quick    # under a minute: 256 workers, ~1.1M blocks
 
-Writes bench/results/router.json and bench/results/router.png.
+Writes bench/results/router.json and bench/results/router.png. Single-threaded,
+on whatever the host gives one Python thread; every timing is repeated and
+interleaved, and reported as median with min and max.
 
-1. Ingestion: ~1M blocks of events through the real decode + apply paths:
-   vLLM ``KVEventBatch`` payloads (msgpack, array_like) for 64 workers, and
-   store ``StoreEvent`` payloads for a store peer. blocks/s on one core.
-2. Route latency: with 64 workers and >= 1M indexed blocks, requests whose
-   prompts share a system prompt with many workers and a history with one,
-   at 1k..16k tokens (block size 16); p50 / p99 of ``Router.route`` with
-   block hashes (what a frontend that hashes once sends). Hashing the tokens
-   in the router is timed separately.
-3. Hit rate: a synthetic multi-turn trace shaped like published serving traces
-   (Mooncake: long shared system prompts, multi-turn sessions whose prompts
-   carry the whole history, mean input several thousand tokens, short
-   outputs) over N workers with LRU caches that are too small for the trace.
-   The KV-aware router (fed by the workers' own stored/removed events, with
-   load tracking) against round-robin and random routing on the same trace.
+1. Index: 256 workers, each with its own history plus shared system prompts,
+   built through the real vLLM decoder (64-block ``BlockStored`` events).
+2. Ingest, vLLM's real shapes, decode (msgpack) + ``Router.apply_vllm_batch``,
+   the ZMQ socket excluded: a full cache's steady state, each ``BlockStored``
+   followed by a ``BlockRemoved`` of as many blocks, with 1-block events (decode)
+   and 64-block events (prefill), 32 events a batch, token ids included; and
+   store ``StoreEvent`` payloads. blocks/s counts the hashes in all events
+   (stored + removed); ``stored_per_s`` only the stored ones.
+3. Worst call under churn: 8 workers churn through more than their whole
+   cache (every holder's bookkeeping turns over), a route of 8k tokens after
+   every 8 batches; p50 / p99 / p99.9 / max of single calls.
+4. Memory per indexed block: ``Router.index_bytes()`` (``sys.getsizeof`` of the
+   dicts, sets and non-shared ints) and tracemalloc's count of what building
+   an index allocated and kept, both divided by the distinct hashes indexed.
+5. Route latency at 1k..16k tokens (block size 16): p50 / p99 of
+   ``Router.route`` with block hashes (what a frontend that hashes once sends),
+   requests sharing a system prompt with many workers and a slice of one
+   worker's history. Hashing tokens in the router is timed separately.
+6. Hit rate: a synthetic multi-turn trace over 16 LRU workers, the KV-aware
+   router against round-robin and random (bench/router_trace.py replays real
+   traces with TTFT against stronger baselines).
 """
 
 from __future__ import annotations
@@ -32,12 +41,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import argparse  # noqa: E402
-import heapq  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
-from collections import OrderedDict, deque  # noqa: E402
+import tracemalloc  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -45,63 +54,52 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.router.core import Router, RouterConfig  # noqa: E402
-from kvstore.router.scoring import ScoringConfig  # noqa: E402
-from kvstore.router.vllm_events import BlockEvent, decode_batch  # noqa: E402
-from kvstore.testing.vllm_events import encode_batch  # noqa: E402
-from kvstore.wire.card import WorkerCard  # noqa: E402
+from bench.router_hit import CACHE_BLOCKS, make_trace, simulate  # noqa: E402
+from bench.router_index import (  # noqa: E402
+    BLOCK,
+    BenchIndex,
+    build_index,
+    churn_payloads,
+    request,
+    u64s,
+)
+from kvstore.router.core import Router  # noqa: E402
+from kvstore.router.vllm_events import decode_batch  # noqa: E402
 from kvstore.wire.events import StoreEvent  # noqa: E402
 from kvstore.wire.hashing import block_hashes  # noqa: E402
 
-BLOCK = 16
-SESSION_RATE = 2.0  # new sessions per time unit; think time between turns ~30 units
-CACHE_BLOCKS = 8192  # per worker: 128k tokens of KV, a modest GPU's prefix cache
 RESULTS = ROOT / "bench" / "results"
 NS = "bench.0123456789abcdef"
-
-
-def u64s(rng: np.random.Generator, n: int) -> list[int]:
-    return rng.integers(0, 2**63, size=n, dtype=np.uint64).tolist()
 
 
 def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-# -- 1 + 2: a 64-worker, 1M-block index built through the event paths -----------
+def spread(xs: list[float]) -> dict:
+    return {"median": float(np.median(xs)), "min": min(xs), "max": max(xs), "runs": len(xs)}
 
 
-def build_index(
-    workers: int, blocks_per_worker: int, n_system: int, system_blocks: int, seed: int = 0
-):
-    """Returns (router, refs, system prompts, per-worker histories, ingest stats)."""
-    rng = np.random.default_rng(seed)
-    router = Router(RouterConfig())
-    refs = [
-        router.register_worker(f"w{i}", WorkerCard("bench", BLOCK, hash_format="vllm-sha256")).ref
-        for i in range(workers)
-    ]
-    systems = [u64s(rng, system_blocks) for _ in range(n_system)]
-    histories, payloads = [], []
-    for i in range(workers):
-        own = u64s(rng, blocks_per_worker)
-        histories.append(own)
-        events = [
-            ["BlockStored", systems[(i * 7 + k) % n_system], None, [], BLOCK, None, "GPU", None]
-            for k in range(max(1, n_system // 4))
-        ]
-        for start in range(0, len(own), 64):  # vLLM stores a request's new blocks in one event
-            events.append(
-                ["BlockStored", own[start : start + 64], None, [], BLOCK, None, "GPU", None]
-            )
-        for start in range(0, len(events), 32):  # a batch per engine step
-            payloads.append((refs[i], encode_batch(events[start : start + 32], ts=1.0)))
-    blocks = sum(len(e.hashes) for _, p in payloads for e in decode_batch(p).events)
-    t0 = time.perf_counter()
+def call_stats(ms: list[float]) -> dict:
+    qs = {f"p{q}": percentile(ms, q) for q in (50, 99, 99.9)}
+    return {**qs, "max": max(ms), "calls": len(ms)}
+
+
+# -- 2 + 3: ingest and the worst call under churn (workload: bench/router_index.py) --
+
+
+def ingest_rate(idx: BenchIndex, per_event: int, stored: int) -> tuple[float, float]:
+    """Blocks (stored + removed) per second through decode + apply, streaming,
+    and the slowest single batch (ms)."""
+    payloads = churn_payloads(idx, range(len(idx.refs)), stored, per_event)
+    apply, decode, clock = idx.router.apply_vllm_batch, decode_batch, time.perf_counter
+    worst = 0.0
+    t0 = start = clock()
     for ref, payload in payloads:
-        router.apply_vllm_batch(ref, decode_batch(payload))
-    vllm_s = time.perf_counter() - t0
-    return router, refs, systems, histories, {"vllm_blocks": blocks, "vllm_s": vllm_s}
+        apply(ref, decode(payload))
+        now = clock()
+        worst, start = max(worst, now - start), now
+    return 2 * stored / (time.perf_counter() - t0), worst * 1e3
 
 
 def ingest_store_events(router: Router, total_blocks: int, seed: int = 1) -> float:
@@ -119,24 +117,52 @@ def ingest_store_events(router: Router, total_blocks: int, seed: int = 1) -> flo
     return len(payloads) * 64 / dt
 
 
-def route_latency(router, systems, histories, prompt_tokens: int, samples: int, seed: int = 2):
-    rng = random.Random(seed)
-    n_blocks = prompt_tokens // BLOCK
-    lat = []
-    overlaps = []
-    for _ in range(samples):
-        w = rng.randrange(len(histories))
-        system = systems[(w * 7) % len(systems)]
-        sys_part = system[: min(len(system), n_blocks // 4)]
-        hist_len = rng.randint(0, max(0, n_blocks - len(sys_part)))
-        start = rng.randrange(0, len(histories[w]) - hist_len + 1)
-        hist = histories[w][start : start + hist_len]
-        tail = [rng.getrandbits(63) for _ in range(n_blocks - len(sys_part) - len(hist))]
-        hashes = sys_part + hist + tail
+def churn_calls(idx: BenchIndex, churners: int, turnover: float) -> dict:
+    """Single-call latencies while ``churners`` workers replace ``turnover`` x their cache."""
+    workers = range(churners)
+    stored = int(turnover * churners * len(idx.histories[0]))
+    payloads = churn_payloads(idx, workers, stored, 1)
+    rng = random.Random(5)
+    apply_ms, route_ms = [], []
+    for k, (ref, payload) in enumerate(payloads):
         t0 = time.perf_counter()
-        r = router.route("bench", hashes=hashes, request_id="q")
+        idx.router.apply_vllm_batch(ref, decode_batch(payload))
+        apply_ms.append((time.perf_counter() - t0) * 1e3)
+        if k % 8 == 7:
+            hashes = request(idx, rng, 8192 // BLOCK)
+            t0 = time.perf_counter()
+            idx.router.route("bench", hashes=hashes, track=False)
+            route_ms.append((time.perf_counter() - t0) * 1e3)
+    return {"apply_batch_ms": call_stats(apply_ms), "route_8k_ms": call_stats(route_ms)}
+
+
+# -- 4: memory -------------------------------------------------------------------
+
+
+def traced_bytes_per_block(workers: int, per_worker: int) -> float:
+    """What building an index allocates and keeps (tracemalloc), per distinct hash."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = build_index(workers, per_worker, n_system=8, system_blocks=64)
+    del idx.histories[:], idx.systems[:]  # the bench's own copies of the hashes
+    gc.collect()
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return kept / idx.router.stats().indexed_blocks
+
+
+# -- 5: route latency ------------------------------------------------------------
+
+
+def route_latency(idx: BenchIndex, prompt_tokens: int, samples: int, seed: int = 2):
+    rng = random.Random(seed)
+    lat, overlaps = [], []
+    for _ in range(samples):
+        hashes = request(idx, rng, prompt_tokens // BLOCK)
+        t0 = time.perf_counter()
+        r = idx.router.route("bench", hashes=hashes, track=False)
         lat.append((time.perf_counter() - t0) * 1e3)
-        router.request_done(r.request_id)
         overlaps.append(r.overlap_blocks)
     return lat, float(np.mean(overlaps))
 
@@ -151,152 +177,41 @@ def hashing_ms(prompt_tokens: int, samples: int) -> float:
     return percentile(times, 50)
 
 
-# -- 3: hit rate on a synthetic shared-prefix multi-turn trace -------------------
-
-
-def make_trace(sessions: int, seed: int = 3):
-    """Requests as block-hash lists, in arrival order, plus each one's output blocks.
-
-    30 system prompts of 1k-6k tokens with Zipf popularity; sessions of 1-12
-    turns (mean ~4); each turn adds 200-1500 user tokens; answers of 100-600
-    tokens become part of the next turn's prompt. Turns of different sessions
-    interleave (Poisson arrivals, think time between turns).
-    """
-    rng = random.Random(seed)
-    nrng = np.random.default_rng(seed)
-    n_sys = 30
-    systems = [u64s(nrng, rng.randint(1000, 6000) // BLOCK) for _ in range(n_sys)]
-    weights = [1 / (k + 1) ** 1.1 for k in range(n_sys)]
-    events = []
-    for s in range(sessions):
-        t = rng.uniform(0, sessions / SESSION_RATE)  # same concurrency at any trace size
-        turns = min(12, 1 + int(rng.expovariate(1 / 3)))
-        events.append((t, s, turns))
-    heapq.heapify(events)
-    context = {}
-    trace = []
-    while events:
-        t, s, turns_left = heapq.heappop(events)
-        if s not in context:
-            context[s] = list(systems[rng.choices(range(n_sys), weights)[0]])
-        prompt = context[s] + u64s(nrng, rng.randint(200, 1500) // BLOCK)
-        output = u64s(nrng, rng.randint(100, 600) // BLOCK)
-        trace.append((prompt, output))
-        context[s] = prompt + output
-        if turns_left > 1:
-            heapq.heappush(events, (t + rng.expovariate(1 / 30), s, turns_left - 1))
-        else:
-            del context[s]
-    return trace
-
-
-class LruCache:
-    """A worker's prefix cache: LRU over blocks, tail blocks evicted first (as vLLM)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def prefix_hit(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, hashes: list[int]) -> tuple[list[int], list[int]]:
-        """Touch/insert ``hashes``; return (newly stored, evicted)."""
-        new = []
-        for h in reversed(hashes):  # the prefix ends up most recent
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
-            else:
-                self.blocks[h] = None
-                new.append(h)
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
-        new_set = set(evicted)
-        return [h for h in reversed(new) if h not in new_set], evicted
-
-
-def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, seed: int = 4):
-    caches = [LruCache(capacity) for _ in range(workers)]
-    rng = random.Random(seed)
-    router = None
-    if policy == "kv_aware":
-        router = Router(RouterConfig(scoring=ScoringConfig(overlap_weight=1.0)))
-        refs = [
-            router.register_worker(f"w{i}", WorkerCard("sim", BLOCK)).ref for i in range(workers)
-        ]
-    hit = total = 0
-    per_worker = [0] * workers
-    window: deque[str] = deque()
-    for i, (prompt, output) in enumerate(trace):
-        if policy == "round_robin":
-            w = i % workers
-        elif policy == "random":
-            w = rng.randrange(workers)
-        else:
-            r = router.route(
-                "sim", hashes=prompt, request_id=f"r{i}", decode_tokens=len(output) * BLOCK
-            )
-            w = int(r.worker.name[1:])
-            window.append(r.request_id)
-            if len(window) > in_flight:  # the oldest in-flight request completes
-                router.request_done(window.popleft())
-        hit += caches[w].prefix_hit(prompt)
-        total += len(prompt)
-        per_worker[w] += 1
-        stored, evicted = caches[w].insert(prompt + output)
-        if router is not None:
-            evs = []
-            if evicted:
-                evs.append(BlockEvent("removed", evicted))
-            if stored:
-                evs.append(BlockEvent("stored", stored))
-            router.apply_worker_events(refs[w], evs)
-    return hit / total, max(per_worker) / (sum(per_worker) / workers)
-
-
 # -- main ------------------------------------------------------------------------
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
-    ap.add_argument("--out", default=str(RESULTS / "router.json"))
-    args = ap.parse_args()
-    quick = args.quick
-    t_start = time.perf_counter()
+def measure_ingest(idx: BenchIndex, quick: bool) -> dict:
+    """Interleaved repeats of each shape on the same index, so load on the host hits all."""
+    n1, n64 = (32_768, 131_072) if quick else (131_072, 524_288)
+    runs: dict[str, list[float]] = {"decode_1_block": [], "prefill_64_block": [], "store": []}
+    worst = {"decode_1_block": 0.0, "prefill_64_block": 0.0}
+    for _ in range(5 if quick else 7):
+        for shape, per_event, stored in (("decode_1_block", 1, n1), ("prefill_64_block", 64, n64)):
+            rate, slowest = ingest_rate(idx, per_event, stored)
+            runs[shape].append(rate)
+            worst[shape] = max(worst[shape], slowest)
+        runs["store"].append(ingest_store_events(idx.router, n64 // 2))
+    out = {shape: spread(rates) for shape, rates in runs.items()}
+    for shape, slowest in worst.items():
+        out[shape]["stored_per_s_median"] = out[shape]["median"] / 2
+        out[shape]["slowest_batch_ms"] = slowest
+    return out
 
-    workers = 64
-    per_worker = 16_000  # 64 x 16k unique blocks + shared system prompts > 1M
-    print(f"building index: {workers} workers x {per_worker} blocks + shared system prompts ...")
-    router, _refs, systems, histories, ing = build_index(
-        workers, per_worker, n_system=64, system_blocks=256
-    )
-    stats = router.stats()
-    ingest_vllm = ing["vllm_blocks"] / ing["vllm_s"]
-    ingest_store = ingest_store_events(router, 256_000 if quick else 1_024_000)
-    index_bytes = router.index_bytes()
-    print(
-        f"  indexed {stats.indexed_blocks:,} blocks, {index_bytes / 2**20:.0f} MiB; "
-        f"ingest vLLM {ingest_vllm:,.0f} blocks/s, store {ingest_store:,.0f} blocks/s"
-    )
 
-    samples = 300 if quick else 2000
+def measure_routes(idx: BenchIndex, quick: bool) -> list[dict]:
+    stats = idx.router.stats()
+    samples = 300 if quick else 1000
     rows = []
     for tokens in (1024, 2048, 4096, 8192, 16384):
-        lat, mean_overlap = route_latency(router, systems, histories, tokens, samples)
+        lat, mean_overlap = route_latency(idx, tokens, samples)
         rows.append(
             {
                 "prompt_tokens": tokens,
-                "workers": workers,
+                "workers": stats.workers,
                 "indexed_blocks": stats.indexed_blocks,
                 "p50": percentile(lat, 50),
                 "p99": percentile(lat, 99),
+                "max": max(lat),
                 "mean_overlap_blocks": mean_overlap,
                 "samples": samples,
             }
@@ -305,55 +220,71 @@ def main() -> None:
             f"  route {tokens:>5} tokens: "
             f"p50 {rows[-1]['p50']:.3f} ms  p99 {rows[-1]['p99']:.3f} ms"
         )
-    hash_8k = hashing_ms(8192, 50 if quick else 200)
-    print(f"  hashing 8k tokens in the router (token_ids path): p50 {hash_8k:.3f} ms")
-    del router, histories
+    return rows
 
-    sessions = 500 if quick else 2000
+
+def measure_hit_rate(quick: bool) -> dict:
+    sessions, workers = (500 if quick else 2000), 16
     trace = make_trace(sessions)
-    sim_workers = 16
-    mean_prompt = float(np.mean([len(p) for p, _ in trace])) * BLOCK
-    unique = len({h for p, o in trace for h in p + o})
-    capacity = CACHE_BLOCKS
-    print(
-        f"trace: {len(trace)} requests, {sessions} sessions, mean prompt {mean_prompt:.0f} tokens, "
-        f"{unique:,} unique blocks; {sim_workers} workers x {capacity:,} blocks of cache"
-    )
-    hit_rate, balance = {}, {}
+    out = {"requests": len(trace), "sessions": sessions, "workers": workers}
+    out["cache_blocks_per_worker"] = CACHE_BLOCKS
     for policy in ("kv_aware", "round_robin", "random"):
-        hit_rate[policy], balance[policy] = simulate(
-            trace, policy, sim_workers, capacity, in_flight=2 * sim_workers
-        )
-        print(
-            f"  {policy:>11}: hit rate {hit_rate[policy]:.3f}  (max/mean requests per worker "
-            f"{balance[policy]:.2f})"
-        )
+        hit, balance = simulate(trace, policy, workers, CACHE_BLOCKS, in_flight=2 * workers)
+        out[policy] = {"hit_rate": hit, "max_over_mean_requests": balance}
+        print(f"  {policy:>11}: hit rate {hit:.3f}  (max/mean requests per worker {balance:.2f})")
+    return out
 
-    result = {
-        "ingest_blocks_per_s": min(ingest_vllm, ingest_store),
-        "ingest_vllm_blocks_per_s": ingest_vllm,
-        "ingest_store_blocks_per_s": ingest_store,
-        "route_latency_ms": rows,
-        "hash_8k_tokens_ms_p50": hash_8k,
-        "hit_rate": hit_rate,
-        "load_balance_max_over_mean": balance,
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="smaller index and samples, under a minute"
+    )
+    ap.add_argument("--out", default=str(RESULTS / "router.json"))
+    args = ap.parse_args()
+    quick, t_start, load_before = args.quick, time.perf_counter(), os.getloadavg()
+    workers, per_worker = 256, (4096 if args.quick else 16384)
+    print(f"building index: {workers} workers x {per_worker} blocks + shared system prompts ...")
+    idx = build_index(workers, per_worker)
+    stats, build_s = idx.router.stats(), idx.build_s
+    index_bytes = idx.router.index_bytes()
+    print(f"  {stats.indexed_blocks:,} blocks, {index_bytes / stats.indexed_blocks:.0f} B/block")
+    ingest = measure_ingest(idx, quick)
+    for shape, r in ingest.items():
+        print(f"  ingest {shape}: {r['median']:,.0f} blocks/s ({r['min']:,.0f}-{r['max']:,.0f})")
+    churn = churn_calls(idx, churners=8, turnover=2.5)
+    print(f"  churn: {churn}")
+    memory = {
         "index_bytes": index_bytes,
         "indexed_blocks": stats.indexed_blocks,
-        "trace": {
-            "requests": len(trace),
-            "sessions": sessions,
-            "mean_prompt_tokens": mean_prompt,
-            "unique_blocks": unique,
-            "workers": sim_workers,
-            "cache_blocks_per_worker": capacity,
-            "block_size": BLOCK,
-        },
+        "getsizeof_bytes_per_block": index_bytes / stats.indexed_blocks,
+        "tracemalloc_bytes_per_block": traced_bytes_per_block(16, 16384),
+        "how": "getsizeof: Router.index_bytes() (dicts, holder sets, key and multi-holder "
+        "mask ints) / distinct hashes; tracemalloc: memory a 16-worker x 16k-block index "
+        "build allocated and kept, the bench's own hash lists freed, / distinct hashes",
+    }
+    print(f"  memory: {memory['tracemalloc_bytes_per_block']:.0f} B/block traced")
+    rows = measure_routes(idx, quick)
+    hash_8k = hashing_ms(8192, 50 if quick else 200)
+    del idx
+    result = {
+        "index": {"workers": workers, "indexed_blocks": stats.indexed_blocks},
+        "index_build_blocks_per_s": stats.blocks_ingested / build_s,
+        "ingest_blocks_per_s": ingest,
+        "churn_single_calls": churn,
+        "memory": memory,
+        "route_latency_ms": rows,
+        "hash_8k_tokens_ms_p50": hash_8k,
+        "hit_rate": measure_hit_rate(quick),
         "quick": quick,
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "processor": platform.processor() or platform.machine(),
+            "platform": platform.platform(),
+            "load_average_at_start": load_before,
         },
+        "notes": NOTES,
         "wall_s": time.perf_counter() - t_start,
     }
     out = Path(args.out)
@@ -361,6 +292,37 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
+
+
+NOTES = [
+    "Single Python thread on a shared 2-core host; other work on the host shows as spread.",
+    "Ingest blocks/s count every hash in the events, stored and removed (the steady state "
+    "stores and removes as many); stored_per_s_median is half of it.",
+    "1-block churn misses the 1M blocks/s target: msgpack's own unpack is ~0.2-0.3 us an "
+    "event here, the inline read ~0.3 us, and a multi-million-block index costs several "
+    "cache misses per hash in CPython dicts (the same churn on an index that fits in cache "
+    "runs 1.1-1.3M blocks/s). 1M on a big index needs the decode and the mask updates in "
+    "native code (msgspec typed decoding, a u64 -> mask hash table).",
+    "Before (HEAD f1dc4a1's router, this bench's code, 256 workers x 4096 blocks, 1.06M "
+    "indexed, 6 interleaved runs each): 1-block churn 304-375k blocks/s (median 355k) -> "
+    "427-608k (549k); 64-block 0.47-2.36M (2.01M) -> 1.30-1.44M (1.38M); worst apply batch "
+    "under churn 7.0-7.7 ms, p99.9 6.7-7.4 (held-list compaction) -> 0.14-1.45 ms, p99.9 "
+    "0.10-0.12; slowest 1-block ingest batch 59-63 ms (rebuild of the 1M-entry mask dict) "
+    "-> 0.6-1.9 ms; 93 B/block by getsizeof (84 tracemalloc) -> 143 (108).",
+    "64-block churn is slower than before: exact per-holder tables cost a dict store per "
+    "hash where the old append-only list cost none, and the shard pick ~20% of the apply "
+    "loop (one-process A/B: 1.5-1.66M vs 1.86-2.11M hashes/s); in exchange there is no "
+    "compaction, no 60-250 ms table rebuild, and the GC never walks the index.",
+    "The masks are 256 dicts by a hash's low byte: one 4.2M-entry dict rebuilds its table "
+    "after ~1.4M churn stores, a ~250 ms stall under the lock measured on this host.",
+    "Route latency at 256 workers is dominated by the O(workers) scoring of every member "
+    "(scoring.py, ~60% of a route in cProfile), not the prefix walk (O(blocks) in C, one "
+    "Python step per holder that drops out); 1 ms p99 at 8k tokens is missed (p50 alone "
+    "is 1.2-1.6 ms) at 1M and at 4.2M blocks alike, so the index size is not what limits it.",
+    "Worst route calls under churn (route_8k_ms max) are CPython gen-2 collections of the "
+    "process's other objects (modules, the bench's payloads), not the index: with "
+    "gc.freeze() after start-up the worst 8k route in the same churn fell from 8.4 to 2.3 ms.",
+]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -376,22 +338,25 @@ def plot(result: dict, path: Path) -> None:
     a.plot(x, [r["p99"] for r in rows], "s-", label="p99")
     a.axhline(1.0, color="grey", ls="--", lw=1, label="1 ms target")
     a.set_xscale("log", base=2)
+    a.set_ylim(bottom=0)
     a.set_xlabel("prompt tokens")
     a.set_ylabel("route latency (ms)")
     a.set_title(
         f"{rows[0]['workers']} workers, {rows[0]['indexed_blocks'] / 1e6:.2f}M indexed blocks"
     )
     a.legend()
-    hr = result["hit_rate"]
-    b.bar(list(hr), list(hr.values()), color=["tab:green", "tab:blue", "tab:orange"])
-    for i, v in enumerate(hr.values()):
-        b.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    b.set_ylabel("prefix hit rate (blocks)")
-    t = result["trace"]
-    b.set_title(
-        f"{t['requests']} requests, {t['workers']} workers, "
-        f"ingest {result['ingest_blocks_per_s'] / 1e6:.2f}M blocks/s"
-    )
+    ingest = result["ingest_blocks_per_s"]
+    names = list(ingest)
+    med = [ingest[n]["median"] / 1e6 for n in names]
+    err = [
+        [m - ingest[n]["min"] / 1e6 for n, m in zip(names, med, strict=True)],
+        [ingest[n]["max"] / 1e6 - m for n, m in zip(names, med, strict=True)],
+    ]
+    b.bar(names, med, yerr=err, capsize=4, color=["tab:green", "tab:blue", "tab:orange"])
+    b.axhline(1.0, color="grey", ls="--", lw=1, label="1M blocks/s target")
+    b.set_ylabel("ingest, M blocks/s (median, min-max)")
+    b.set_title("decode + apply, one thread")
+    b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

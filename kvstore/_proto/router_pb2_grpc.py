@@ -54,10 +54,20 @@ class RouterStub:
                 request_serializer=router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=router__pb2.RouteResponse.FromString,
                 _registered_method=True)
-        self.RequestDone = channel.unary_unary(
-                '/kvstore.v1.Router/RequestDone',
-                request_serializer=router__pb2.RequestDoneRequest.SerializeToString,
-                response_deserializer=router__pb2.RequestDoneResponse.FromString,
+        self.ReportLoad = channel.unary_unary(
+                '/kvstore.v1.Router/ReportLoad',
+                request_serializer=router__pb2.ReportLoadRequest.SerializeToString,
+                response_deserializer=router__pb2.ReportLoadResponse.FromString,
+                _registered_method=True)
+        self.RequestStarted = channel.unary_unary(
+                '/kvstore.v1.Router/RequestStarted',
+                request_serializer=router__pb2.RequestStartedRequest.SerializeToString,
+                response_deserializer=router__pb2.RequestStartedResponse.FromString,
+                _registered_method=True)
+        self.RequestFinished = channel.unary_unary(
+                '/kvstore.v1.Router/RequestFinished',
+                request_serializer=router__pb2.RequestFinishedRequest.SerializeToString,
+                response_deserializer=router__pb2.RequestFinishedResponse.FromString,
                 _registered_method=True)
         self.AdvertisePeer = channel.unary_unary(
                 '/kvstore.v1.Router/AdvertisePeer',
@@ -111,14 +121,30 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """Picks a WorkerSet (weighted by worker count) and a worker in it.
+        """Picks a WorkerSet (weighted by worker count) and the worker in it with
+        the lowest expected time to first token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RequestDone(self, request, context):
-        """Frees the load a routed request added (prefill only, or all of it).
+    def ReportLoad(self, request, context):
+        """A worker's load, from the engine or the store server on its behalf; used
+        until it is older than the router's staleness window (--load-staleness).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestStarted(self, request, context):
+        """A routed request's prefill began: it leaves its worker's queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestFinished(self, request, context):
+        """A routed request is done: its load is freed; it may say what it hit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,10 +201,20 @@ def add_RouterServicer_to_server(servicer, server):
                     request_deserializer=router__pb2.RouteRequest.FromString,
                     response_serializer=router__pb2.RouteResponse.SerializeToString,
             ),
-            'RequestDone': grpc.unary_unary_rpc_method_handler(
-                    servicer.RequestDone,
-                    request_deserializer=router__pb2.RequestDoneRequest.FromString,
-                    response_serializer=router__pb2.RequestDoneResponse.SerializeToString,
+            'ReportLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLoad,
+                    request_deserializer=router__pb2.ReportLoadRequest.FromString,
+                    response_serializer=router__pb2.ReportLoadResponse.SerializeToString,
+            ),
+            'RequestStarted': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestStarted,
+                    request_deserializer=router__pb2.RequestStartedRequest.FromString,
+                    response_serializer=router__pb2.RequestStartedResponse.SerializeToString,
+            ),
+            'RequestFinished': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestFinished,
+                    request_deserializer=router__pb2.RequestFinishedRequest.FromString,
+                    response_serializer=router__pb2.RequestFinishedResponse.SerializeToString,
             ),
             'AdvertisePeer': grpc.unary_unary_rpc_method_handler(
                     servicer.AdvertisePeer,
@@ -320,7 +356,7 @@ class Router:
             _registered_method=True)
 
     @staticmethod
-    def RequestDone(request,
+    def ReportLoad(request,
             target,
             options=(),
             channel_credentials=None,
@@ -333,9 +369,63 @@ class Router:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvstore.v1.Router/RequestDone',
-            router__pb2.RequestDoneRequest.SerializeToString,
-            router__pb2.RequestDoneResponse.FromString,
+            '/kvstore.v1.Router/ReportLoad',
+            router__pb2.ReportLoadRequest.SerializeToString,
+            router__pb2.ReportLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestStarted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Router/RequestStarted',
+            router__pb2.RequestStartedRequest.SerializeToString,
+            router__pb2.RequestStartedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Router/RequestFinished',
+            router__pb2.RequestFinishedRequest.SerializeToString,
+            router__pb2.RequestFinishedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,18 @@ def setup_logging(level: str) -> None:
     )
 
 
+def add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; "
+        "0 picks a free port): hits, misses, evictions, bytes in and out, pinned blocks, "
+        "peer connections, fetch failures by cause, router events and drops",
+    )
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
@@ -106,6 +118,7 @@ def add_serve(sub) -> None:
         default=10.0,
         help="seconds a peer fetch may take before it fails over (10)",
     )
+    add_metrics(p)
     add_common(p)
     from kvstore.cli.router import add_router_arguments
 
@@ -233,6 +246,7 @@ async def _serve(args) -> None:
         ucx_port=args.ucx_port,
         peers=tuple(args.peer),
         fetch_timeout_s=args.fetch_timeout,
+        metrics_port=args.metrics_port,
     )
     try:
         router = None

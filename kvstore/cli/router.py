@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kvstore.cli import add_metrics
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
@@ -23,21 +24,45 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
 
 
-# (flag, ScoringConfig field, help): the defaults are ScoringConfig's own.
+# (flag, ScoringConfig field, help): the defaults are ScoringConfig's own; every
+# one must be >= 0. The cost they feed is in kvstore/router/scoring.py.
 _SCORING_FLAGS = (
     (
-        "--overlap-weight",
-        "overlap_weight",
-        "weight of prefill blocks against decode blocks in the cost",
+        "--prefill-ms-per-token",
+        "prefill_ms_per_token",
+        "ms one worker spends prefilling one prompt token, which scales queued and "
+        "uncached tokens in the expected ttft (the default, ~25k tokens/s, is an 8B "
+        "model on one H100)",
     ),
-    ("--temperature", "temperature", "0 picks the cheapest worker; >0 samples softmax(-cost/T)"),
-    ("--gpu-weight", "gpu_weight", "credit for a cached block on the worker's own GPU"),
-    ("--store-weight", "store_weight", "credit for a cached block in the worker's node store"),
-    ("--remote-weight", "remote_weight", "credit for a cached block in a peer store"),
+    (
+        "--decode-interference-ms",
+        "decode_interference_ms",
+        "ms one running (decoding) request adds to a new request's time to first token",
+    ),
+    (
+        "--recompute-weight",
+        "recompute_weight",
+        "also charge a worker w x its uncached prefill time, the delay that recompute "
+        "adds for the requests queuing behind it (0: rank by expected ttft alone)",
+    ),
+    ("--temperature", "temperature", "0 picks the lowest score; >0 samples softmax(-score/T)"),
+    ("--gpu-weight", "gpu_weight", "fraction of a block's prefill a hit on the worker's GPU saves"),
+    (
+        "--store-weight",
+        "store_weight",
+        "fraction of a block's prefill a hit in the worker's node store saves (the rest "
+        "stands for the transfer)",
+    ),
+    ("--remote-weight", "remote_weight", "fraction of a block's prefill a peer-store hit saves"),
+    (
+        "--load-staleness",
+        "load_staleness_s",
+        "seconds a worker's ReportLoad is used; older, the router counts its own routed requests",
+    ),
     (
         "--request-timeout",
         "request_timeout_s",
-        "seconds after which a routed request never reported done is freed",
+        "seconds after which a routed request never reported finished is freed",
     ),
 )
 
@@ -69,6 +94,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
             choices=["DEBUG", "INFO", "WARNING", "ERROR"],
             help="logging level (INFO; any case)",
         )
+        add_metrics(parser)
     parser.add_argument(
         "--identity",
         choices=[a.value for a in IdentityAlgorithm],
@@ -77,9 +103,13 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
     )
     defaults = ScoringConfig()
     for flag, name, text in _SCORING_FLAGS:
-        parser.add_argument(flag, type=float, default=getattr(defaults, name), help=text)
+        default = getattr(defaults, name)
+        parser.add_argument(flag, type=float, default=default, help=f"{text} (default {default:g})")
     parser.add_argument(
-        "--seed", type=int, default=None, help="seed for WorkerSet draws and softmax sampling"
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for WorkerSet draws, softmax sampling and tie draws",
     )
     parser.add_argument(
         "--zmq-endpoint",
@@ -100,23 +130,13 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The core's configuration from ``args``; ValueError names a bad flag."""
-    for flag, value in (
-        ("--temperature", args.temperature),
-        ("--overlap-weight", args.overlap_weight),
-        ("--request-timeout", args.request_timeout),
-    ):
-        if value < 0:
+    values = {}
+    for flag, name, _ in _SCORING_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if not value >= 0:  # also refuses nan
             raise ValueError(f"{flag} must be >= 0, got {value}")
-    scoring = ScoringConfig(
-        overlap_weight=args.overlap_weight,
-        temperature=args.temperature,
-        gpu_weight=args.gpu_weight,
-        store_weight=args.store_weight,
-        remote_weight=args.remote_weight,
-        request_timeout_s=args.request_timeout,
-        seed=args.seed,
-    )
-    return RouterConfig(IdentityAlgorithm(args.identity), scoring)
+        values[name] = value
+    return RouterConfig(IdentityAlgorithm(args.identity), ScoringConfig(**values, seed=args.seed))
 
 
 def feed_specs(args: argparse.Namespace) -> FeedSpecs:
@@ -146,7 +166,9 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    asyncio.run(serve_router(served, args.host, args.port, _announcer(args.host)))
+    asyncio.run(
+        serve_router(served, args.host, args.port, _announcer(args.host), args.metrics_port)
+    )
     return 0
 
 
@@ -170,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve_router(served, args.host, args.port, _announcer(args.host)))
+    asyncio.run(
+        serve_router(served, args.host, args.port, _announcer(args.host), args.metrics_port)
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@
     client.publish([event.encode() for event in events], node_id="node-a", generation=gen)
     client.query_prefix("tenant.0123456789abcdef", hashes, exclude_node_id="node-a")
     # -> [PeerPrefix(node_id, store_address, ucx_address, prefix_blocks), ...]
+    client.report_load("w0", queued_prefill_tokens=4096, running_requests=12, kv_usage=0.7)
+    r = client.route("llama-8b", token_ids=prompt)   # r.ttft_ms, r.reason
+    client.request_started(r.request_id)
+    client.request_finished(r.request_id, cached_blocks=6)
 
 Errors surface as :class:`KVError` carrying the router's status as a
 :class:`Code` and its message, as the store client's do.
@@ -143,11 +147,36 @@ class RouterClient:
             ),
         )
 
-    def request_done(self, request_id: str, prefill_only: bool = False) -> bool:
-        return self._call(
-            self._stub.RequestDone,
-            router_pb2.RequestDoneRequest(request_id=request_id, prefill_only=prefill_only),
-        ).found
+    def report_load(
+        self,
+        worker: str,
+        queued_prefill_tokens: int,
+        running_requests: int,
+        kv_usage: float = 0.0,
+    ) -> None:
+        """Worker ``worker``'s load now, for the engine or the store server on its behalf."""
+        self._call(
+            self._stub.ReportLoad,
+            router_pb2.ReportLoadRequest(
+                worker=worker,
+                queued_prefill_tokens=queued_prefill_tokens,
+                running_requests=running_requests,
+                kv_usage=kv_usage,
+            ),
+        )
+
+    def request_started(self, request_id: str) -> None:
+        """The routed request's prefill began."""
+        self._call(
+            self._stub.RequestStarted, router_pb2.RequestStartedRequest(request_id=request_id)
+        )
+
+    def request_finished(self, request_id: str, cached_blocks: int | None = None) -> None:
+        """The routed request is done; ``cached_blocks``: prefix blocks it really hit."""
+        self._call(
+            self._stub.RequestFinished,
+            router_pb2.RequestFinishedRequest(request_id=request_id, cached_blocks=cached_blocks),
+        )
 
     def stats(self) -> router_pb2.RouterStatsResponse:
         return self._call(self._stub.RouterStats, router_pb2.RouterStatsRequest())

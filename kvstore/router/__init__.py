@@ -11,7 +11,8 @@ README.md in this folder for identifiers, operations and their cost.
       domains.py     workers' own blocks, one HolderIndex per indexer domain
       peers.py       store peers, one HolderIndex per final namespace, QueryPrefix
       routing.py     one route: WorkerSet draw, per-tier depths, the answer
-      scoring.py     cost, argmin / softmax, active load
+      scoring.py     expected time to first token, lowest / softmax choice
+      load.py        per-worker load: LoadReports and routed requests
       requests.py    bounds and formats of every request, checked up front
       vllm_events.py vLLM KVEventBatch decoding (no vLLM needed)
 
@@ -25,18 +26,21 @@ server assembly in ``kvstore.service.router_server``, the client in
 from kvstore.router.admission import WorkerRef, WorkerSetKey
 from kvstore.router.core import EventsApplied, Router, RouterConfig, RouterStats
 from kvstore.router.identity import Domain, IdentityAlgorithm
+from kvstore.router.load import LoadReport
 from kvstore.router.routing import RouteResult
-from kvstore.router.scoring import ScoringConfig
+from kvstore.router.scoring import ScoringConfig, TtftEstimate
 
 __all__ = [
     "Domain",
     "EventsApplied",
     "IdentityAlgorithm",
+    "LoadReport",
     "RouteResult",
     "Router",
     "RouterConfig",
     "RouterStats",
     "ScoringConfig",
+    "TtftEstimate",
     "WorkerRef",
     "WorkerSetKey",
 ]

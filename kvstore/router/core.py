@@ -11,7 +11,7 @@ State:
     admission   workers and WorkerSets (admission.py)
     domains     workers' own blocks, one HolderIndex per indexer domain (domains.py)
     peers       store peers and one HolderIndex per final namespace (peers.py)
-    loads       active load per worker from routed requests (scoring.py)
+    loads       per-worker load: workers' reports and routed requests (load.py)
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from kvstore.router.admission import Admission, Worker, WorkerRef, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
 from kvstore.router.identity import IdentityAlgorithm
+from kvstore.router.load import LoadReport, LoadTracker, TrackedRequest
 from kvstore.router.peers import Peer, Peers
 from kvstore.router.requests import (
+    check_cached_blocks,
     check_hashes,
+    check_load_report,
     check_peer,
     check_request_id,
     check_route,
@@ -42,10 +45,11 @@ from kvstore.router.routing import (
     hash_tokens,
     route_result,
 )
-from kvstore.router.scoring import LoadTracker, ScoringConfig, choose, score_all
-from kvstore.router.vllm_events import BlockEvent, VllmBatch
+from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
+from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
 from kvstore.wire.card import WorkerCard, validate_card
-from kvstore.wire.events import GPU_TIER, StoreEvent
+from kvstore.wire.errors import not_found
+from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
 
@@ -78,6 +82,10 @@ class RouterStats:
     blocks_ingested: int
     active_requests: int
     rejected_registrations: int
+    load_reports: int  # LoadReports accepted
+    hit_reports: int  # finished requests that said how many blocks they hit
+    hit_blocks_predicted: int  # over those: the cached prefix their route saw
+    hit_blocks_reported: int  # over those: the blocks they hit
 
 
 WorkerListener = Callable[[Worker | None, Worker | None], None]  # (admitted, removed)
@@ -169,18 +177,22 @@ class Router:
         Returns how many events were applied.
         """
         with self._lock:
-            worker = self.admission.current(ref)
-            if worker is None:
-                self._events_dropped += len(events)
-                return 0
-            self._blocks_ingested += self.domains.apply(worker, events)
-            self._events_applied += len(events)
-            return len(events)
+            return self._apply_runs(ref, fold_events(events), len(events), _stored(events))
 
     def apply_vllm_batch(self, ref: WorkerRef, batch: VllmBatch) -> int:
         with self._lock:
             self._events_dropped += batch.skipped
-            return self.apply_worker_events(ref, batch.events)
+            return self._apply_runs(ref, batch.runs, batch.events, batch.blocks_stored)
+
+    def _apply_runs(self, ref: WorkerRef, runs: list[EventRun], events: int, stored: int) -> int:
+        worker = self.admission.current(ref)
+        if worker is None:
+            self._events_dropped += events
+            return 0
+        self.domains.apply(worker, runs)
+        self._blocks_ingested += stored
+        self._events_applied += events
+        return events
 
     def apply_named_vllm_batch(self, name: str, batch: VllmBatch) -> int:
         """A batch for whichever generation of worker ``name`` is admitted now
@@ -304,7 +316,11 @@ class Router:
         track: bool = True,
         decode_tokens: int = 0,
     ) -> RouteResult:
-        """Pick a WorkerSet for ``model`` and the cheapest worker in it."""
+        """Pick a WorkerSet for ``model`` and the worker in it with the lowest
+        expected time to first token (scoring.py). ``track`` adds the request to
+        the chosen worker's queue until it is reported started and finished.
+        ``decode_tokens`` is checked but not scored: a request's output length
+        does not change its own first token."""
         hashes = check_route(model, token_ids, hashes, request_id, decode_tokens)
         cfg = self.config.scoring
         with self._lock:
@@ -315,21 +331,53 @@ class Router:
             wset = draw_worker_set(sets, self.rng)
             if token_ids:
                 hashes = hash_tokens(wset, token_ids)
-            total = len(hashes)
-            decode_blocks = -(-decode_tokens // wset.reference.kv_block_size)
+            block_size = wset.reference.kv_block_size
+            prompt_tokens = len(token_ids) if token_ids else len(hashes) * block_size
             cands = candidates(wset, hashes, self.domains, self.peers)
-            score_all(cands, total, decode_blocks, self.loads.per_worker, cfg)
-            best = choose(cands, cfg, self.rng)
+            best = self._choose(cands, prompt_tokens, block_size, now)
             rid = request_id or f"r{next(self._request_ids)}"
             if track:
-                prefill, decode = total - best.cached, total - best.gpu + decode_blocks
-                self.loads.add(rid, best.ref, prefill, decode, now + cfg.request_timeout_s)
-            return route_result(wset, sets, best, cands, rid, total, cfg)
+                queued = best.estimate.uncached_tokens
+                deadline = now + cfg.request_timeout_s
+                self.loads.add(rid, TrackedRequest(best.ref, queued, best.overlap, deadline))
+            return route_result(wset, sets, best, cands, rid, len(hashes), cfg)
 
-    def request_done(self, request_id: str, prefill_only: bool = False) -> bool:
+    def _choose(
+        self, cands: list[Candidate], prompt_tokens: int, block_size: int, now: float
+    ) -> Candidate:
+        cfg = self.config.scoring
+        loads = {c.ref: self.loads.load(c.ref, now, cfg.load_staleness_s) for c in cands}
+        score_all(cands, prompt_tokens, block_size, loads, cfg)
+        return choose(cands, cfg, self.rng)
+
+    # -- load and request life cycle ---------------------------------------
+
+    def report_load(self, worker: str, report: LoadReport) -> None:
+        """Worker ``worker`` (its current generation) reports its load; routes use
+        it for ``load_staleness_s`` seconds, then fall back to the router's own
+        accounting. NOT_FOUND when no worker of that name is admitted."""
+        check_load_report(worker, report)
+        with self._lock:
+            admitted = self.admission.workers.get(worker)
+            if admitted is None:
+                raise not_found(f"worker: {worker!r} is not registered")
+            self.loads.report(admitted.ref, report, self.clock())
+
+    def request_started(self, request_id: str) -> None:
+        """A routed request's prefill began: it leaves its worker's queue and runs.
+        An unknown, untracked or already started request changes nothing."""
         check_request_id(request_id)
         with self._lock:
-            return self.loads.done(request_id, prefill_only)
+            self.loads.start(request_id)
+
+    def request_finished(self, request_id: str, cached_blocks: int | None = None) -> None:
+        """A routed request is done (or abandoned): its load is freed.
+        ``cached_blocks``, the prefix blocks it really found cached, is set
+        against what its route saw (``RouterStats.hit_blocks_*``)."""
+        check_request_id(request_id)
+        check_cached_blocks(cached_blocks)
+        with self._lock:
+            self.loads.finish(request_id, cached_blocks)
 
     # -- introspection -----------------------------------------------------
 
@@ -346,8 +394,16 @@ class Router:
                 self._blocks_ingested,
                 len(self.loads.requests),
                 self.admission.rejected,
+                self.loads.load_reports,
+                self.loads.hits.reports,
+                self.loads.hits.blocks_predicted,
+                self.loads.hits.blocks_reported,
             )
 
     def index_bytes(self) -> int:
         with self._lock:
             return self.domains.nbytes() + self.peers.nbytes()
+
+
+def _stored(events: Sequence[BlockEvent]) -> int:
+    return sum(len(e.hashes) for e in events if e.kind == STORED)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.holders import HolderIndex
 from kvstore.router.identity import Domain
-from kvstore.router.vllm_events import BlockEvent
-from kvstore.wire.events import CLEARED, GPU_TIER, STORE_TIER, STORED
+from kvstore.router.vllm_events import EventRun
+from kvstore.wire.events import GPU_TIER, STORE_TIER
 
 LOCAL_TIERS = (GPU_TIER, STORE_TIER)
 Holder = tuple[WorkerRef, str]  # (worker generation, tier)
@@ -30,26 +30,20 @@ class DomainIndexes:
     def __len__(self) -> int:
         return len(self.indexes)
 
-    def apply(self, worker: Worker, events: Sequence[BlockEvent]) -> int:
-        """Index ``worker``'s events; return how many blocks they stored."""
+    def apply(self, worker: Worker, runs: Sequence[EventRun]) -> None:
+        """Index ``worker``'s events (``vllm_events.EventRun``s), in order."""
         index = self.indexes.get(worker.domain)
         if index is None:
             index = self.indexes[worker.domain] = HolderIndex()
-        stored = 0
-        for event in events:
-            if event.kind == CLEARED:
+        for run in runs:
+            if run.cleared_first:
                 for tier in LOCAL_TIERS:
                     bit = index.bit_of((worker.ref, tier))
                     if bit is not None:
                         index.clear(bit)
-                continue
-            bit = index.assign((worker.ref, event.tier))
-            if event.kind == STORED:
-                index.store(bit, event.hashes)
-                stored += len(event.hashes)
-            else:
-                index.remove(bit, event.hashes)
-        return stored
+            for tier, ops in run.tiers.items():
+                if ops.hashes:
+                    index.update(index.assign((worker.ref, tier)), ops.hashes, ops.keeps)
 
     def forget(self, worker: Worker) -> None:
         """Drop every block of ``worker`` (all tiers), and its domain's index if emptied."""
@@ -62,17 +56,18 @@ class DomainIndexes:
             del self.indexes[worker.domain]
 
     def depths(self, workers: Sequence[Worker], hashes: Sequence[int]) -> dict[Holder, int]:
-        """Each worker's prefix of ``hashes`` per local tier; holders with no index are left out.
+        """Each worker's prefix of ``hashes`` per local tier; misses are left out.
 
         One prefix walk per domain answers for all of its workers at once.
         """
-        by_domain: dict[Domain, list[Holder]] = {}
+        by_domain: dict[Domain, list[Worker]] = {}
         for w in workers:
-            by_domain.setdefault(w.domain, []).extend((w.ref, tier) for tier in LOCAL_TIERS)
+            by_domain.setdefault(w.domain, []).append(w)
         out: dict[Holder, int] = {}
-        for domain, holders in by_domain.items():
+        for domain, members in by_domain.items():
             index = self.indexes.get(domain)
             if index is not None:
+                holders = [(w.ref, tier) for w in members for tier in LOCAL_TIERS]
                 out.update(index.holder_depths(hashes, holders))
         return out
 

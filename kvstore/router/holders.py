@@ -8,17 +8,27 @@ int, so one dict lookup answers for every holder at once and a block held by
 a single holder shares one interned ``1 << bit`` object instead of owning
 an int.
 
-Per holder we also keep a plain list of the hashes it was told it stores, so
-a worker's death or removal clears exactly its entries (O(its blocks), not
-O(index)). A list costs 8 bytes an entry (the ints are the dict's own keys)
-where a set costs over 100; removals leave stale entries behind, which are
-filtered out whenever the list has doubled since it was last compacted.
+Per holder we also keep the hashes it holds, so a worker's death or removal
+clears exactly its entries (O(its blocks), not O(index)). They are exact at
+all times (a store adds, a remove deletes), so there is no compaction pass:
+no step is proportional to a holder's size except ``clear`` and ``release``
+(and CPython's own amortised table resizes, in C). They are a dict of
+``hash -> None``, not a set: a dict holding only ints is not tracked by the
+garbage collector, so a full collection never walks the index (a set of 1M
+ints costs every gen-2 collection ~100 ms). An entry costs ~40 bytes; its
+key is usually the mask table's own int object; ``nbytes`` counts it.
+
+The masks live in 256 dicts chosen by a hash's low byte, not one: a CPython
+dict rebuilds its whole table when churn has used up its free slots, which
+for one 4M-entry dict is a ~250 ms stall under the router lock every ~1.4M
+stores; a shard's rebuild is 1/256 of that. The prefix walk picks the shard
+per hash in C (``map``) as well.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from itertools import accumulate, groupby, repeat, takewhile
 from operator import and_
 
@@ -31,11 +41,10 @@ class HolderIndex:
 
     def __init__(self, max_holders: int = limits.MAX_WORKERS_PER_DOMAIN):
         self.max_holders = max_holders
-        self.masks: dict[int, int] = {}
+        self._shards: list[dict[int, int]] = [{} for _ in range(_SHARDS)]
         self._bit_of: dict[Hashable, int] = {}
         self._holder_of: dict[int, Hashable] = {}
-        self._held: list[list[int]] = []
-        self._compact_at: list[int] = []
+        self._held: list[dict[int, None]] = []
         self._single: list[int] = []  # bit -> the shared ``1 << bit`` int
         self._free: list[int] = []
 
@@ -53,8 +62,7 @@ class HolderIndex:
             bit = len(self._held)
             if bit >= self.max_holders:
                 raise exhausted(f"index already has {self.max_holders} holders")
-            self._held.append([])
-            self._compact_at.append(_MIN_COMPACT)
+            self._held.append({})
             self._single.append(1 << bit)
         self._bit_of[holder] = bit
         self._holder_of[bit] = holder
@@ -65,6 +73,10 @@ class HolderIndex:
 
     def holders(self) -> list[Hashable]:
         return list(self._bit_of)
+
+    def held(self, bit: int) -> int:
+        """How many blocks holder ``bit`` holds."""
+        return len(self._held[bit])
 
     def release(self, holder: Hashable) -> int:
         """Forget ``holder`` and every entry it had; return how many."""
@@ -78,64 +90,84 @@ class HolderIndex:
 
     # -- events ------------------------------------------------------------
 
-    def store(self, bit: int, hashes: Sequence[int]) -> None:
-        single = self._single[bit]
-        masks = self.masks
-        get = masks.get
-        for h in hashes:
-            m = get(h)
-            masks[h] = single if m is None else m | single
+    def store(self, bit: int, hashes: Iterable[int]) -> None:
         held = self._held[bit]
-        held.extend(hashes)
-        if len(held) > self._compact_at[bit]:
-            self._compact(bit)
+        single, shards, low = self._single[bit], self._shards, _SHARD_MASK
+        for h in hashes:
+            if h in held:
+                continue
+            held[h] = None
+            masks = shards[h & low]
+            m = masks.get(h)
+            masks[h] = single if m is None else m | single
 
     def remove(self, bit: int, hashes: Iterable[int]) -> int:
         """Drop holder ``bit`` from ``hashes``; return how many it really had."""
-        single = self._single[bit]
-        keep = ~single
-        masks = self.masks
-        get = masks.get
-        removed = 0
+        held = self._held[bit]
+        before = len(held)
         for h in hashes:
-            m = get(h)
-            if m is None or not m & single:
-                continue
-            removed += 1
-            m &= keep
-            if m:
-                masks[h] = self._intern(m)
-            else:
-                del masks[h]
-        return removed
+            if h in held:
+                del held[h]
+                self._unset(h, bit)
+        return before - len(held)
+
+    def update(self, bit: int, hashes: Sequence[int], keeps: Sequence[bool]) -> None:
+        """Apply events in order: ``hashes[i]`` stored (``keeps[i]``) or removed.
+
+        One mask lookup per hash decides; the holder's own table is touched
+        only when its membership really changes.
+        """
+        held = self._held[bit]
+        single, unset = self._single[bit], ~self._single[bit]
+        shards, low = self._shards, _SHARD_MASK
+        for h, keep in zip(hashes, keeps, strict=True):
+            masks = shards[h & low]
+            m = masks.get(h, 0)
+            if keep:
+                if not m & single:
+                    held[h] = None
+                    masks[h] = m | single if m else single
+            elif m & single:
+                del held[h]
+                m &= unset
+                if not m:
+                    del masks[h]
+                elif m & (m - 1):
+                    masks[h] = m
+                else:
+                    masks[h] = self._single[m.bit_length() - 1]
 
     def clear(self, bit: int) -> int:
         """Drop every entry of holder ``bit``; return how many there were."""
         held = self._held[bit]
-        self._held[bit] = []
-        self._compact_at[bit] = _MIN_COMPACT
-        return self.remove(bit, dict.fromkeys(held))
+        self._held[bit] = {}
+        for h in held:
+            self._unset(h, bit)
+        return len(held)
 
-    def _compact(self, bit: int) -> None:
-        single = self._single[bit]
-        get = self.masks.get
-        live = [h for h in dict.fromkeys(self._held[bit]) if get(h, 0) & single]
-        self._held[bit] = live
-        self._compact_at[bit] = max(_MIN_COMPACT, 2 * len(live))
-
-    def _intern(self, mask: int) -> int:
-        """A single-holder mask becomes the shared ``1 << bit`` object."""
-        if mask & (mask - 1) == 0:
-            return self._single[mask.bit_length() - 1]
-        return mask
+    def _unset(self, h: int, bit: int) -> None:
+        masks = self._shards[h & _SHARD_MASK]
+        m = masks[h] & ~self._single[bit]
+        if m & (m - 1):
+            masks[h] = m
+        elif m:
+            masks[h] = self._single[m.bit_length() - 1]  # single holder: the shared int
+        else:
+            del masks[h]
 
     # -- queries -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.masks)
+        return sum(map(len, self._shards))
+
+    @property
+    def masks(self) -> dict[int, int]:
+        """Every hash's mask, merged into one new dict (O(index): tests, tools)."""
+        return {h: m for shard in self._shards for h, m in shard.items()}
 
     def prefix_depths(self, hashes: Sequence[int], active: int) -> dict[int, int]:
-        """For each holder bit set in ``active``: how many leading ``hashes`` it holds.
+        """For each holder bit set in ``active`` that holds at least the first of
+        ``hashes``: how many leading ``hashes`` it holds (a miss is no entry).
 
         The running AND of the masks (seeded with ``active``) only ever loses
         bits, and a holder's depth is where its bit disappears. The lookups,
@@ -144,47 +176,53 @@ class HolderIndex:
         running value, i.e. per holder dropping out, not per block.
         """
         depths: dict[int, int] = {}
-        running = takewhile(
-            bool, accumulate(map(self.masks.get, hashes, repeat(0)), and_, initial=active)
-        )
+        running = takewhile(bool, accumulate(self._lookups(hashes), and_, initial=active))
         seen = 0  # running values consumed so far (the first is ``active`` itself)
         prev = 0
         for value, run in groupby(running):
-            if seen:
+            if seen > 1:  # bits gone at the first hash (seen == 1) have no prefix
                 _record(depths, prev & ~value, seen - 1)
             prev = value
             seen += len(list(run))
-        if prev:
+        if prev and seen > 1:
             _record(depths, prev, seen - 1)
         return depths
+
+    def _lookups(self, hashes: Sequence[int]) -> Iterator[int]:
+        """Each hash's mask (0 when none), its shard picked per hash, all in C."""
+        shards = map(self._shards.__getitem__, map(and_, hashes, repeat(_SHARD_MASK)))
+        return map(dict.get, shards, hashes, repeat(0))
 
     def holder_depths(
         self, hashes: Sequence[int], holders: Iterable[Hashable] | None = None
     ) -> dict[Hashable, int]:
         """Leading ``hashes`` each of ``holders`` holds (default: every holder).
 
-        Holders the index does not know are left out of the answer.
+        Holders without even the first block, and holders the index does not
+        know, are left out of the answer.
         """
         if holders is None:
             bits = list(self._holder_of)
         else:
             bits = [b for b in map(self._bit_of.get, holders) if b is not None]
-        active = 0
-        for bit in bits:
-            active |= self._single[bit]
+        active = sum(map(self._single.__getitem__, set(bits)))  # distinct bits: sum is OR
         if not active:
             return {}
         return {self._holder_of[b]: d for b, d in self.prefix_depths(hashes, active).items()}
 
     def nbytes(self) -> int:
-        """Approximate bytes of the index: dict, key ints, shared-mask ints, held lists."""
-        total = sys.getsizeof(self.masks) + len(self.masks) * sys.getsizeof(1 << 62)
-        total += sum(sys.getsizeof(v) for v in self.masks.values() if v & (v - 1))
+        """Bytes of the index by ``sys.getsizeof``: the dict, its key ints, the
+        multi-holder mask ints (single-holder masks are shared) and the holder
+        dicts (whose keys are mostly the mask tables' own ints). Allocator slack is not counted."""
+        total = sum(map(sys.getsizeof, self._shards)) + len(self) * sys.getsizeof(1 << 62)
+        for shard in self._shards:
+            total += sum(sys.getsizeof(v) for v in shard.values() if v & (v - 1))
         total += sum(sys.getsizeof(held) for held in self._held)
         return total
 
 
-_MIN_COMPACT = 1024
+_SHARDS = 256
+_SHARD_MASK = _SHARDS - 1
 
 
 def _record(depths: dict[int, int], bits: int, depth: int) -> None:

@@ -7,8 +7,10 @@ changed nothing. The bounds are the ones in ``kvstore.wire.limits``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+from kvstore.router.load import LoadReport
 from kvstore.wire import limits
 from kvstore.wire.errors import invalid
 from kvstore.wire.events import StoreEvent
@@ -38,6 +40,38 @@ def check_route(
 def check_request_id(request_id: str) -> None:
     if len(request_id) > limits.MAX_REQUEST_ID_LEN:
         raise invalid(f"request_id: longer than {limits.MAX_REQUEST_ID_LEN}")
+
+
+def check_cached_blocks(cached_blocks: int | None) -> None:
+    if cached_blocks is not None:
+        _check_int("cached_blocks", cached_blocks, limits.MAX_BLOCK_HASHES)
+
+
+# (LoadReport field, largest value): every count is an int in [0, largest].
+_LOAD_COUNTS = (
+    ("queued_prefill_tokens", limits.MAX_QUEUED_PREFILL_TOKENS),
+    ("running_requests", limits.MAX_RUNNING_REQUESTS),
+)
+
+
+def check_load_report(worker: str, report: LoadReport) -> None:
+    """A worker name and a report whose counts are bounded and whose KV usage
+    is a fraction."""
+    check_name("worker", worker)
+    for name, largest in _LOAD_COUNTS:
+        _check_int(name, getattr(report, name), largest)
+    usage = report.kv_usage
+    if isinstance(usage, bool) or not isinstance(usage, int | float) or not math.isfinite(usage):
+        raise invalid(f"kv_usage: {usage!r} is not a number")
+    if not 0.0 <= usage <= 1.0:
+        raise invalid(f"kv_usage: {usage} not in [0, 1]")
+
+
+def _check_int(name: str, value: int, largest: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name}: {value!r} is not an integer")
+    if not 0 <= value <= largest:
+        raise invalid(f"{name}: {value} not in [0, {largest}]")
 
 
 def check_hashes(where: str, hashes: Sequence[int]) -> list[int]:

@@ -5,7 +5,7 @@ The router core calls these under its lock, in this order:
     draw_worker_set   among the sets a model name resolves to, by member count
     hash_tokens       token ids -> block hashes (native hash format only)
     candidates        per member: prefix depth on its GPU, in its own store, at a peer
-    (scoring.py)      cost of each candidate, then the argmin or a softmax draw
+    (scoring.py)      expected ttft of each candidate, then the lowest or a softmax draw
     route_result      the answer, with each block counted in the best tier holding it
 
 A member's depths come from two kinds of index: its own events, in its
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvstore.router.admission import Worker, WorkerSet, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
 from kvstore.router.peers import Peers, StoreDepths
-from kvstore.router.scoring import Candidate, ScoringConfig, explain
+from kvstore.router.scoring import Candidate, ScoringConfig, TtftEstimate, explain
 from kvstore.wire.errors import precondition
 from kvstore.wire.events import GPU_TIER, STORE_TIER
 from kvstore.wire.hashing import HASH_FORMAT, block_hashes
@@ -38,7 +38,7 @@ class RouteResult:
     gpu_blocks: int
     store_blocks: int
     remote_blocks: int
-    cost: float
+    ttft: TtftEstimate  # the chosen worker's expected time to first token, and its parts
     reason: str
     worker_set: WorkerSetKey
     worker_sets: int
@@ -123,7 +123,7 @@ def route_result(
         best.gpu,
         max(0, best.store - best.gpu),
         max(0, best.remote - local),
-        best.cost,
+        best.estimate,
         reason,
         wset.key,
         len(sets),

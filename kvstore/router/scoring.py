@@ -1,4 +1,4 @@
-"""Choosing a worker: cost = overlap_weight x prefill blocks + decode blocks.
+"""Choosing a worker: the one with the lowest expected time to first token.
 
 For each candidate the router knows three prefix lengths of the request:
 
@@ -6,183 +6,211 @@ For each candidate the router knows three prefix lengths of the request:
     store   blocks in its node's store (or its own offload tier)
     remote  blocks a peer store of the same final namespace holds
 
-Cached blocks are credited by tier (a GPU hit saves the whole prefill of a
-block, a store hit saves most of it, a remote hit less), so
+and the worker's load (load.py): prefill tokens queued ahead of the request
+and requests running (decoding). Cached blocks are credited by tier: a GPU
+hit saves its whole prefill, a store or remote hit saves its prefill less
+the transfer, which the tier weights stand for. So, in tokens (block_size
+each):
 
-    cached  = w_gpu*gpu + w_store*max(0, store-gpu) + w_remote*max(0, remote-max(gpu, store))
-    prefill = active prefill blocks of the worker + (request blocks - cached)
-    decode  = active decode blocks of the worker + (request blocks - gpu) + output blocks
-    cost    = overlap_weight * prefill + decode
+    cached   = block_size * (w_gpu*gpu + w_store*max(0, store-gpu)
+                             + w_remote*max(0, remote-max(gpu, store)))
+    uncached = prompt tokens - cached
+    ttft_ms  = (queued + uncached) * prefill_ms_per_token
+               + running * decode_interference_ms
 
-The decode term is the KV memory the request will hold: blocks already on
-the worker's GPU are shared with the cache (paged attention with prefix
-caching references them, it does not copy them), so only the rest is new;
-blocks fetched from a store land in fresh GPU blocks and count in full.
+With ``recompute_weight`` w > 0 the worker is chosen by
 
-Temperature 0 takes the argmin (ties: more cached blocks, then less load,
-then name, so the answer is reproducible); a positive temperature samples
-from softmax(-cost / (temperature * max cost)), which spreads load when
-costs are close.
+    score_ms = ttft_ms + w * uncached * prefill_ms_per_token
+
+which also charges the prefill this choice adds to the worker's queue for
+the requests that will wait behind it (w: about how many will). The default
+is 1: under heavy load a greedy ttft (w = 0) gives up cached prefixes for
+short queues and the recompute it causes fills every queue; in the trace
+replay (bench/router_trace.py) w = 1 helps at heavy load and is neutral at
+light load.
+
+A running request costs a waiting prefill what it adds to the engine steps
+the prefill shares with it (its KV reads and its one token per step), not
+its blocks: a decoding request's blocks are never prefilled again, and
+counting them as prefill would send requests away from a worker whose
+longer prefix saves more than its decodes cost. The request's own output
+length does not change its first token, so it is not in the cost.
+
+Defaults, the order of magnitude of an 8B model on one H100 (flags):
+prefill_ms_per_token 0.04 is 2 x 8e9 FLOP per token at ~40% of the H100's
+989 dense bf16 TFLOP/s (~25k prompt tokens/s); decode_interference_ms 1.0 is
+~0.1 ms per engine step for one decoding request (its ~2k-token KV cache,
+128 KiB per token for Llama-3-8B, read at ~3 TB/s, plus one token of compute)
+over the ~10 engine steps a queued prefill waits and runs alongside it.
+
+Temperature 0 takes the lowest score (the ttft when recompute_weight is 0);
+ties go to the fewest queued tokens, then to a seeded random draw (never to
+a name, which would load one worker more than its equals). A positive
+temperature samples from softmax(-score / (temperature * max score)), which
+spreads load when the estimates are close.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.router.admission import WorkerRef
-from kvstore.wire import limits
+from kvstore.router.load import WorkerLoad
 
 
 @dataclass
 class ScoringConfig:
-    overlap_weight: float = 1.0
+    prefill_ms_per_token: float = 0.04
+    decode_interference_ms: float = 1.0
+    recompute_weight: float = 1.0
     temperature: float = 0.0
     gpu_weight: float = 1.0
     store_weight: float = 0.75
     remote_weight: float = 0.5
-    request_timeout_s: float = 600.0  # a tracked request never reported done is freed after this
+    load_staleness_s: float = 2.0  # a worker's load report older than this is ignored
+    request_timeout_s: float = 600.0  # a tracked request never reported finished is freed
     seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TtftEstimate:
+    """One worker's expected time to first token for a request, and its parts."""
+
+    ttft_ms: float
+    queued_tokens: int
+    uncached_tokens: int
+    running_requests: int
+    prefill_ms_per_token: float
+    decode_interference_ms: float
+    report_age_s: float | None = None  # None: the router's own accounting of its load
+    recompute_ms: float = 0.0  # recompute_weight x uncached x prefill_ms_per_token
+
+    @property
+    def score_ms(self) -> float:
+        """What the choice ranks: the ttft, plus the recompute charge when weighted."""
+        return self.ttft_ms + self.recompute_ms
+
+    def formula(self) -> str:
+        text = (
+            f"ttft {self.ttft_ms:.1f} ms = ({self.queued_tokens} queued + "
+            f"{self.uncached_tokens} uncached) x {self.prefill_ms_per_token:g} ms/token + "
+            f"{self.running_requests} decoding x {self.decode_interference_ms:g} ms"
+        )
+        if self.recompute_ms:
+            text += f"; score {self.score_ms:.1f} ms with {self.recompute_ms:.1f} ms recompute"
+        return text
 
 
 @dataclass
 class Candidate:
-    """One worker's prefix lengths (blocks) and the cost they give it."""
+    """One worker's prefix lengths (blocks) and what they give it."""
 
     ref: WorkerRef
     gpu: int
     store: int
     remote: int
-    cached: float = 0.0
-    prefill: float = 0.0
-    decode: float = 0.0
-    cost: float = 0.0
+    estimate: TtftEstimate | None = None
 
     @property
     def overlap(self) -> int:
         return max(self.gpu, self.store, self.remote)
 
+    @property
+    def ttft_ms(self) -> float:
+        return self.estimate.ttft_ms if self.estimate else 0.0
+
+    @property
+    def score_ms(self) -> float:
+        return self.estimate.score_ms if self.estimate else 0.0
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.estimate.queued_tokens if self.estimate else 0
+
+
+def cached_tokens(c: Candidate, block_size: int, cfg: ScoringConfig) -> int:
+    """Prompt tokens the candidate's tiers save, each tier at its weight."""
+    local = max(c.gpu, c.store)
+    blocks = (
+        cfg.gpu_weight * c.gpu
+        + cfg.store_weight * max(0, c.store - c.gpu)
+        + cfg.remote_weight * max(0, c.remote - local)
+    )
+    return round(blocks * block_size)
+
+
+def estimate(prompt_tokens: int, cached: int, load: WorkerLoad, cfg: ScoringConfig) -> TtftEstimate:
+    uncached = max(0, prompt_tokens - cached)
+    ttft = (load.queued_tokens + uncached) * cfg.prefill_ms_per_token
+    ttft += load.running_requests * cfg.decode_interference_ms
+    recompute = cfg.recompute_weight * uncached * cfg.prefill_ms_per_token
+    return TtftEstimate(
+        ttft,
+        load.queued_tokens,
+        uncached,
+        load.running_requests,
+        cfg.prefill_ms_per_token,
+        cfg.decode_interference_ms,
+        load.report_age_s,
+        recompute,
+    )
+
 
 def score_all(
     cands: list[Candidate],
-    total_blocks: int,
-    new_decode_blocks: int,
-    loads: dict[WorkerRef, list[float]],
+    prompt_tokens: int,
+    block_size: int,
+    loads: dict[WorkerRef, WorkerLoad],
     cfg: ScoringConfig,
 ) -> None:
-    """Fill in ``cached``, ``prefill``, ``decode`` and ``cost`` of every candidate."""
-    wg, ws, wr, ow = cfg.gpu_weight, cfg.store_weight, cfg.remote_weight, cfg.overlap_weight
-    fresh = total_blocks + new_decode_blocks
+    """Fill in every candidate's ``estimate``."""
+    idle = WorkerLoad(0, 0, None)
     for c in cands:
-        g, st = c.gpu, c.store
-        local = g if g > st else st
-        cached = (
-            wg * g
-            + (ws * (st - g) if st > g else 0.0)
-            + (wr * (c.remote - local) if c.remote > local else 0.0)
-        )
-        load = loads.get(c.ref)
-        c.cached = cached
-        c.prefill = total_blocks - cached + (load[0] if load else 0.0)
-        c.decode = fresh - g + (load[1] if load else 0.0)
-        c.cost = ow * c.prefill + c.decode
+        cached = cached_tokens(c, block_size, cfg)
+        c.estimate = estimate(prompt_tokens, cached, loads.get(c.ref, idle), cfg)
+
+
+def _rank(c: Candidate) -> tuple[float, int]:
+    return (c.score_ms, c.queued_tokens)
 
 
 def choose(cands: list[Candidate], cfg: ScoringConfig, rng: random.Random) -> Candidate:
-    """Argmin with a deterministic tie-break, or softmax sampling."""
-    if cfg.temperature <= 0 or len(cands) == 1:
-        return min(cands, key=lambda c: (c.cost, -c.cached, c.prefill + c.decode, c.ref.name))
-    top = max(c.cost for c in cands) or 1.0
-    lo = min(c.cost for c in cands)
-    weights = [math.exp(-(c.cost - lo) / (cfg.temperature * top)) for c in cands]
-    return rng.choices(cands, weights=weights, k=1)[0]
+    """The lowest score (ties: fewest queued tokens, then random), or a softmax draw."""
+    if cfg.temperature > 0 and len(cands) > 1:
+        top = max(c.score_ms for c in cands) or 1.0
+        lo = min(c.score_ms for c in cands)
+        weights = [math.exp(-(c.score_ms - lo) / (cfg.temperature * top)) for c in cands]
+        return rng.choices(cands, weights=weights, k=1)[0]
+    best = min(_rank(c) for c in cands)
+    tied = [c for c in cands if _rank(c) == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def explain(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringConfig) -> str:
-    """Why ``best`` won, in one line: its tiers, its cost, and the runner-up."""
+    """Why ``best`` won, in one line: its ttft formula, its tiers, and the runner-up."""
+    est = best.estimate
+    source = (
+        "own accounting of routed requests"
+        if est.report_age_s is None
+        else f"load reported {est.report_age_s:.1f} s ago"
+    )
     text = (
-        f"{best.ref.name}: {best.overlap}/{total} blocks cached (gpu {best.gpu}, "
-        f"store {best.store}, remote {best.remote}); cost {best.cost:.1f} = "
-        f"{cfg.overlap_weight:g} x {best.prefill:.1f} prefill + {best.decode:.1f} decode"
+        f"{best.ref.name}: {est.formula()}; {best.overlap}/{total} blocks cached "
+        f"(gpu {best.gpu}, store {best.store}, remote {best.remote}); {source}"
     )
     others = [c for c in cands if c is not best]
-    if others:
-        runner = min(others, key=lambda c: (c.cost, c.ref.name))
-        how = (
-            "lowest cost" if cfg.temperature <= 0 else f"sampled at temperature {cfg.temperature:g}"
-        )
-        text += f"; {how} of {len(cands)} workers, next {runner.ref.name} cost {runner.cost:.1f}"
-    return text
-
-
-@dataclass
-class ActiveRequest:
-    ref: WorkerRef
-    prefill: float
-    decode: float
-    deadline: float
-
-
-@dataclass
-class LoadTracker:
-    """Per-worker load from routed requests: added on route, freed on
-    completion (RequestDone) or when the request's deadline passes."""
-
-    requests: dict[str, ActiveRequest] = field(default_factory=dict)
-    per_worker: dict[WorkerRef, list[float]] = field(default_factory=dict)
-    _deadlines: list[tuple[float, str]] = field(default_factory=list)
-
-    def load(self, ref: WorkerRef) -> tuple[float, float]:
-        pd = self.per_worker.get(ref)
-        return (pd[0], pd[1]) if pd else (0.0, 0.0)
-
-    def add(
-        self, request_id: str, ref: WorkerRef, prefill: float, decode: float, deadline: float
-    ) -> None:
-        if request_id in self.requests:
-            self.done(request_id)
-        if len(self.requests) >= limits.MAX_ACTIVE_REQUESTS:
-            self.expire(math.inf, limit=1)
-        self.requests[request_id] = ActiveRequest(ref, prefill, decode, deadline)
-        pd = self.per_worker.setdefault(ref, [0.0, 0.0])
-        pd[0] += prefill
-        pd[1] += decode
-        heapq.heappush(self._deadlines, (deadline, request_id))
-        if len(self._deadlines) > 2 * len(self.requests) + 1024:  # drop entries of done requests
-            self._deadlines = [(r.deadline, rid) for rid, r in self.requests.items()]
-            heapq.heapify(self._deadlines)
-
-    def done(self, request_id: str, prefill_only: bool = False) -> bool:
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        pd = self.per_worker.get(req.ref)
-        if pd is not None:
-            pd[0] = max(0.0, pd[0] - req.prefill)
-            if not prefill_only:
-                pd[1] = max(0.0, pd[1] - req.decode)
-        req.prefill = 0.0
-        if not prefill_only:
-            del self.requests[request_id]
-            if pd is not None and pd[0] == 0 and pd[1] == 0:
-                del self.per_worker[req.ref]
-        return True
-
-    def expire(self, now: float, limit: int | None = None) -> int:
-        """Free requests whose deadline passed (at most ``limit`` of them)."""
-        freed = 0
-        while self._deadlines and self._deadlines[0][0] <= now and (limit is None or freed < limit):
-            deadline, rid = heapq.heappop(self._deadlines)
-            req = self.requests.get(rid)
-            if req is not None and req.deadline == deadline:
-                self.done(rid)
-                freed += 1
-        return freed
-
-    def drop_worker(self, ref: WorkerRef) -> None:
-        """A removed worker's requests are gone with it."""
-        self.per_worker.pop(ref, None)
-        for rid in [rid for rid, r in self.requests.items() if r.ref == ref]:
-            del self.requests[rid]
+    if not others:
+        return text
+    runner = min(others, key=_rank)
+    if cfg.temperature > 0:
+        how = f"sampled at temperature {cfg.temperature:g}"
+    elif _rank(runner) == _rank(best):
+        how = "tied on ttft and queue, drawn at random"
+    else:
+        how = "lowest score" if cfg.recompute_weight else "lowest ttft"
+    runner_up = f"next {runner.ref.name} ttft {runner.ttft_ms:.1f} ms"
+    if cfg.recompute_weight:
+        runner_up += f" (score {runner.score_ms:.1f} ms)"
+    return f"{text}; {how} of {len(cands)} workers, {runner_up}"

@@ -18,11 +18,18 @@ optional positions may be missing. Block hashes are ints, or bytes when
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is off; bytes become the same u64
 vLLM would publish (big-endian, low 64 bits), and negative ints from old
 versions wrap to u64, so one block has one key however it was published.
+
+For the router a batch is flattened, not listed: ``decode_batch`` returns
+``EventRun``s (per tier, the hashes in order, each stored or removed), and
+reads the shapes vLLM sends during decode inline, without an object per event. ``decode_events``
+lists every event as a ``BlockEvent`` (tests, tools).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 
 import msgpack
 
@@ -44,11 +51,30 @@ class BlockEvent:
 
 
 @dataclass
+class TierOps:
+    """One tier's events, flattened and in order: ``hashes[i]`` was stored
+    (``keeps[i]``) or removed."""
+
+    hashes: list[int]
+    keeps: list[bool]
+
+
+@dataclass
+class EventRun:
+    """Consecutive events with no AllBlocksCleared between them, per tier."""
+
+    cleared_first: bool  # an AllBlocksCleared comes just before the run
+    tiers: dict[str, TierOps]
+
+
+@dataclass
 class VllmBatch:
     seq: int
     ts: float
     data_parallel_rank: int | None
-    events: list[BlockEvent]
+    runs: list[EventRun]
+    events: int  # events decoded (those of other groups not counted)
+    blocks_stored: int  # hashes in the BlockStored events
     skipped: int = 0  # events of other KV-cache groups (hybrid models)
 
 
@@ -63,6 +89,31 @@ def decode_message(frames: list[bytes]) -> VllmBatch:
 
 
 def decode_batch(payload: bytes, seq: int = 0) -> VllmBatch:
+    """Decode a batch for the router (``EventRun``s), without an object per event."""
+    ts, raw_events, dp_rank = _unpack(payload)
+    folder = _Folder()
+    folder.fold(raw_events)
+    return VllmBatch(
+        seq, ts, dp_rank, folder.runs, folder.events, folder.blocks_stored, folder.skipped
+    )
+
+
+def decode_events(payload: bytes) -> list[BlockEvent]:
+    """Every event of a batch as a ``BlockEvent``, in order (tests, tools)."""
+    _, raw_events, _ = _unpack(payload)
+    decoded = (_decode_event(raw, i) for i, raw in enumerate(raw_events))
+    return [e for e in decoded if e is not None]
+
+
+def fold_events(events: Iterable[BlockEvent]) -> list[EventRun]:
+    """Already decoded events as runs (what ``Router.apply_worker_events`` applies)."""
+    folder = _Folder()
+    for e in events:
+        folder.add(e)
+    return folder.runs
+
+
+def _unpack(payload: bytes) -> tuple[float, list, int | None]:
     if len(payload) > limits.MAX_EVENT_BYTES:
         raise ValueError(f"batch is {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}")
     try:
@@ -79,15 +130,71 @@ def decode_batch(payload: bytes, seq: int = 0) -> VllmBatch:
         raise ValueError("batch events must be an array")
     if not isinstance(ts, (int, float)):
         raise ValueError("batch ts must be a number")
-    out: list[BlockEvent] = []
-    skipped = 0
-    for i, raw_event in enumerate(events):
-        event = _decode_event(raw_event, i)
-        if event is None:
-            skipped += 1
-        else:
-            out.append(event)
-    return VllmBatch(seq, float(ts), dp_rank if isinstance(dp_rank, int) else None, out, skipped)
+    return float(ts), events, dp_rank if isinstance(dp_rank, int) else None
+
+
+class _Folder:
+    """Builds the runs of a batch. ``fold`` takes vLLM's commonest shapes inline
+    (``["BlockStored", [h], parent, tokens, size, lora, "GPU"]`` and
+    ``["BlockRemoved", [h], "GPU"]``: one u64 hash, no group index) and hands
+    anything else to the full decoder, so both accept and refuse the same events."""
+
+    def __init__(self):
+        self.runs: list[EventRun] = []
+        self.events = self.blocks_stored = self.skipped = 0
+        self._new_run(False)
+
+    def _new_run(self, cleared: bool) -> None:
+        self._gpu = TierOps([], [])
+        self.runs.append(EventRun(cleared, {GPU_TIER: self._gpu}))
+
+    def fold(self, raw_events: list) -> None:
+        add_hash, add_keep = self._gpu.hashes.append, self._gpu.keeps.append
+        stored = fast = 0
+        for i, ev in enumerate(raw_events):
+            if type(ev) is list:
+                n = len(ev)
+                if n == 7 and ev[0] == "BlockStored":  # vLLM's usual positional shape
+                    keep, hs, medium, parent = True, ev[1], ev[6], ev[2]
+                elif n == 3 and ev[0] == "BlockRemoved":
+                    keep, hs, medium, parent = False, ev[1], ev[2], None
+                else:
+                    hs = None
+                if (
+                    type(hs) is list
+                    and len(hs) == 1
+                    and medium == "GPU"
+                    and type(h := hs[0]) is int
+                    and 0 <= h <= U64_MAX
+                    and (parent is None or (type(parent) is int and 0 <= parent <= U64_MAX))
+                ):
+                    add_hash(h)
+                    add_keep(keep)
+                    stored += keep
+                    fast += 1
+                    continue
+            self.blocks_stored += stored
+            stored = 0
+            event = _decode_event(ev, i)
+            if event is None:
+                self.skipped += 1
+            else:
+                self.add(event)
+            add_hash, add_keep = self._gpu.hashes.append, self._gpu.keeps.append
+        self.blocks_stored += stored
+        self.events += fast
+
+    def add(self, event: BlockEvent) -> None:
+        self.events += 1
+        if event.kind == CLEARED:
+            self._new_run(True)
+            return
+        ops = self.runs[-1].tiers.setdefault(event.tier, TierOps([], []))
+        keep = event.kind == STORED
+        ops.hashes.extend(event.hashes)
+        ops.keeps.extend(repeat(keep, len(event.hashes)))
+        if keep:
+            self.blocks_stored += len(event.hashes)
 
 
 def _decode_event(raw: object, i: int) -> BlockEvent | None:
@@ -147,9 +254,12 @@ def normalize_hashes(hashes: object, where: str) -> list[int]:
         raise ValueError(f"{where}: {len(hashes)} hashes, at most {limits.MAX_HASHES_PER_EVENT}")
     if not hashes:
         return hashes
-    if all(type(h) is int for h in hashes) and min(hashes) >= 0 and max(hashes) <= U64_MAX:
+    if set(map(type, hashes)) == _INT_ONLY and min(hashes) >= 0 and max(hashes) <= U64_MAX:
         return hashes
     return [_one_hash(h, where) for h in hashes]
+
+
+_INT_ONLY = {int}
 
 
 def _one_hash(h: object, where: str) -> int:

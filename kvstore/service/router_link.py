@@ -70,6 +70,8 @@ class RemoteRouterLink:
         self._tasks: list[asyncio.Task] = []
         self._args: tuple = ()
         self.advertised = False
+        self._failed_publishes = 0  # publishes that may not have reached the router
+        self._synced = 0  # _failed_publishes when the last full snapshot was sent
         self._snapshot: Callable[[], list[StoreEvent]] = list
 
     async def start(
@@ -82,6 +84,7 @@ class RemoteRouterLink:
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._keepalive())]
 
     async def _advertise(self, refresh: bool) -> None:
+        failed = self._failed_publishes  # a failure from now on needs another snapshot
         await asyncio.to_thread(
             self.client.advertise_peer,
             self.node_id,
@@ -93,6 +96,7 @@ class RemoteRouterLink:
         if not refresh:  # a new generation: the router knows none of our blocks yet
             for event in self._snapshot():
                 self._queue.put_nowait(event)
+            self._synced = failed
             log.info(
                 "advertised to router %s as %s (generation %d)",
                 self.client.address,
@@ -103,7 +107,7 @@ class RemoteRouterLink:
 
     async def _advertise_or_warn(self) -> None:
         try:
-            await self._advertise(refresh=self.advertised)
+            await self._advertise(refresh=self.advertised and self._in_sync)
         except Exception as exc:  # noqa: BLE001 -- router down or restarted: start over next time
             if self.advertised:
                 log.warning(
@@ -120,6 +124,11 @@ class RemoteRouterLink:
                     _brief(exc),
                     REFRESH_S,
                 )
+
+    @property
+    def _in_sync(self) -> bool:
+        """No publish has failed since the last full snapshot was queued."""
+        return self._synced == self._failed_publishes
 
     async def _keepalive(self) -> None:
         while True:
@@ -139,7 +148,7 @@ class RemoteRouterLink:
             try:
                 await asyncio.to_thread(self.client.publish, batch)
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
-                self.advertised = False  # the next keepalive re-advertises and replays all
+                self._failed_publishes += 1  # the next keepalive re-advertises, replays all
                 log.warning(
                     "could not forward %d events to router %s (%s); re-advertising "
                     "with a full snapshot within %.0f s",
@@ -150,7 +159,7 @@ class RemoteRouterLink:
                 )
 
     async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
-        if not self.advertised:
+        if not (self.advertised and self._in_sync):
             raise unavailable(f"router {self.client.address} is not reachable right now")
         return await asyncio.to_thread(self.lookups.query_prefix, namespace, hashes, self.node_id)
 

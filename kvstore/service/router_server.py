@@ -14,6 +14,7 @@ starts and closes it with its own gRPC server; ``kvstore router`` runs
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.core import Router
 from kvstore.service.feeds import Subscriptions
+from kvstore.service.metrics import MetricsServer
 from kvstore.service.router_service import RouterService
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,16 @@ async def serve_router(
     host: str,
     port: int,
     on_listening: Callable[[int], None] | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """The standalone router: gRPC + health on ``host:port`` until SIGINT or SIGTERM.
 
-    ``on_listening`` gets the bound port (``port`` 0 picks a free one).
+    ``on_listening`` gets the bound port (``port`` 0 picks a free one); with
+    ``metrics_port`` it also serves Prometheus /metrics there.
     """
+    metrics = None
+    if metrics_port is not None:
+        metrics = MetricsServer(lambda: {"router": served.router.stats()}, host, metrics_port)
     server = grpc.aio.server()
     served.start(server)
     health = health_aio.HealthServicer()
@@ -95,6 +102,9 @@ async def serve_router(
         await served.close()
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
+    gc.freeze()  # startup's objects never die: full collections need not walk them
+    if metrics is not None:
+        await metrics.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -112,6 +122,8 @@ async def serve_router(
         await health.enter_graceful_shutdown()
         await server.stop(grace=STOP_GRACE_S)
         await served.close()
+        if metrics is not None:
+            await metrics.stop()
 
 
 async def _until_signal() -> None:

@@ -18,6 +18,8 @@ import grpc
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.admission import Worker
 from kvstore.router.core import Router
+from kvstore.router.load import LoadReport
+from kvstore.router.routing import RouteResult
 from kvstore.service import status
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError
@@ -36,6 +38,29 @@ def _admitted(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse
         semantics_id=worker.domain.semantics_id,
         scope_id=worker.domain.scope_id,
         members=members,
+    )
+
+
+def _routed(result: RouteResult) -> router_pb2.RouteResponse:
+    w, ttft = result.worker, result.ttft
+    return router_pb2.RouteResponse(
+        worker=w.name,
+        generation=w.ref.generation,
+        address=w.card.address,
+        request_id=result.request_id,
+        total_blocks=result.total_blocks,
+        overlap_blocks=result.overlap_blocks,
+        gpu_blocks=result.gpu_blocks,
+        store_blocks=result.store_blocks,
+        remote_blocks=result.remote_blocks,
+        ttft_ms=ttft.ttft_ms,
+        reason=result.reason,
+        worker_set=str(result.worker_set),
+        worker_sets=result.worker_sets,
+        queued_tokens=ttft.queued_tokens,
+        uncached_tokens=ttft.uncached_tokens,
+        running_requests=ttft.running_requests,
+        load_reported=ttft.report_age_s is not None,
     )
 
 
@@ -84,28 +109,23 @@ class RouterService(router_pb2_grpc.RouterServicer):
             track=request.track,
             decode_tokens=request.decode_tokens,
         )
-        w = result.worker
-        return router_pb2.RouteResponse(
-            worker=w.name,
-            generation=w.ref.generation,
-            address=w.card.address,
-            request_id=result.request_id,
-            total_blocks=result.total_blocks,
-            overlap_blocks=result.overlap_blocks,
-            gpu_blocks=result.gpu_blocks,
-            store_blocks=result.store_blocks,
-            remote_blocks=result.remote_blocks,
-            cost=result.cost,
-            reason=result.reason,
-            worker_set=str(result.worker_set),
-            worker_sets=result.worker_sets,
-        )
+        return _routed(result)
 
-    async def RequestDone(self, request, context):
-        found = await self._call(
-            context, self.router.request_done, request.request_id, request.prefill_only
+    async def ReportLoad(self, request, context):
+        report = LoadReport(
+            request.queued_prefill_tokens, request.running_requests, request.kv_usage
         )
-        return router_pb2.RequestDoneResponse(found=found)
+        await self._call(context, self.router.report_load, request.worker, report)
+        return router_pb2.ReportLoadResponse()
+
+    async def RequestStarted(self, request, context):
+        await self._call(context, self.router.request_started, request.request_id)
+        return router_pb2.RequestStartedResponse()
+
+    async def RequestFinished(self, request, context):
+        cached = request.cached_blocks if request.HasField("cached_blocks") else None
+        await self._call(context, self.router.request_finished, request.request_id, cached)
+        return router_pb2.RequestFinishedResponse()
 
     async def AdvertisePeer(self, request, context):
         peer = await self._call(

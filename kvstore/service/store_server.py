@@ -16,11 +16,11 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.copy import copier_for
+from kvstore.service.metrics import MetricsServer
 from kvstore.service.router_link import LocalRouterLink, RemoteRouterLink, snapshot_events
 from kvstore.service.router_server import ServedRouter
-from kvstore.service.store_service import KVStoreService
+from kvstore.service.store_service import KVStoreService, add_to_server
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -62,6 +62,7 @@ class ServerConfig:
     ucx_port: int = 0
     peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
     fetch_timeout_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = free
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -110,6 +111,18 @@ class StoreServer:
         self._event_sinks = [self.service.publish]
         self._expirer: asyncio.Task | None = None
         self.link: LocalRouterLink | RemoteRouterLink | None = None
+        self.metrics: MetricsServer | None = None
+        if config.metrics_port is not None:
+            self.metrics = MetricsServer(self._stats_records, config.host, config.metrics_port)
+
+    def _stats_records(self) -> dict[str, object]:
+        """Every part's stats record, for /metrics."""
+        records: dict[str, object] = {"store": self.node.stats()}
+        if self.peer_server is not None:
+            records["peer_port"] = self.peer_server.stats()
+        if self.router is not None:
+            records["router"] = self.router.stats()
+        return records
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
@@ -125,7 +138,7 @@ class StoreServer:
             await self.peer_server.start()
             log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)  # a request that does not parse: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.embedded_router is not None:
             self.embedded_router.start(self.server)
@@ -139,6 +152,8 @@ class StoreServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expirer = asyncio.create_task(self._expire_loop())
+        if self.metrics is not None:
+            await self.metrics.start()
         log.info(
             "kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
             self.config.host,
@@ -187,6 +202,8 @@ class StoreServer:
     async def stop(self, grace: float = 2.0) -> None:
         if self._expirer:
             self._expirer.cancel()
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.health.enter_graceful_shutdown()
         if self.link is not None:
             await self.link.stop()

@@ -91,6 +91,7 @@ class IndexStats:
     inflight_blocks: int = 0
     leases: int = 0  # leases clients hold by id
     evictions: int = 0
+    pinned_blocks: int = 0  # held by a load, a lease or a peer's fetch right now
 
 
 class BlockIndex:
@@ -142,6 +143,7 @@ class BlockIndex:
             inflight_blocks=len(self.blocks) - len(self._lru),
             leases=len(self._leases),
             evictions=self._evictions,
+            pinned_blocks=sum(1 for b in self.blocks.values() if b.pins),
         )
 
     @property

@@ -178,6 +178,8 @@ class FetchResult:
 @dataclass(frozen=True)
 class FetcherStats:
     fetched_blocks: int = 0  # committed blocks pulled from peers, each counted once
+    fetches_failed_unavailable: int = 0  # a peer refused, died or could not be reached
+    fetches_failed_timeout: int = 0  # a peer did not finish within the fetch timeout
 
 
 class Fetcher:
@@ -192,9 +194,10 @@ class Fetcher:
         self.timeout_s = timeout_s
         self._running: dict[tuple, asyncio.Task[FetchResult]] = {}
         self._fetched = 0
+        self._failed = {PeerUnavailable: 0, PeerTimeout: 0}
 
     def stats(self) -> FetcherStats:
-        return FetcherStats(self._fetched)
+        return FetcherStats(self._fetched, self._failed[PeerUnavailable], self._failed[PeerTimeout])
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
         """Make the longest prefix of ``hashes`` that any peer holds local."""
@@ -221,6 +224,7 @@ class Fetcher:
             try:
                 n = await fetch(peer.ucx_address, namespace, want, self.sink, self.timeout_s)
             except (PeerUnavailable, PeerTimeout) as err:
+                self._failed[type(err)] += 1
                 log.warning(
                     "fetch of %d blocks from %s (%s) failed: %s",
                     len(want),

@@ -34,7 +34,7 @@ from kvstore.store.registry import (
 )
 from kvstore.wire.errors import KVError, invalid, precondition
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS
-from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN
+from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,14 @@ class StoreNode:
         """Make the longest prefix of ``hashes`` that a peer holds local."""
         check_count("block_hashes", len(hashes))
         check_distinct("block_hashes", hashes)  # a peer would serve, and we store, each copy
+        check_final_namespace("namespace", namespace)
         if self.fetcher is None:
             raise precondition("peer transfer is off on this server (--no-transfer)")
+        if self.registry.sealed(namespace) is None:  # else peers are asked, then nothing kept
+            raise precondition(
+                f"namespace {namespace!r}: no sealed local instance serves it; "
+                "register one before prefetching its blocks"
+            )
         return await self.fetcher.prefetch(namespace, hashes)
 
     def query(
@@ -215,6 +221,7 @@ class StoreNode:
         """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned for
         ``lease_ms`` (DEFAULT_LEASE_MS when 0) or until released."""
         check_count("block_hashes", len(hashes))
+        check_final_namespace("namespace", namespace)  # a client namespace never holds blocks
         if lease_ms > MAX_LEASE_MS:
             raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
         blocks = self.index.sealed_prefix(namespace, hashes)
@@ -233,6 +240,8 @@ class StoreNode:
         """Drop every unpinned sealed block of final namespace ``namespace`` ("" = all)."""
         if len(namespace) > MAX_FINAL_NAMESPACE_LEN:
             raise invalid("namespace is too long")
+        if namespace:
+            check_final_namespace("namespace", namespace)  # "llama" alone would clear nothing
         n = self.index.clear(namespace or None)
         log.warning("cleared %d blocks of %s on request", n, namespace or "every namespace")
         return n

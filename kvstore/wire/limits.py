@@ -48,3 +48,5 @@ MAX_PEERS = 4096
 MAX_NAMESPACES_PER_PEER = 256
 MAX_REQUEST_ID_LEN = 256
 MAX_ACTIVE_REQUESTS = 1 << 20  # tracked loads; the oldest are dropped past it
+MAX_QUEUED_PREFILL_TOKENS = 1 << 40  # one worker's reported prefill queue
+MAX_RUNNING_REQUESTS = 1 << 20  # one worker's reported running requests

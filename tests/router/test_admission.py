@@ -26,7 +26,7 @@ def snapshot(router: Router):
         {k: (s.checksum, sorted(s.members)) for k, s in router.admission.sets.items()},
         {n: w.ref for n, w in router.admission.workers.items()},
         {d: dict(i.masks) for d, i in router.domains.indexes.items()},
-        {r: list(v) for r, v in router.loads.per_worker.items()},
+        {r: dict(vars(v)) for r, v in router.loads.workers.items()},
     )
 
 
@@ -142,7 +142,7 @@ def test_removal_clears_index_and_load(router):
     router.apply_worker_events(w.ref, [BlockEvent("stored", HASHES)])
     router.route("llama-8b", hashes=HASHES)
     router.remove_worker("w")
-    assert router.stats().indexed_blocks == 0 and not router.loads.per_worker
+    assert router.stats().indexed_blocks == 0 and not router.loads.workers
     with pytest.raises(KVError) as err:
         router.remove_worker("w")
     assert err.value.code.name == "NOT_FOUND"

@@ -37,6 +37,7 @@ def test_prefix_depths_match_a_direct_walk(holdings, active_bits):
         index.store(b, [h for h, keep in zip(hashes, held, strict=True) if keep])
     active = active_bits & ((1 << len(holdings)) - 1)
     expected = {b: walk(index, hashes, b) for b in range(len(holdings)) if active >> b & 1}
+    expected = {b: d for b, d in expected.items() if d}  # a miss has no entry
     assert index.prefix_depths(hashes, active) == expected
     holders = [("h", b) for b in range(len(holdings)) if active >> b & 1]
     assert index.holder_depths(hashes, holders) == {("h", b): d for b, d in expected.items()}
@@ -71,7 +72,8 @@ def test_route_follows_the_longest_prefix(router):
     router.apply_worker_events(ws[2].ref, stored(HASHES[3:]))  # no first block: no prefix
     r = router.route("llama-8b", token_ids=PROMPT, track=False)
     assert (r.worker.name, r.overlap_blocks, r.gpu_blocks, r.total_blocks) == ("w1", 6, 6, 8)
-    assert "w1: 6/8 blocks cached" in r.reason and "next" in r.reason
+    assert "6/8 blocks cached (gpu 6" in r.reason and "next" in r.reason
+    assert r.ttft.uncached_tokens == 2 * 16
 
 
 def test_partial_block_is_not_hashed(router):
@@ -80,50 +82,31 @@ def test_partial_block_is_not_hashed(router):
     assert r.total_blocks == 8
 
 
-def test_load_spreads_requests_and_is_freed_on_done(router):
+def test_load_spreads_requests_and_is_freed_when_finished(router):
     for i in range(2):
         router.register_worker(f"w{i}", card())
     first = router.route("llama-8b", hashes=HASHES, request_id="r1")
     second = router.route("llama-8b", hashes=HASHES, request_id="r2")
-    assert first.worker.name != second.worker.name  # equal caches: load decides
-    assert router.request_done("r1") and router.request_done("r2")
-    assert not router.request_done("r1")
-    assert not router.loads.per_worker
-
-
-def test_prefill_done_keeps_decode_load(router):
-    w = router.register_worker("w", card())
-    router.route("llama-8b", hashes=HASHES, request_id="r", decode_tokens=32)
-    assert router.loads.load(w.ref) == (8.0, 10.0)  # 8 prefill; 8 + 2 decode blocks
-    router.request_done("r", prefill_only=True)
-    assert router.loads.load(w.ref) == (0.0, 10.0)
-    router.request_done("r")
-    assert router.loads.load(w.ref) == (0.0, 0.0)
+    assert first.worker.name != second.worker.name  # equal caches: the queue decides
+    assert second.ttft.queued_tokens == 0
+    router.request_finished("r1")
+    router.request_finished("r2")
+    router.request_finished("r1")  # unknown now: nothing happens
+    assert router.stats().active_requests == 0
+    third = router.route("llama-8b", hashes=HASHES, track=False)
+    assert (third.ttft.queued_tokens, third.ttft.running_requests) == (0, 0)
 
 
 def test_untracked_requests_expire_after_the_timeout():
     clock = Clock()
     router = Router(RouterConfig(scoring=ScoringConfig(request_timeout_s=60)), clock=clock)
-    w = router.register_worker("w", card())
+    router.register_worker("w", card())
     router.route("llama-8b", hashes=HASHES, request_id="lost")
-    assert router.loads.load(w.ref)[0] == 8
     clock.now += 59
-    router.route("llama-8b", hashes=[], track=False)
-    assert router.loads.load(w.ref)[0] == 8
+    assert router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens == 128
     clock.now += 2
-    router.route("llama-8b", hashes=[], track=False)
-    assert router.loads.load(w.ref) == (0.0, 0.0) and router.stats().active_requests == 0
-
-
-def test_overlap_weight_trades_cache_against_load(router):
-    hot = router.register_worker("hot", card())
-    router.register_worker("cold", card())
-    router.apply_worker_events(hot.ref, stored(HASHES))
-    for i in range(3):  # pile decode load on the cached worker
-        router.loads.add(f"bg{i}", hot.ref, 0, 8, 1e18)
-    assert router.route("llama-8b", hashes=HASHES, track=False).worker.name == "cold"
-    router.config.scoring.overlap_weight = 8.0  # prefill dominates: the cache wins
-    assert router.route("llama-8b", hashes=HASHES, track=False).worker.name == "hot"
+    assert router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens == 0
+    assert router.stats().active_requests == 0
 
 
 def test_tier_weights_rank_gpu_over_offloaded(router):
@@ -132,15 +115,13 @@ def test_tier_weights_rank_gpu_over_offloaded(router):
     router.apply_worker_events(g.ref, stored(HASHES[:4]))
     router.apply_worker_events(s.ref, [BlockEvent("stored", HASHES, tier="store")])
     r = router.route("llama-8b", hashes=[*HASHES[:5], 1], track=False)
-    # 4 GPU blocks (credit 4, and shared in GPU memory) beat 5 offloaded ones (credit 3.75).
-    assert (r.worker.name, r.gpu_blocks) == ("g", 4)
-    # When prefill dominates and offloaded blocks are credited in full, the
-    # longer offloaded prefix wins.
+    # 4 GPU blocks (64 tokens saved) beat 5 offloaded ones (5 x 0.75 x 16 = 60 saved).
+    assert (r.worker.name, r.gpu_blocks, r.ttft.uncached_tokens) == ("g", 4, 96 - 64)
+    # Offloaded blocks credited in full: the longer offloaded prefix wins.
     router.config.scoring.store_weight = 1.0
-    router.config.scoring.overlap_weight = 2.0
     r = router.route("llama-8b", hashes=HASHES, track=False)
     assert (r.worker.name, r.overlap_blocks, r.store_blocks, r.gpu_blocks) == ("s", 8, 8, 0)
-    assert r.cost == 8.0  # 2 x 0 prefill + 8 new decode blocks
+    assert r.ttft.ttft_ms == 0.0  # nothing to prefill, nothing queued
 
 
 def test_softmax_sampling_is_seeded_and_prefers_cheap_workers():

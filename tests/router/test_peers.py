@@ -111,7 +111,7 @@ def test_routing_credits_local_store_and_remote_peers(router):
     router.remove_worker("on-a")
     r = router.route("llama-8b", hashes=HASHES, track=False)
     assert (r.worker.name, r.remote_blocks) == ("on-b", 4)  # fetchable from peer a
-    assert a.ref not in router.loads.per_worker
+    assert a.ref not in router.loads.workers
 
 
 @pytest.mark.parametrize(

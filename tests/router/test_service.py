@@ -86,9 +86,14 @@ def test_register_route_done_over_grpc(served):
         4,
         "req-1",
     )
-    assert "w0: 4/4 blocks cached" in r.reason
+    assert r.reason.startswith("w0: ttft 0.0 ms = (0 queued + 0 uncached)")
+    assert "4/4 blocks cached" in r.reason
     assert client.stats().active_requests == 1
-    assert client.request_done("req-1") and not client.request_done("req-1")
+    client.request_started("req-1")
+    client.request_finished("req-1", cached_blocks=4)
+    client.request_finished("req-1")  # unknown now: no error
+    stats = client.stats()
+    assert (stats.active_requests, stats.hit_reports, stats.hit_blocks_reported) == (0, 1, 4)
     assert client.remove_worker("w1")
     assert client.stats().workers == 1
 
@@ -145,6 +150,63 @@ def test_rejected_session_gets_the_status(served):
             next(call)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "kv_block_size" in err.value.details()
+
+
+def test_reported_load_steers_routes_over_grpc(served):
+    router, client, _ = served
+    hot = client.register_worker("hot", card())
+    client.register_worker("cold", card())
+    tokens = list(range(128))
+    router.apply_worker_events(
+        router.admission.workers["hot"].ref,
+        [BlockEvent("stored", block_hashes(tokens, 16))],
+    )
+    assert hot.generation >= 1
+    r = client.route("llama-8b", token_ids=tokens, track=False)
+    assert (r.worker, r.ttft_ms, r.load_reported) == ("hot", 0.0, False)
+    client.report_load("hot", queued_prefill_tokens=4096, running_requests=3, kv_usage=0.5)
+    r = client.route("llama-8b", token_ids=tokens, request_id="q")
+    assert (r.worker, r.queued_tokens, r.uncached_tokens, r.running_requests) == ("cold", 0, 128, 0)
+    assert r.ttft_ms == pytest.approx(128 * 0.04) and not r.load_reported
+    assert "next hot ttft 166.8 ms" in r.reason  # 4096 x 0.04 + 3 x 1
+    assert client.stats().load_reports == 1
+
+
+@pytest.mark.parametrize(
+    "message, field",
+    [
+        (router_pb2.ReportLoadRequest(worker=""), "worker"),
+        (router_pb2.ReportLoadRequest(worker="w", queued_prefill_tokens=1 << 41), "queued_prefill"),
+        (router_pb2.ReportLoadRequest(worker="w", running_requests=1 << 30), "running_requests"),
+        (router_pb2.ReportLoadRequest(worker="w", kv_usage=1.5), "kv_usage"),
+        (router_pb2.ReportLoadRequest(worker="w", kv_usage=float("nan")), "kv_usage"),
+        (router_pb2.RequestStartedRequest(request_id="r" * 300), "request_id"),
+        (router_pb2.RequestFinishedRequest(request_id="r" * 300), "request_id"),
+        (router_pb2.RequestFinishedRequest(request_id="q", cached_blocks=1 << 20), "cached_blocks"),
+    ],
+)
+def test_load_and_life_cycle_rpcs_reject_bad_fields_and_change_nothing(served, message, field):
+    _, client, server = served
+    client.register_worker("w", card())
+    client.route("llama-8b", hashes=[1, 2], request_id="q")
+    before = client.stats()
+    with grpc.insecure_channel(server.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        method = getattr(stub, type(message).__name__.removesuffix("Request"))
+        with pytest.raises(grpc.RpcError) as err:
+            method(message, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert client.stats() == before
+    r = client.route("llama-8b", hashes=[1, 2], track=False)
+    assert (r.queued_tokens, r.running_requests, r.load_reported) == (32, 0, False)
+
+
+def test_load_of_an_unknown_worker_is_not_found(served):
+    _, client, _ = served
+    with pytest.raises(KVError) as err:
+        client.report_load("ghost", 0, 0)
+    assert err.value.code == Code.NOT_FOUND and "ghost" in err.value.message
 
 
 def test_store_client_advertise_publish_query(served):
@@ -227,8 +289,12 @@ def test_flags_standalone_and_embedded():
         [
             "--identity",
             "r1",
-            "--overlap-weight",
-            "2",
+            "--prefill-ms-per-token",
+            "0.025",
+            "--decode-interference-ms",
+            "2.5",
+            "--load-staleness",
+            "0.5",
             "--temperature",
             "0.1",
             "--zmq-endpoint",
@@ -240,7 +306,10 @@ def test_flags_standalone_and_embedded():
     assert (args.host, args.port) == ("127.0.0.1", 50061)
     served = build_served_router(args)
     config = served.router.config
-    assert config.identity.value == "r1" and config.scoring.overlap_weight == 2
+    assert config.identity.value == "r1"
+    scoring = config.scoring
+    assert (scoring.prefill_ms_per_token, scoring.decode_interference_ms) == (0.025, 2.5)
+    assert (scoring.load_staleness_s, scoring.temperature) == (0.5, 0.1)
     assert served.feeds == FeedSpecs(
         vllm=(("w", "tcp://127.0.0.1:5557"),), stores=("127.0.0.1:50051",)
     )
@@ -251,8 +320,11 @@ def test_flags_standalone_and_embedded():
     embedded.add_argument("--port")
     add_router_arguments(embedded, embedded=True)  # no clash with the host command's flags
     assert embedded.parse_args(["--no-router"]).no_router
-    with pytest.raises(ValueError, match="--temperature"):
-        build_served_router(p.parse_args(["--temperature", "-1"]))
+    for flag in ("--temperature", "--prefill-ms-per-token", "--load-staleness"):
+        with pytest.raises(ValueError, match=flag):
+            build_served_router(p.parse_args([flag, "-1"]))
+    with pytest.raises(ValueError, match="--decode-interference-ms"):
+        build_served_router(p.parse_args(["--decode-interference-ms", "nan"]))
     with pytest.raises(ValueError, match="--zmq-endpoint"):
         build_served_router(p.parse_args(["--zmq-endpoint", "tcp://x:1"]))
     with pytest.raises(ValueError, match="--zmq-endpoint"):

@@ -17,7 +17,7 @@ import zmq
 from kvstore.cli.router import add_router_arguments, feed_specs
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router
-from kvstore.router.vllm_events import decode_batch, decode_message
+from kvstore.router.vllm_events import TierOps, decode_batch, decode_events, decode_message
 from kvstore.testing.vllm_events import encode_batch
 from tests.router.conftest import ServerThread, card
 
@@ -42,24 +42,25 @@ def frames(payload: bytes, seq: int = 0, topic: bytes = b"") -> list[bytes]:
 
 
 def test_decode_array_like_batch():
-    b = decode_message(
-        frames(batch(stored(H, parent=7), removed(H[:1]), ["AllBlocksCleared"], dp_rank=2), seq=41)
-    )
+    payload = batch(stored(H, parent=7), removed(H[:1]), ["AllBlocksCleared"], dp_rank=2)
+    b = decode_message(frames(payload, seq=41))
     assert (b.seq, b.ts, b.data_parallel_rank) == (41, 1.5, 2)
-    assert [(e.kind, e.hashes, e.tier) for e in b.events] == [
+    assert (b.events, b.blocks_stored) == (3, 4)
+    events = decode_events(payload)
+    assert [(e.kind, e.hashes, e.tier) for e in events] == [
         ("stored", H, "gpu"),
         ("removed", H[:1], "gpu"),
         ("cleared", [], "gpu"),
     ]
-    assert b.events[0].parent_hash == 7
+    assert events[0].parent_hash == 7
 
 
 def test_decode_oldest_and_newest_positional_shapes():
     old = ["BlockStored", H, None, [1, 2], 16, None]  # before `medium` existed
     new = ["BlockStored", H, None, [], 16, None, "GPU", "lora-a", None, 0, "full", None]
     removed_old = ["BlockRemoved", H]
-    b = decode_batch(batch(old, new, removed_old))
-    assert [e.kind for e in b.events] == ["stored", "stored", "removed"]
+    events = decode_events(batch(old, new, removed_old))
+    assert [e.kind for e in events] == ["stored", "stored", "removed"]
 
 
 def test_decode_map_form_and_byte_hashes():
@@ -83,17 +84,20 @@ def test_decode_map_form_and_byte_hashes():
         },
         use_bin_type=True,
     )
-    b = decode_batch(payload)
+    events = decode_events(payload)
     expected = int.from_bytes(digest, "big") & ((1 << 64) - 1)  # what vLLM's int form would be
-    assert b.events[0].hashes == [expected] and b.events[0].tier == "store"
-    assert b.events[1].kind == "cleared"
+    assert events[0].hashes == [expected] and events[0].tier == "store"
+    assert events[1].kind == "cleared"
+    runs = decode_batch(payload).runs
+    assert runs[0].tiers["store"] == TierOps([expected], [True]) and runs[1].cleared_first
 
 
 def test_negative_int_hashes_wrap_to_u64_and_other_groups_are_skipped():
     b = decode_batch(
         batch(stored([-1]), ["BlockStored", [5], None, [], 16, None, "GPU", None, None, 1])
     )
-    assert b.events[0].hashes == [(1 << 64) - 1] and b.skipped == 1 and len(b.events) == 1
+    assert b.runs[0].tiers["gpu"] == TierOps([(1 << 64) - 1], [True])
+    assert b.skipped == 1 and b.events == 1
 
 
 @pytest.mark.parametrize(

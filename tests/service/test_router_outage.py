@@ -70,7 +70,7 @@ def test_blocks_saved_while_the_router_hung_reach_its_index_after(tmp_path):
         finally:
             os.kill(router_proc.pid, signal.SIGCONT)
 
-        assert wait_for(lambda: known(router, ns, second) == 4, timeout=20)
+        assert wait_for(lambda: known(router, ns, second) == 4, timeout=45)
         assert known(router, ns, first) == 4
         router.close()
     finally:

@@ -288,3 +288,23 @@ def test_stats_gather_every_parts_own_record():
     assert (stats.requests.hits, stats.requests.misses) == (2, 1)
     assert stats.requests.bytes_saved == stats.pool.used_bytes == 2 * 4 * 1024
     assert stats.fetcher.fetched_blocks == stats.source.served_blocks == 0
+
+
+@pytest.mark.parametrize("namespace", ["a", "a.", "a.0123", "a.0123456789ABCDEF", " ", "x" * 300])
+def test_a_namespace_that_is_not_final_is_refused_not_answered_empty(namespace):
+    """Query, Clear and Prefetch of a client namespace (or any non-final name)
+    once answered 0 blocks / cleared 0 as if it were merely empty."""
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    run(save_all(node, ranks, [(1, 0)]))
+    calls = [
+        lambda: node.query(namespace, [1], lease=True),
+        lambda: node.clear(namespace),
+        lambda: run(node.prefetch(namespace, [1])),
+    ]
+    for fn in calls:
+        with pytest.raises(KVError) as info:
+            fn()
+        assert info.value.code == Code.INVALID_ARGUMENT and "namespace" in info.value.message
+    stats = node.stats()
+    assert (stats.index.sealed_blocks, stats.index.leases, stats.requests.misses) == (1, 0, 0)

@@ -1,0 +1,177 @@
+"""What each worker has to do before a new request's first token: its load.
+
+Two sources, per worker:
+
+    reported   the worker's own LoadReport (queued prefill tokens, running
+               requests, KV usage), sent by the engine or by the store server
+               on its behalf; used while younger than the staleness window
+    own        the router's accounting of what it routed there: prefill
+               tokens of requests routed and not started (queued), and
+               requests started and not finished (running)
+
+A fresh report is the truth as of its arrival, so the load a route sees is
+the report moved on by what happened since: prefill tokens routed there are
+added, those of requests started (or finished unstarted) are taken off, and
+requests started or finished move the running count. A burst between two
+reports does not all land on the worker that last reported idle, and a queue
+that drained since is not held against it. Without a fresh report the router
+uses its own accounting alone. A request leaves the queue when it is reported started and
+leaves the load when it is reported finished, or when its deadline passes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from kvstore.router.admission import WorkerRef
+from kvstore.wire import limits
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One worker's load as it reports it."""
+
+    queued_prefill_tokens: int  # prompt tokens waiting for prefill, not yet computed
+    running_requests: int  # requests past their prefill, decoding
+    kv_usage: float = 0.0  # fraction of its KV blocks in use, 0..1
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """The load one route sees on one worker."""
+
+    queued_tokens: int
+    running_requests: int
+    report_age_s: float | None  # None: no fresh report, the router's own accounting
+    kv_usage: float = 0.0
+
+
+@dataclass
+class TrackedRequest:
+    ref: WorkerRef
+    prefill_tokens: int  # uncached prompt tokens the route expected
+    predicted_blocks: int  # the longest cached prefix the route saw
+    deadline: float
+    started: bool = False
+
+
+@dataclass
+class _Accounting:
+    """One worker's own counts and its latest report."""
+
+    queued_tokens: int = 0  # routed, not started
+    running: int = 0  # started, not finished
+    queued_since_report: int = 0  # tokens routed since the latest report, less those started
+    running_since_report: int = 0  # started since the latest report, less those finished
+    report: LoadReport | None = None
+    reported_at: float = -math.inf
+
+
+@dataclass
+class HitCounts:
+    """Finished requests that said how many blocks they hit, against their routes."""
+
+    reports: int = 0
+    blocks_predicted: int = 0  # the cached prefix their routes saw
+    blocks_reported: int = 0  # the blocks they hit
+
+
+@dataclass
+class LoadTracker:
+    """Per-worker load from reports and from routed requests."""
+
+    requests: dict[str, TrackedRequest] = field(default_factory=dict)
+    workers: dict[WorkerRef, _Accounting] = field(default_factory=dict)
+    load_reports: int = 0
+    hits: HitCounts = field(default_factory=HitCounts)
+    _deadlines: list[tuple[float, str]] = field(default_factory=list)
+
+    def load(self, ref: WorkerRef, now: float, staleness_s: float) -> WorkerLoad:
+        """The worker's fresh report moved on by what happened since, else own counts."""
+        acc = self.workers.get(ref)
+        if acc is None:
+            return WorkerLoad(0, 0, None)
+        age = now - acc.reported_at
+        if acc.report is None or age > staleness_s:
+            return WorkerLoad(acc.queued_tokens, acc.running, None)
+        rep = acc.report
+        queued = max(0, rep.queued_prefill_tokens + acc.queued_since_report)
+        running = max(0, rep.running_requests + acc.running_since_report)
+        return WorkerLoad(queued, running, max(0.0, age), rep.kv_usage)
+
+    def report(self, ref: WorkerRef, report: LoadReport, now: float) -> None:
+        """A worker's report replaces its previous one; what happened before it
+        arrived is counted in it."""
+        acc = self.workers.setdefault(ref, _Accounting())
+        acc.report, acc.reported_at = report, now
+        acc.queued_since_report = acc.running_since_report = 0
+        self.load_reports += 1
+
+    def add(self, request_id: str, request: TrackedRequest) -> None:
+        """Track a routed request: its prefill tokens join its worker's queue."""
+        if request_id in self.requests:
+            self.finish(request_id)
+        if len(self.requests) >= limits.MAX_ACTIVE_REQUESTS:
+            self.expire(math.inf, limit=1)
+        acc = self.workers.setdefault(request.ref, _Accounting())
+        self.requests[request_id] = request
+        acc.queued_tokens += request.prefill_tokens
+        acc.queued_since_report += request.prefill_tokens
+        heapq.heappush(self._deadlines, (request.deadline, request_id))
+        if len(self._deadlines) > 2 * len(self.requests) + 1024:  # drop entries of done requests
+            self._deadlines = [(r.deadline, rid) for rid, r in self.requests.items()]
+            heapq.heapify(self._deadlines)
+
+    def start(self, request_id: str) -> bool:
+        """The request's prefill began: it leaves the queue and runs."""
+        req = self.requests.get(request_id)
+        if req is None or req.started:
+            return False
+        self._dequeue(req)
+        req.started = True
+        acc = self.workers[req.ref]
+        acc.running += 1
+        acc.running_since_report += 1
+        return True
+
+    def finish(self, request_id: str, cached_blocks: int | None = None) -> bool:
+        """The request is done: its load is freed, and ``cached_blocks`` (what it
+        really hit) counted against its route. False when it is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.started:
+            acc = self.workers[req.ref]
+            acc.running = max(0, acc.running - 1)
+            acc.running_since_report -= 1
+        else:
+            self._dequeue(req)
+        if cached_blocks is not None:
+            self.hits.reports += 1
+            self.hits.blocks_predicted += req.predicted_blocks
+            self.hits.blocks_reported += cached_blocks
+        return True
+
+    def _dequeue(self, req: TrackedRequest) -> None:
+        acc = self.workers[req.ref]
+        acc.queued_tokens = max(0, acc.queued_tokens - req.prefill_tokens)
+        acc.queued_since_report -= req.prefill_tokens
+
+    def expire(self, now: float, limit: int | None = None) -> int:
+        """Free requests whose deadline passed (at most ``limit`` of them)."""
+        freed = 0
+        while self._deadlines and self._deadlines[0][0] <= now and (limit is None or freed < limit):
+            deadline, rid = heapq.heappop(self._deadlines)
+            req = self.requests.get(rid)
+            if req is not None and req.deadline == deadline:
+                self.finish(rid)
+                freed += 1
+        return freed
+
+    def drop_worker(self, ref: WorkerRef) -> None:
+        """A removed worker's requests and report are gone with it."""
+        self.workers.pop(ref, None)
+        for rid in [rid for rid, r in self.requests.items() if r.ref == ref]:
+            del self.requests[rid]

@@ -1,0 +1,113 @@
+"""Prometheus ``/metrics`` for a store server or a router, read from stats records.
+
+Nothing on a hot path is instrumented: on each scrape the collector asks the
+core for its ``stats()`` records (the node, the block index, the pool, the
+registry, the fetcher, the peer port; or the router) and flattens their
+numeric fields into metrics named ``kvstore_<part>_<field>``. Fields that only
+grow are counters (``_total``), the rest gauges. The HTTP endpoint answers on
+the server's own event loop, so a scrape reads the records between requests,
+never in the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_REQUEST_BYTES = 8 << 10
+READ_TIMEOUT_S = 5.0
+
+# Fields that only grow over a server's life: exposed as counters.
+COUNTERS = frozenset({
+    "hits", "misses", "bytes_saved", "bytes_loaded", "evictions", "fetched_blocks",
+    "fetches_failed_unavailable", "fetches_failed_timeout", "served_blocks",
+    "refused_connections", "busy_refusals", "events_applied", "events_dropped",
+    "blocks_ingested", "rejected_registrations", "load_reports", "hit_reports",
+    "hit_blocks_predicted", "hit_blocks_reported",
+})  # fmt: skip
+
+Reader = Callable[[], dict[str, object]]  # part name -> stats record
+
+
+class RecordCollector:
+    """A prometheus collector over the stats records ``read()`` returns."""
+
+    def __init__(self, read: Reader):
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        for part, record in self.read().items():
+            for name, leaf, value in flatten(record):
+                full = f"kvstore_{part}_{name}"
+                family = CounterMetricFamily if leaf in COUNTERS else GaugeMetricFamily
+                metric = family(full, f"{part} {name.replace('_', ' ')}")
+                metric.add_metric([], float(value))
+                yield metric
+
+
+def flatten(record: object, prefix: str = "") -> Iterator[tuple[str, str, float]]:
+    """(joined name, field name, number) for every numeric field of a dataclass
+    record, nested records' fields joined to their parent's name."""
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        name = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            yield from flatten(value, f"{name}_")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield name, field.name, value
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (port 0 picks a free one), on the running loop."""
+
+    def __init__(self, read: Reader, host: str = "127.0.0.1", port: int = 0):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RecordCollector(read))
+        self.host, self.port = host, port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            status, body = self._answer(head)
+            writer.write(
+                f"HTTP/1.0 {status}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a slow, short or oversized request gets no answer
+        except OSError as exc:
+            log.debug("metrics client went away: %s", exc)
+        finally:
+            writer.close()
+
+    def _answer(self, head: bytes) -> tuple[str, bytes]:
+        if len(head) > MAX_REQUEST_BYTES:
+            return "431 Request Header Fields Too Large", b""
+        line = head.split(b"\r\n", 1)[0].split()
+        if len(line) < 2 or line[0] != b"GET":
+            return "405 Method Not Allowed", b""
+        if line[1].split(b"?", 1)[0] != b"/metrics":
+            return "404 Not Found", b"try /metrics\n"
+        return "200 OK", generate_latest(self.registry)
