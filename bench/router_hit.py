@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from bench.router_index import BLOCK, u64s
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import BlockEvent
+from kvstore.testing.cluster_sim import LruBlocks
 from kvstore.wire.card import WorkerCard
 
 SESSION_RATE = 2.0  # new sessions per time unit; think time between turns ~30 units
@@ -62,39 +63,8 @@ def make_trace(sessions: int, seed: int = 3):
     return trace
 
 
-class LruCache:
-    """A worker's prefix cache: LRU over blocks, tail blocks evicted first (as vLLM)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def prefix_hit(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, hashes: list[int]) -> tuple[list[int], list[int]]:
-        """Touch/insert ``hashes``; return (newly stored, evicted)."""
-        new = []
-        for h in reversed(hashes):  # the prefix ends up most recent
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
-            else:
-                self.blocks[h] = None
-                new.append(h)
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
-        new_set = set(evicted)
-        return [h for h in reversed(new) if h not in new_set], evicted
-
-
 def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, seed: int = 4):
-    caches = [LruCache(capacity) for _ in range(workers)]
+    caches = [LruBlocks(capacity) for _ in range(workers)]
     rng = random.Random(seed)
     router = None
     if policy == "kv_aware":
@@ -118,10 +88,11 @@ def simulate(trace, policy: str, workers: int, capacity: int, in_flight: int, se
             window.append(r.request_id)
             if len(window) > in_flight:  # the oldest in-flight request completes
                 router.request_finished(window.popleft())
-        hit += caches[w].prefix_hit(prompt)
+        hit += caches[w].prefix(prompt)
         total += len(prompt)
         per_worker[w] += 1
-        stored, evicted = caches[w].insert(prompt + output)
+        change = caches[w].insert(prompt + output)
+        stored, evicted = list(change.stored), list(change.evicted)
         if router is not None:
             evs = []
             if evicted:
