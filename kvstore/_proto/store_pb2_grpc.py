@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=store__pb2.EventsRequest.SerializeToString,
                 response_deserializer=store__pb2.Event.FromString,
                 _registered_method=True)
+        self.GetInstance = channel.unary_unary(
+                '/kvstore.v1.KVStore/GetInstance',
+                request_serializer=store__pb2.GetInstanceRequest.SerializeToString,
+                response_deserializer=store__pb2.InstanceInfo.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -156,6 +161,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInstance(self, request, context):
+        """An instance's registration state and, once sealed, its final namespace:
+        what an engine's scheduler needs to Query without registering memory.
+        With wait_ms it waits (at most that long, bounded) for the seal.
+        NOT_FOUND when no rank of the instance is registered by then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +218,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=store__pb2.EventsRequest.FromString,
                     response_serializer=store__pb2.Event.SerializeToString,
+            ),
+            'GetInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInstance,
+                    request_deserializer=store__pb2.GetInstanceRequest.FromString,
+                    response_serializer=store__pb2.InstanceInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +468,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Events',
             store__pb2.EventsRequest.SerializeToString,
             store__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetInstance',
+            store__pb2.GetInstanceRequest.SerializeToString,
+            store__pb2.InstanceInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -188,6 +188,12 @@ class RankSession:
             return self.seal
 
     @property
+    def error(self) -> KVError | None:
+        """Why the registration ended (the stream failed or closed), or None while it lives."""
+        with self._cond:
+            return self._error
+
+    @property
     def final_namespace(self) -> str:
         return self.wait_sealed(0).final_namespace
 
@@ -265,6 +271,20 @@ class StoreClient:
             namespace=namespace, block_hashes=hashes, lease=lease, lease_ms=lease_ms
         )
         return call(self.stub.Query, request, self.timeout)
+
+    def prefetch(self, namespace: str, hashes: list[int], timeout: float = 60.0):
+        """Pull the missing part of the longest prefix of ``hashes`` from a peer store."""
+        request = pb.PrefetchRequest(namespace=namespace, block_hashes=hashes)
+        return call(self.stub.Prefetch, request, timeout)
+
+    def instance(self, instance_id: str, wait: float = 0.0) -> pb.InstanceInfo:
+        """An instance's state and, once sealed, its final namespace.
+
+        ``wait``: seconds to wait for the seal (at most 60); the answer may still
+        be unsealed. Raises KVError(NOT_FOUND) when no rank is registered.
+        """
+        request = pb.GetInstanceRequest(instance_id=instance_id, wait_ms=int(wait * 1000))
+        return call(self.stub.GetInstance, request, self.timeout + wait)
 
     def release(self, lease_id: str) -> int:
         request = pb.ReleaseRequest(lease_id=lease_id)

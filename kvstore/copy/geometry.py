@@ -52,7 +52,8 @@ def region_from_tensor(t: torch.Tensor, kind: str) -> LayerRegion:
     """Derive the byte geometry of one layer's KV-cache tensor.
 
     Shapes: kv_first [2, nb, a, b, d]; blocks_first [nb, 2, a, b, d];
-    mla [nb, bs, dim]. NHD and HND need nothing special: the dims inside one
+    mla [nb, bs, dim]; paged [nb, ...] (vLLM's standardised view, any storage
+    offset: ``data_ptr`` already includes it). NHD and HND need nothing special: the dims inside one
     block segment may be in any order (a permuted view, as vLLM builds for
     HND) as long as they cover a dense byte range, which is copied as it is.
     """
@@ -101,6 +102,10 @@ def _dims(t: torch.Tensor, kind: str) -> tuple[int | None, int, int]:
     if kind == "mla":
         if t.dim() != 3:
             raise ValueError(f"mla expects [nb, bs, dim], got {shape}")
+        return None, 0, 1
+    if kind == "paged":
+        if t.dim() < 2:
+            raise ValueError(f"paged expects [nb, ...] with at least 2 dims, got {shape}")
         return None, 0, 1
     raise ValueError(f"unknown layout kind {kind!r}; expected one of {KINDS}")
 

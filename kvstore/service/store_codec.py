@@ -87,6 +87,22 @@ def registration_update(inst: Instance, reg: Registration) -> pb.RegistrationUpd
     return msg
 
 
+def instance_info(inst: Instance) -> pb.InstanceInfo:
+    first = inst.first
+    msg = pb.InstanceInfo(
+        instance_id=inst.instance_id,
+        sealed=inst.seal is not None,
+        ranks_registered=len(inst.ranks),
+        world_size=first.world_size,
+        block_size=first.block_size,
+        hash_format=first.hash_format,
+    )
+    if inst.seal is not None:
+        msg.fingerprint = inst.seal.fingerprint
+        msg.final_namespace = inst.seal.final_namespace
+    return msg
+
+
 def save_response(r: SaveResult) -> pb.SaveResponse:
     return pb.SaveResponse(written=r.written, skipped=r.skipped, sealed=r.sealed, bytes=r.bytes)
 

@@ -23,7 +23,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.service import status
 from kvstore.service import store_codec as codec
-from kvstore.store.node import StoreNode
+from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
 from kvstore.wire.errors import KVError, exhausted, invalid
@@ -40,6 +40,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.peer_server = peer_server
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
         self._subscribers: set[asyncio.Queue] = set()
+        self._seal_waiters: set[asyncio.Event] = set()  # GetInstance calls waiting
         node.watch(self._instance_changed)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable, *args: Any) -> Any:
@@ -72,7 +73,29 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.node.leave(reg.session)
             log.info("session of %s ended; registration removed", reg.where())
 
+    async def GetInstance(self, request, context):
+        await self._call(context, check_wait_ms, request.wait_ms)
+        deadline = asyncio.get_running_loop().time() + request.wait_ms / 1000
+        inst = await self._call(context, self.node.instance, request.instance_id)
+        while inst is None or inst.seal is None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            changed = asyncio.Event()
+            self._seal_waiters.add(changed)
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._seal_waiters.discard(changed)
+            inst = self.node.instance(request.instance_id)
+        inst = await self._call(context, self.node.registered, request.instance_id)
+        return codec.instance_info(inst)
+
     def _instance_changed(self, inst: Instance) -> None:
+        for changed in self._seal_waiters:
+            changed.set()
         for reg in inst.ranks.values():
             queue = self._watchers.get(reg.session)
             if queue is not None:

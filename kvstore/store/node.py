@@ -32,8 +32,9 @@ from kvstore.store.registry import (
     Registry,
     RegistryStats,
 )
-from kvstore.wire.errors import KVError, invalid, precondition
-from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS
+from kvstore.store.validation import check_instance_id
+from kvstore.wire.errors import KVError, invalid, not_found, precondition
+from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,18 @@ class StoreNode:
         """A rank's session ended: unregister it, drop what it left inflight."""
         self.registry.unregister(session)
         self.index.drop_writer(session)
+
+    def instance(self, instance_id: str) -> Instance | None:
+        """The registered instance ``instance_id`` (sealed or not), or None."""
+        check_instance_id(instance_id)
+        return self.registry.get(instance_id)
+
+    def registered(self, instance_id: str) -> Instance:
+        """Like :meth:`instance`, but an unknown instance is NOT_FOUND."""
+        inst = self.instance(instance_id)
+        if inst is None:
+            raise not_found(f"instance_id {instance_id!r} is not registered")
+        return inst
 
     def watch(self, listener: Listener) -> None:
         """Call ``listener(instance)`` after every registration change."""
@@ -262,6 +275,11 @@ class StoreNode:
             fetcher=self.fetcher.stats() if self.fetcher else FetcherStats(),
             source=self.source.stats() if self.source else SourceStats(),
         )
+
+
+def check_wait_ms(wait_ms: int) -> None:
+    if wait_ms > MAX_WAIT_MS:
+        raise invalid(f"wait_ms {wait_ms} is above {MAX_WAIT_MS}")
 
 
 def check_count(field_name: str, count: int) -> None:

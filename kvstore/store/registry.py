@@ -279,6 +279,10 @@ class Registry:
             )
         return Caller(inst.seal, reg)
 
+    def get(self, instance_id: str) -> Instance | None:
+        """The instance of ``instance_id``, sealed or not; None when no rank is in."""
+        return self.instances.get(instance_id)
+
     def sealed(self, namespace: str) -> Instance | None:
         """A sealed local instance whose blocks live in final namespace ``namespace``."""
         for inst in self.instances.values():

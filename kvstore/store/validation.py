@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from kvstore.wire.errors import exists, invalid, precondition
-from kvstore.wire.kv_layout import KINDS, KV_LAYOUTS, LayoutKind
+from kvstore.wire.kv_layout import KINDS, VLLM_LAYOUTS, LayoutKind
 from kvstore.wire.limits import (
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_BLOCK,
@@ -35,6 +35,12 @@ _BOUNDS = (
     ("world_size", 1, MAX_WORLD_SIZE),
     ("block_size", 1, MAX_BLOCK_SIZE),
 )
+_LAYOUTS_OF = {
+    LayoutKind.KV_FIRST: "'NHD' or 'HND'",
+    LayoutKind.BLOCKS_FIRST: "'NHD' or 'HND'",
+    LayoutKind.MLA: "'MLA'",
+    LayoutKind.PAGED: f"'<layout>/<block ratio>' with a layout in {VLLM_LAYOUTS}",
+}
 # fields every rank of an instance must send alike
 _INSTANCE_FIELDS = ("client_namespace", "world_size", "tp_size", "block_size", "hash_format")
 # geometry fields every rank registering a layer must send alike
@@ -55,9 +61,13 @@ def check_fields(reg: Registration) -> None:
     _check_layers(reg)
 
 
+def check_instance_id(instance_id: str) -> None:
+    if not INSTANCE_ID_RE.fullmatch(instance_id):
+        raise invalid(f"instance_id {instance_id[:64]!r} must match {INSTANCE_ID_RE.pattern}")
+
+
 def _check_names(reg: Registration) -> None:
-    if not INSTANCE_ID_RE.fullmatch(reg.instance_id):
-        raise invalid(f"instance_id {reg.instance_id[:64]!r} must match {INSTANCE_ID_RE.pattern}")
+    check_instance_id(reg.instance_id)
     if not is_client_namespace(reg.client_namespace):
         raise invalid(
             f"client_namespace {reg.client_namespace[:160]!r} must match "
@@ -101,10 +111,11 @@ def _check_kind(layer: LayerReg, at: str) -> None:
             f"segments {g.segments} does not match layout_kind "
             f"{kind.value!r} ({kind.segments} expected) ({at})"
         )
-    if g.kv_layout not in KV_LAYOUTS:
-        raise invalid(f"kv_layout {g.kv_layout!r} must be one of {KV_LAYOUTS} ({at})")
-    if (kind is LayoutKind.MLA) != (g.kv_layout == "MLA"):
-        raise invalid(f"kv_layout {g.kv_layout!r} and layout_kind {kind.value!r} disagree ({at})")
+    if not kind.accepts(g.kv_layout):
+        raise invalid(
+            f"kv_layout {g.kv_layout[:64]!r} does not fit layout_kind {kind.value!r}: "
+            f"{_LAYOUTS_OF[kind]} ({at})"
+        )
 
 
 def _check_extent(layer: LayerReg, at: str) -> None:

@@ -13,6 +13,7 @@ MAX_NAME_LEN = 256  # layer names, instance ids, dtypes, display names, worker n
 MAX_NAMESPACE_LEN = 128  # client namespace (docs/design.md §1)
 MAX_SHM_NAME_LEN = 200
 MAX_LEASE_MS = 10 * 60 * 1000
+MAX_WAIT_MS = 60 * 1000  # GetInstance waits for a seal at most this long
 
 # Tokens per block. The store and the router once disagreed (4096 vs 65536);
 # 65536 is the one bound because memory is bounded by MAX_BYTES_PER_BLOCK, not

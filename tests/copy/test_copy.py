@@ -193,7 +193,8 @@ def test_region_geometry(kind, order, dtype):
         ((4, 3, 2, 2, 2), "blocks_first"),
         ((4, 2, 2, 2), "mla"),
         ((2, 4, 2, 2), "kv_first"),
-        ((2, 4, 2, 2, 2), "paged"),
+        ((2, 4, 2, 2, 2), "bogus"),
+        ((8,), "paged"),
     ],
 )
 def test_region_rejects_bad_shapes(shape, kind):

@@ -64,4 +64,6 @@ def test_layout_kind_shapes_match_the_tensor_layouts():
     assert nhd == (2, 10, 16, 4, 128)
     assert LayoutKind.BLOCKS_FIRST.shape(10, 16, 4, 128, "HND") == (10, 2, 4, 16, 128)
     assert LayoutKind.MLA.shape(10, 16, 4, 576) == (10, 16, 576)
-    assert [k.segments for k in LayoutKind] == [2, 1, 1]
+    assert LayoutKind.PAGED.shape(10, 32, 2, 64, "LBHNC/1") == (10, 2, 32, 128)
+    assert LayoutKind.PAGED.shape(10, 32, 2, 64, "LBNHC/1") == (10, 32, 2, 128)
+    assert [k.segments for k in LayoutKind] == [2, 1, 1, 1]

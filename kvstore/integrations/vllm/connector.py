@@ -1,0 +1,234 @@
+"""``KVStoreConnector``: kvstore as vLLM's external prefix cache (vLLM v1 KV connector API).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "127.0.0.1:50051"}}'
+
+vLLM builds one connector per process: the scheduler's (metadata only,
+:mod:`kvstore.integrations.vllm.scheduler`) and one per worker rank (bytes,
+:mod:`kvstore.integrations.vllm.worker`). This class only translates vLLM's
+calls to those two halves. Loads are synchronous (before the forward), every
+layer in one Load; saves happen after the forward, one Save per step. Not
+supported: the hybrid KV cache manager (HMA), layer-wise loading.
+
+``kv_connector_extra_config`` keys (all optional):
+    address          store server, host:port (127.0.0.1:50051)
+    namespace        the client namespace; default: model name + checkpoint digest
+    model_digest     the digest part of the default namespace
+    lease_ms         how long a matched prefix stays pinned for its request (60000)
+    prefetch         ask peer stores for a missing prefix before scheduling (false)
+    seal_timeout_s   how long a rank waits for every rank to register (120)
+    retry_s          how often an unreachable store is retried (5)
+    timeout_s        scheduler-side RPC deadline (2)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.client.store_client import StoreClient
+from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
+from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
+from kvstore.integrations.vllm.worker import (
+    RankIdentity,
+    SharedMemoryKVPool,
+    WorkerSide,
+    paged_layers,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's configuration, from vLLM's config and the extra config."""
+
+    address: str
+    instance_id: str
+    client_namespace: str
+    block_size: int
+    hash_algo: str
+    lease_ms: int
+    prefetch: bool
+    seal_timeout_s: float
+    retry_s: float
+    timeout_s: float
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        instance = f"vllm-{vllm_config.kv_transfer_config.engine_id}"
+        if parallel.data_parallel_size > 1:
+            instance += f"-dp{parallel.data_parallel_rank}"
+        return cls(
+            address=str(extra.get("address", DEFAULT_ADDRESS)),
+            instance_id=instance,
+            client_namespace=client_namespace(
+                model.served_model_name or model.model,
+                model.model,
+                revision=model.revision,
+                quantization=model.quantization,
+                override=extra.get("namespace"),
+                model_digest=extra.get("model_digest"),
+            ),
+            block_size=vllm_config.cache_config.block_size,
+            hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+            lease_ms=int(extra.get("lease_ms", 60_000)),
+            prefetch=bool(extra.get("prefetch", False)),
+            seal_timeout_s=float(extra.get("seal_timeout_s", 120)),
+            retry_s=float(extra.get("retry_s", 5)),
+            timeout_s=float(extra.get("timeout_s", 2)),
+        )
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore behind vLLM: a shared, cross-engine, cross-node prefix cache."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = s = Settings.from_vllm(vllm_config)
+        self.client = StoreClient(s.address, timeout=s.timeout_s)
+        self._requests: dict[str, Any] = {}
+        self._pool: SharedMemoryKVPool | None = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.client,
+                s.instance_id,
+                s.block_size,
+                expected_hash_format=self._scheduler_hash_format,
+                lease_ms=s.lease_ms,
+                prefetch=s.prefetch,
+                retry_s=s.retry_s,
+            )
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvstore: kv_load_failure_policy is %r; set it to 'recompute' so a "
+                    "store that dies mid-load costs a recompute, not a failed request",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+        log.info(
+            "kvstore connector (%s) for %s at %s, namespace %s",
+            role.name,
+            s.instance_id,
+            s.address,
+            s.client_namespace,
+        )
+
+    def _scheduler_hash_format(self) -> str:
+        from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+        return hash_format(self.settings.hash_algo, get_none_hash_seed())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    # ------------------------------------------------------------ worker
+
+    def get_mem_pool_context(self):
+        if self._kv_transfer_config.kv_buffer_device != "cpu":
+            return None  # on a GPU the store maps vLLM's allocation by CUDA IPC
+        self._pool = SharedMemoryKVPool()
+        return self._pool
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        s, cache = self.settings, self._vllm_config.cache_config
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        pp = get_pp_group()
+        identity = RankIdentity(
+            instance_id=s.instance_id,
+            client_namespace=s.client_namespace,
+            hash_format=hash_format(s.hash_algo, none_hash_seed(s.hash_algo)),
+            block_size=s.block_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            rank=pp.rank_in_group * tp_size + tp_rank,
+            world_size=pp.world_size * tp_size,
+        )
+        layout = cache.get_resolved_kv_cache_layout().name
+        layers = paged_layers(kv_caches, s.block_size, layout, self._pool)
+        self._worker = WorkerSide(
+            self.client, identity, seal_timeout=s.seal_timeout_s, retry_s=s.retry_s
+        )
+        self._worker.register(layers)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        del forward_context, kwargs  # the plan says what to load; one Load for every layer
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
+            self._worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv loads every layer before the forward."""
+        del layer_name
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+        """Nothing per layer: wait_for_save saves every layer once the forward is done
+        (so CUDA graph replay, which skips per-layer hooks, cannot skip a save)."""
+        del layer_name, kv_layer, attn_metadata, kwargs
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
+            self._worker.save(meta.plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close([self._pool] if self._pool is not None else [])
+        self.client.close()
+
+    # --------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        self._requests[request.request_id] = request
+        tokens = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVStoreConnectorMetadata(
+            self._scheduler.build_plan(scheduler_output, self._requests)
+        )
+
+    def request_finished(self, request: Any, block_ids: list[int]):  # noqa: ARG002
+        self._requests.pop(request.request_id, None)
+        self._scheduler.finished(request.request_id)
+        return False, None

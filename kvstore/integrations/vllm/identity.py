@@ -1,0 +1,111 @@
+"""What an engine's blocks are keyed by: the model's identity and vLLM's hash scheme.
+
+vLLM's block hashes chain token ids (and LoRA, multimodal and salt keys) but
+carry no model identity, and kvstore's layout fingerprint covers shapes, not
+weights: two checkpoints of one architecture (a fine-tune, another revision)
+would load each other's KV and silently produce wrong output. So the client
+namespace a connector registers names the weights:
+
+    <served model name>-<16 hex digits of a digest of the checkpoint>
+
+The digest covers the checkpoint's ``config.json``, revision and quantisation,
+and for every weights file its name, size and three 1 MiB samples (start,
+middle, end): a fine-tune changes every tensor, so it changes the samples,
+and the digest of a 100 GB checkpoint still takes milliseconds.
+``kv_connector_extra_config`` may set ``namespace`` (the whole client
+namespace) or ``model_digest`` (the part after the name) instead.
+
+``hash_format`` names vLLM's scheme: algorithm, the low 64 bits kvstore keys
+by (as vLLM's KV events publish them), and a digest of the NONE_HASH seed, so
+engines whose hashes differ never share blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import blake3
+
+SAMPLE = 1 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+MAX_NAME = 64
+DIGEST_HEX = 16
+
+
+def block_key(block_hash: bytes | int) -> int:
+    """kvstore's key of one vLLM block hash: its low 64 bits, big-endian."""
+    if isinstance(block_hash, int):
+        return block_hash & (2**64 - 1)
+    return int.from_bytes(bytes(block_hash), "big") & (2**64 - 1)
+
+
+def hash_format(algo: str, none_hash_seed: str) -> str:
+    """``vllm-<algo>-lo64-<12 hex digits of the seed>``, e.g. ``vllm-sha256-lo64-3f2a...``."""
+    seed = blake3.blake3(none_hash_seed.encode()).hexdigest()[:12]
+    return f"vllm-{algo}-lo64-{seed}"
+
+
+def client_namespace(
+    model_name: str,
+    model_path: str,
+    *,
+    revision: str | None = None,
+    quantization: str | None = None,
+    override: str | None = None,
+    model_digest: str | None = None,
+) -> str:
+    """The client namespace of a model's blocks (see the module docstring)."""
+    if override:
+        return override
+    name = _UNSAFE.sub("-", model_name.rsplit("/", 1)[-1]).strip("-")[:MAX_NAME] or "model"
+    digest = model_digest or checkpoint_digest(model_path, revision, quantization)
+    return f"{name}-{_UNSAFE.sub('-', digest)[:DIGEST_HEX]}"
+
+
+def checkpoint_digest(
+    model_path: str, revision: str | None = None, quantization: str | None = None
+) -> str:
+    """Hex digest of a checkpoint: config, revision, quantisation, sampled weights."""
+    h = blake3.blake3()
+    for part in (revision or "", quantization or ""):
+        h.update(part.encode() + b"\0")
+    root = Path(model_path)
+    if not root.is_dir():  # a hub id without a local snapshot: name and revision only
+        h.update(model_path.encode())
+        return h.hexdigest()[:DIGEST_HEX]
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(root.iterdir()):
+        if path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
+            _sample(h, path)
+    return h.hexdigest()[:DIGEST_HEX]
+
+
+def _sample(h: blake3.blake3, path: Path) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        for at in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
+            f.seek(at)
+            h.update(f.read(SAMPLE))
+
+
+def none_hash_seed(algo: str) -> str:
+    """The seed vLLM derives NONE_HASH from, as a worker process can know it.
+
+    The scheduler process knows the real one (``get_none_hash_seed``); a worker
+    sees PYTHONHASHSEED or, for cryptographic algorithms, vLLM's fixed default.
+    A non-cryptographic algorithm without PYTHONHASHSEED gets a random seed per
+    process in vLLM, so its blocks are never shared: this returns a random seed.
+    """
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    if (seed := os.environ.get("PYTHONHASHSEED")) is not None:
+        return seed
+    if algo.startswith("sha256"):
+        return DEFAULT_NONE_HASH_SEED
+    return os.urandom(16).hex()

@@ -1,0 +1,262 @@
+"""The worker half of the vLLM connector: register this rank's KV cache, move its bytes.
+
+One per vLLM worker (tensor/pipeline-parallel rank). It registers the rank's
+layers with the store as ``paged`` layers (vLLM's standardised
+``[blocks, heads, tokens, K+V]`` views, at any offset in vLLM's one buffer),
+waits for the seal, and then runs one Load before the forward and one Save
+after it per step, with the (hash, block id) pairs the scheduler planned.
+
+On the CPU, :class:`SharedMemoryKVPool` makes vLLM allocate its KV cache in
+POSIX shared memory, so the store server maps vLLM's own memory (no staging
+copy), exactly as it maps CUDA memory by IPC on a GPU.
+
+The store is a cache: when it cannot be reached the rank serves without it
+(loads fail and are recomputed by vLLM, saves are skipped), logs it once, and
+re-registers in the background until the store is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvstore.client.shared_memory import ShmTensor, shm_empty
+from kvstore.client.store_client import KVLayer, RankSession, StoreClient
+from kvstore.integrations.vllm.scheduler import BlockPair
+from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.kv_layout import LayoutKind, paged_layout
+
+log = logging.getLogger(__name__)
+
+MIN_POOL_BYTES = 1 << 20  # smaller int8 zeros are not vLLM's KV buffer
+
+
+class SharedMemoryKVPool(TorchFunctionMode):
+    """Serve vLLM's KV-cache allocation, ``torch.zeros(n, dtype=int8)`` on the CPU,
+    from fresh POSIX shared memory; every other call passes through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: list[ShmTensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        del types  # torch's signature; the mode handles every type alike
+        kwargs = kwargs or {}
+        if func is torch.zeros and self._is_kv_buffer(args, kwargs):
+            shm = shm_empty((args[0],), torch.int8)
+            self.buffers.append(shm)
+            log.info("KV cache of %.1f MiB placed in shared memory %s", args[0] / 2**20, shm.name)
+            return shm.tensor
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _is_kv_buffer(args: tuple, kwargs: dict) -> bool:
+        return (
+            len(args) == 1
+            and isinstance(args[0], int)
+            and args[0] >= MIN_POOL_BYTES
+            and kwargs.get("dtype") is torch.int8
+            and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        )
+
+    def owner_of(self, t: torch.Tensor) -> ShmTensor:
+        """The shared-memory buffer holding all of ``t``; ValueError when none does."""
+        for shm in self.buffers:
+            offset = shm.offset_of(t)
+            end = offset + (t.shape[0] - 1) * t.stride(0) * t.element_size() + t[0].nbytes
+            if offset >= 0 and end <= shm.size:
+                return shm
+        raise ValueError(
+            "a KV-cache layer is not inside the shared memory kvstore allocated: vLLM did "
+            "not allocate its KV cache through the connector's get_mem_pool_context()"
+        )
+
+    def close(self) -> None:
+        for shm in self.buffers:
+            shm.close()
+        self.buffers.clear()
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who this rank is in the store: its instance, namespace and place in the world."""
+
+    instance_id: str
+    client_namespace: str
+    hash_format: str
+    block_size: int  # vLLM's (scheduler) block size in tokens
+    tp_rank: int
+    tp_size: int
+    rank: int
+    world_size: int
+
+
+def paged_layers(
+    kv_caches: dict[str, torch.Tensor],
+    block_size: int,
+    vllm_layout: str,
+    pool: SharedMemoryKVPool | None,
+) -> list[KVLayer]:
+    """One ``paged`` KVLayer per distinct layer view.
+
+    vLLM registers kernel-granular views when its kernel block is smaller than
+    its scheduler block: ``ratio`` consecutive kernel blocks make one block,
+    folded into the view so one store block is one scheduler block. Layers that
+    share another layer's memory (cross-layer KV sharing) are registered once.
+    """
+    layers, seen = [], set()
+    for name, view in sorted(kv_caches.items()):
+        key = (view.data_ptr(), tuple(view.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        kernel_block = view.shape[2]
+        if block_size % kernel_block or view.shape[0] % (block_size // kernel_block):
+            raise ValueError(
+                f"layer {name}: kernel block {kernel_block} does not divide the "
+                f"block size {block_size} and the {view.shape[0]} blocks"
+            )
+        ratio = block_size // kernel_block
+        t = view.unflatten(0, (view.shape[0] // ratio, ratio)) if ratio > 1 else view
+        shm = pool.owner_of(view) if pool is not None and not view.is_cuda else None
+        layers.append(KVLayer(name, t, LayoutKind.PAGED, paged_layout(vllm_layout, ratio), shm))
+    return layers
+
+
+class WorkerSide:
+    """One rank's registration, its loads and saves, and its reconnection."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        identity: RankIdentity,
+        *,
+        seal_timeout: float = 120.0,
+        retry_s: float = 5.0,
+        rpc_timeout: float = 60.0,
+    ):
+        self.client = client
+        self.identity = identity
+        self.seal_timeout = seal_timeout
+        self.retry_s = retry_s
+        self.rpc_timeout = rpc_timeout
+        self._layers: list[KVLayer] = []
+        self._session: RankSession | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.load_errors: set[int] = set()
+
+    def register(self, layers: list[KVLayer]) -> None:
+        """Register and wait for the seal; a store that is down is retried in the background."""
+        self._layers = layers
+        self._connect()
+        self._thread = threading.Thread(
+            target=self._keep_registered, daemon=True, name="kvstore-register"
+        )
+        self._thread.start()
+
+    def _connect(self) -> bool:
+        i = self.identity
+        try:
+            session = self.client.register(
+                i.instance_id,
+                i.client_namespace,
+                self._layers,
+                tp_rank=i.tp_rank,
+                tp_size=i.tp_size,
+                rank=i.rank,
+                world_size=i.world_size,
+                block_size=i.block_size,
+                hash_format=i.hash_format,
+            )
+            seal = session.wait_sealed(self.seal_timeout)
+        except KVError as err:
+            log.warning(
+                "kvstore: rank %d of %s could not register with %s (%s); serving without "
+                "the store and retrying every %.0f s",
+                i.rank,
+                i.instance_id,
+                self.client.address,
+                err,
+                self.retry_s,
+            )
+            return False
+        with self._lock:
+            self._session = session
+        log.info(
+            "kvstore: rank %d of %s sealed as %s with %d layers",
+            i.rank,
+            i.instance_id,
+            seal.final_namespace,
+            len(self._layers),
+        )
+        return True
+
+    def _keep_registered(self) -> None:
+        while not self._stop.wait(self.retry_s):
+            session = self._live_session()
+            if session is not None:
+                continue
+            with self._lock:
+                old, self._session = self._session, None
+            if old is not None:
+                old.close()
+                log.warning("kvstore: store %s lost; re-registering", self.client.address)
+            self._connect()
+
+    def _live_session(self) -> RankSession | None:
+        with self._lock:
+            session = self._session
+        if session is None or session.error is not None:
+            return None
+        return session
+
+    def load(self, pairs: list[BlockPair]) -> None:
+        """Load the step's blocks before the forward; failures are reported, never raised."""
+        if not pairs:
+            return
+        session = self._live_session()
+        try:
+            if session is None:
+                raise unavailable("not registered with the store")
+            session.load([tuple(p) for p in pairs], timeout=self.rpc_timeout)
+        except KVError as err:
+            log.warning(
+                "kvstore: load of %d blocks failed (%s); vLLM recomputes them", len(pairs), err
+            )
+            self.load_errors.update(p.block_id for p in pairs)
+
+    def save(self, pairs: list[BlockPair]) -> None:
+        """Save the step's newly full blocks after the forward (best effort)."""
+        if not pairs:
+            return
+        session = self._live_session()
+        if session is None:
+            return
+        if any(layer.tensor.is_cuda for layer in self._layers):
+            torch.cuda.current_stream().synchronize()  # the forward's kernels wrote them
+        try:
+            session.save([tuple(p) for p in pairs], timeout=self.rpc_timeout)
+        except KVError as err:
+            log.warning(
+                "kvstore: save of %d blocks failed (%s); they stay uncached", len(pairs), err
+            )
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def close(self, pools: Iterable[SharedMemoryKVPool] = ()) -> None:
+        self._stop.set()
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
+        for pool in pools:
+            pool.close()

@@ -1,0 +1,106 @@
+"""Run a real vLLM engine (CPU build) over token-id prompts and write what it produced.
+
+    python -m kvstore.testing.vllm_engine SPEC.json OUT.json
+
+Tests and ``bench/vllm_ttft.py`` start one engine per process with this, so
+every engine is fresh. The spec (JSON):
+
+    model        path of a checkpoint (``kvstore.testing.tiny_model``)
+    prompts      {"name": [token ids]}
+    phases       list of steps, run in order:
+                   {"run": [names], "repeat": 1}   greedy generation, results kept
+                   {"reset": true}                 drop vLLM's own prefix cache
+                   {"wait_file": path}             block until the file exists
+                   {"touch": path}                 create a file (a signal to the test)
+    connector    null, or kv_connector_extra_config of KVStoreConnector
+    tp, block_size, max_tokens, dtype, max_model_len   engine settings
+
+OUT gets one record per run prompt: tokens, logprobs (of the chosen tokens),
+num_cached_tokens (vLLM's count of prefix tokens it did not compute) and the
+wall time of the generate call (``wall_ms``; with ``max_tokens`` 1 it is the
+time to the first token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def engine(spec: dict):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if spec.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(spec["tp"]))))
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if spec.get("connector") is not None:
+        kv = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"],
+        )
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "bfloat16"),
+        block_size=spec.get("block_size", 32),
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 1024),
+        tensor_parallel_size=spec.get("tp", 1),
+        kv_transfer_config=kv,
+        seed=0,
+    )
+
+
+def generate(llm, prompt: list[int], max_tokens: int) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    wall_ms = (time.perf_counter() - start) * 1000
+    completion = out.outputs[0]
+    logprobs = [lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)]
+    return {
+        "tokens": list(completion.token_ids),
+        "logprobs": logprobs,
+        "num_cached_tokens": out.num_cached_tokens or 0,
+        "wall_ms": wall_ms,
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    llm = engine(spec)
+    results = []
+    for phase in spec["phases"]:
+        if "run" in phase:
+            for _ in range(phase.get("repeat", 1)):
+                for name in phase["run"]:
+                    record = generate(llm, spec["prompts"][name], spec.get("max_tokens", 8))
+                    results.append({"prompt": name, **record})
+        elif phase.get("reset"):
+            llm.reset_prefix_cache()
+        elif "wait_file" in phase:
+            deadline = time.monotonic() + phase.get("timeout", 120)
+            while not Path(phase["wait_file"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{phase['wait_file']} never appeared")
+                time.sleep(0.05)
+        elif "touch" in phase:
+            Path(phase["touch"]).touch()
+        Path(argv[1]).write_text(json.dumps(results))
+    Path(argv[1]).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,188 @@
+"""The vLLM connector's plain-Python halves, against a real store server (no vLLM needed).
+
+The scheduler half is driven with objects shaped like vLLM's (a request with
+``request_id``, ``block_hashes``, ``num_tokens``; a scheduler output with new
+and cached requests); the store is real. End-to-end tests with real vLLM are
+in ``tests/engines``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore.client.shared_memory import shm_empty
+from kvstore.client.store_client import StoreClient
+from kvstore.integrations.vllm.identity import block_key, client_namespace, hash_format
+from kvstore.integrations.vllm.scheduler import BlockPair, SchedulerSide
+from kvstore.integrations.vllm.worker import (
+    RankIdentity,
+    SharedMemoryKVPool,
+    WorkerSide,
+    paged_layers,
+)
+
+BS, NB = 32, 64
+HF = hash_format("sha256", "vllm-none-hash")
+
+
+def vllm_hash(i: int) -> bytes:
+    return (0xABCD0000 + i).to_bytes(32, "big")  # low 64 bits: 0xABCD0000 + i
+
+
+def request(req_id: str, blocks: int, extra_tokens: int = 5):
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=[vllm_hash(i) for i in range(blocks)],
+        num_tokens=blocks * BS + extra_tokens,
+    )
+
+
+def new_req(req_id, block_ids, computed):
+    return SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=computed)
+
+
+def step(new=(), cached=None, scheduled=None):
+    cached = cached or SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled
+    )
+
+
+@pytest.fixture
+def rank(server):
+    """A sealed engine rank whose KV cache vLLM allocated through the connector's pool."""
+    pool = SharedMemoryKVPool()
+    with pool:
+        buf = torch.zeros(2 * NB * 2 * BS * 128 * 2, dtype=torch.int8)
+    views = {
+        f"model.layers.{i}.self_attn.attn": buf[i * NB * 16384 : (i + 1) * NB * 16384]
+        .view(torch.bfloat16)
+        .view(NB, 2, BS, 128)
+        for i in range(2)
+    }
+    identity = RankIdentity("vllm-engine-1", "tiny-0123456789abcdef", HF, BS, 0, 1, 0, 1)
+    worker = WorkerSide(StoreClient(server.address), identity, seal_timeout=10, retry_s=0.2)
+    worker.register(paged_layers(views, BS, "LBHNC", pool))
+    yield worker, views, buf
+    worker.close([pool])
+
+
+def test_the_kv_pool_allocates_vllm_buffer_in_shared_memory_only():
+    pool = SharedMemoryKVPool()
+    with pool:
+        kv = torch.zeros(4 << 20, dtype=torch.int8, device="cpu")
+        small = torch.zeros(100, dtype=torch.int8)
+        other = torch.zeros(4 << 20, dtype=torch.float16)
+    assert len(pool.buffers) == 1 and pool.owner_of(kv[1024:2048].view(2, 512)) is pool.buffers[0]
+    with pytest.raises(ValueError, match="get_mem_pool_context"):
+        pool.owner_of(other.view(-1, 64))
+    assert small.numel() == 100
+    pool.close()
+
+
+def test_lookups_are_idempotent_leased_once_and_never_claim_the_last_token(server, rank):
+    worker, views, _ = rank
+    client = StoreClient(server.address)
+    sched = SchedulerSide(client, "vllm-engine-1", BS, expected_hash_format=lambda: HF)
+    # save blocks 0..3 through the worker, as a step after a forward would
+    worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(4)])
+    exact = request("r1", 4, extra_tokens=0)  # 128 tokens: block 3 holds the last token
+    assert sched.matched_tokens(exact, 0) == 3 * BS
+    assert sched.matched_tokens(exact, 0) == 3 * BS  # asked again: same answer
+    assert sched.matched_tokens(exact, BS) == 2 * BS  # a longer local hit
+    assert client.stats().leases == 1
+    longer = request("r2", 6)
+    assert sched.matched_tokens(longer, 0) == 4 * BS
+    sched.finished("r1")
+    sched.finished("r2")
+    assert client.stats().leases == 0
+
+
+def test_plan_loads_the_external_part_and_saves_each_full_block_once(server, rank):
+    worker, views, buf = rank
+    sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
+    g = torch.Generator().manual_seed(1)
+    buf.copy_(torch.randint(-128, 128, buf.shape, generator=g, dtype=torch.int8))
+    r = request("r", 5)
+    assert sched.matched_tokens(r, 0) == 0
+    plan = sched.build_plan(
+        step([new_req("r", [9, 8, 7, 6, 5, 4], 0)], scheduled={"r": 100}), {"r": r}
+    )
+    assert plan.saves == [BlockPair(block_key(vllm_hash(i)), b) for i, b in enumerate([9, 8, 7])]
+    cached = SimpleNamespace(
+        req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[100]
+    )
+    plan = sched.build_plan(step(cached=cached, scheduled={"r": 70}), {"r": r})
+    assert plan.saves == [BlockPair(block_key(vllm_hash(i)), b) for i, b in [(3, 6), (4, 5)]]
+    worker.save(plan.saves)
+    sched.finished("r")
+    # a second request with the same prefix: blocks 0..4 are external beyond a local hit of 1
+    before = {n: v[[8, 7, 6, 5]].clone() for n, v in views.items()}
+    r2 = request("r2", 5)
+    worker.save([BlockPair(block_key(vllm_hash(i)), b) for i, b in enumerate([9, 8, 7])])
+    assert sched.matched_tokens(r2, BS) == 4 * BS
+    sched.after_alloc(r2, [9, 0, 1, 2, 3, 10], 4 * BS)
+    plan = sched.build_plan(step(), {})
+    assert plan.loads == [
+        BlockPair(block_key(vllm_hash(i)), b) for i, b in zip(range(1, 5), range(4))
+    ]
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set()
+    for n, v in views.items():
+        assert torch.equal(v[[0, 1, 2, 3]].view(torch.int16), before[n].view(torch.int16))
+
+
+def test_an_unreachable_store_is_a_miss_logged_once(caplog):
+    client = StoreClient("127.0.0.1:1", timeout=0.5)
+    sched = SchedulerSide(client, "vllm-x", BS, retry_s=60)
+    with caplog.at_level(logging.WARNING):
+        assert sched.matched_tokens(request("a", 4), 0) == 0
+        assert sched.matched_tokens(request("b", 4), 0) == 0
+    lines = [r.message for r in caplog.records if "unreachable" in r.message]
+    assert len(lines) == 1 and "recomputed" in lines[0]
+    sched.after_alloc(request("a", 4), [0, 1, 2, 3], 0)
+    assert sched.build_plan(step(), {}).loads == []
+
+
+def test_a_hash_scheme_mismatch_disables_the_cache(server, rank, caplog):
+    sched = SchedulerSide(
+        StoreClient(server.address), "vllm-engine-1", BS, expected_hash_format=lambda: "vllm-xxhash"
+    )
+    with caplog.at_level(logging.ERROR):
+        assert sched.matched_tokens(request("a", 4), 0) == 0
+    assert any("hash_format" in r.message for r in caplog.records)
+
+
+def test_load_failures_name_the_blocks_and_never_raise(server, rank):
+    worker, _, _ = rank
+    worker.load([BlockPair(12345, 3), BlockPair(12346, 4)])  # never saved
+    assert worker.take_load_errors() == {3, 4}
+    assert worker.take_load_errors() == set()
+
+
+def checkpoint(path, weights: bytes, config: dict | None = None):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config or {"hidden_size": 128}))
+    (path / "model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_namespaces_tell_weights_apart_and_nothing_else(tmp_path):
+    a = checkpoint(tmp_path / "a", bytes(3 << 20))
+    b = checkpoint(tmp_path / "b", bytes(3 << 20)[:-1] + b"\1")  # one byte at the end
+    c = checkpoint(tmp_path / "c", bytes(3 << 20))  # a copy of a elsewhere
+    d = checkpoint(tmp_path / "d", bytes(3 << 20), {"hidden_size": 129})
+    ns = {k: client_namespace("org/Tiny.Llama", p) for k, p in dict(a=a, b=b, c=c, d=d).items()}
+    assert ns["a"] == ns["c"] and len({ns["a"], ns["b"], ns["d"]}) == 3
+    assert ns["a"].startswith("Tiny-Llama-")
+    assert client_namespace("m", a, revision="v2") != ns["a"].replace("Tiny-Llama", "m")
+    assert client_namespace("m", a, override="mine") == "mine"
+    assert client_namespace("m", a, model_digest="abc") == "m-abc"
+    assert hash_format("sha256", "s1") != hash_format("sha256", "s2") != hash_format("xxhash", "s2")
