@@ -222,31 +222,50 @@ class Router:
     def publish_store_events(
         self, node_id: str, generation: int, payloads: Sequence[bytes]
     ) -> EventsApplied:
-        """Decode and apply a store's events.
+        """Decode and apply a store's events, the whole batch or none of it.
 
         All payloads are decoded first, so a malformed one refuses the whole
         call with INVALID_ARGUMENT naming it and changes nothing. A stale
         generation drops everything (the peer restarted since).
         """
-        return self.apply_store_events(node_id, generation, decode_store_events(payloads))
+        return self.apply_store_events(node_id, generation, decode_store_events(node_id, payloads))
 
     def apply_store_events(
         self, node_id: str, generation: int, events: Sequence[StoreEvent]
     ) -> EventsApplied:
-        """Apply decoded store events from peer (node_id, generation)."""
+        """Apply decoded store events from peer (node_id, generation).
+
+        Room for every namespace and holder the batch brings is checked
+        before its first event applies: RESOURCE_EXHAUSTED changes nothing.
+        """
         with self._lock:
             peer = self.peers.current(node_id, generation)
             if peer is None:
                 self._events_dropped += len(events)
                 return EventsApplied(0, len(events))
+            self.peers.check_room(peer, [e for e in events if self._indexable(peer, e)])
+            self.domains.check_room(
+                (worker, GPU_TIER)
+                for e in events
+                if e.tier == GPU_TIER and (worker := self.admission.workers.get(e.worker))
+            )
             applied = sum(self._apply_store_event(peer, e) for e in events)
             return EventsApplied(applied, len(events) - applied)
+
+    @staticmethod
+    def _indexable(peer: Peer, event: StoreEvent) -> bool:
+        """A store reports only its own blocks, per final namespace, in its own tiers."""
+        return (
+            event.tier != GPU_TIER
+            and event.worker == peer.node_id
+            and is_final_namespace(event.namespace)
+        )
 
     def _apply_store_event(self, peer: Peer, event: StoreEvent) -> bool:
         if event.tier == GPU_TIER:
             return self.apply_relayed_worker_event(event)
-        if event.worker != peer.node_id or not is_final_namespace(event.namespace):
-            self._events_dropped += 1  # a store reports only its own blocks, per final namespace
+        if not self._indexable(peer, event):
+            self._events_dropped += 1
             return False
         self._blocks_ingested += self.peers.apply(peer, event)
         self._events_applied += 1

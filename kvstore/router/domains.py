@@ -9,12 +9,14 @@ goes away with its last holder. Called under the router's lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.holders import HolderIndex
 from kvstore.router.identity import Domain
 from kvstore.router.vllm_events import EventRun
+from kvstore.wire import limits
+from kvstore.wire.errors import exhausted
 from kvstore.wire.events import GPU_TIER, STORE_TIER
 
 LOCAL_TIERS = (GPU_TIER, STORE_TIER)
@@ -44,6 +46,23 @@ class DomainIndexes:
             for tier, ops in run.tiers.items():
                 if ops.hashes:
                     index.update(index.assign((worker.ref, tier)), ops.hashes, ops.keeps)
+
+    def check_room(self, holders: Iterable[tuple[Worker, str]]) -> None:
+        """RESOURCE_EXHAUSTED when the (worker, tier) holders new to their
+        domains' indexes do not all fit: checked before a batch applies."""
+        new: dict[Domain, set[Holder]] = {}
+        for worker, tier in holders:
+            index = self.indexes.get(worker.domain)
+            if index is None or index.bit_of((worker.ref, tier)) is None:
+                new.setdefault(worker.domain, set()).add((worker.ref, tier))
+        for domain, fresh in new.items():
+            index = self.indexes.get(domain)
+            room = index.room() if index is not None else limits.MAX_WORKERS_PER_DOMAIN
+            if len(fresh) > room:
+                raise exhausted(
+                    f"events: {len(fresh)} new holders for domain {domain}, "
+                    f"whose index has room for {room}"
+                )
 
     def forget(self, worker: Worker) -> None:
         """Drop every block of ``worker`` (all tiers), and its domain's index if emptied."""

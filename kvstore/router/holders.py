@@ -68,6 +68,10 @@ class HolderIndex:
         self._holder_of[bit] = holder
         return bit
 
+    def room(self) -> int:
+        """How many more new holders :meth:`assign` can take."""
+        return self.max_holders - len(self._held) + len(self._free)
+
     def bit_of(self, holder: Hashable) -> int | None:
         return self._bit_of.get(holder)
 

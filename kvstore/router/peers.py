@@ -15,6 +15,7 @@ silent peer expire.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.router.holders import HolderIndex
@@ -86,6 +87,12 @@ class Peers:
                     "advertise again with generation 0"
                 )
             peer = old
+            serving = len(peer.namespaces | set(namespaces))
+            if serving > limits.MAX_NAMESPACES_PER_PEER:
+                raise exhausted(
+                    f"final_namespaces: would make peer {node_id!r} serve {serving} "
+                    f"namespaces, at most {limits.MAX_NAMESPACES_PER_PEER}"
+                )
             peer.store_address, peer.ucx_address = store_address, ucx_address
             peer.namespaces.update(namespaces)
         else:
@@ -148,6 +155,18 @@ class Peers:
         if index is None:
             index = self.indexes[namespace] = HolderIndex(limits.MAX_PEERS * 3)
         return index
+
+    def check_room(self, peer: Peer, events: Sequence[StoreEvent]) -> None:
+        """RESOURCE_EXHAUSTED when ``events`` (all to be indexed for ``peer``)
+        would take it past MAX_NAMESPACES_PER_PEER: checked before a batch
+        applies, so a refused one changes nothing. (Holder bits cannot run out:
+        a namespace's index holds at most two tiers of each current peer.)"""
+        serving = len(peer.namespaces) + len({e.namespace for e in events} - peer.namespaces)
+        if serving > limits.MAX_NAMESPACES_PER_PEER:
+            raise exhausted(
+                f"events: would make peer {peer.node_id!r} serve {serving} namespaces, "
+                f"at most {limits.MAX_NAMESPACES_PER_PEER}"
+            )
 
     def apply(self, peer: Peer, event: StoreEvent) -> int:
         """Index one of ``peer``'s own events; return how many blocks it stored."""

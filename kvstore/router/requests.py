@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvstore.router.load import LoadReport
 from kvstore.wire import limits
 from kvstore.wire.errors import invalid
-from kvstore.wire.events import StoreEvent
+from kvstore.wire.events import MalformedEvent, StoreEvent
 from kvstore.wire.names import U64_MAX, check_final_namespace, check_name
 
 
@@ -102,8 +102,10 @@ def check_peer(
         raise invalid(f"lease_ms: {lease_ms} not in [0, {limits.MAX_LEASE_MS}]")
 
 
-def decode_store_events(payloads: Sequence[bytes]) -> list[StoreEvent]:
-    """Every payload decoded and bounded, or INVALID_ARGUMENT naming the first bad one."""
+def decode_store_events(node_id: str, payloads: Sequence[bytes]) -> list[StoreEvent]:
+    """The publisher's node id and every payload decoded and bounded, or
+    INVALID_ARGUMENT naming the first bad field (``events[i].<key>``)."""
+    check_name("node_id", node_id)
     if len(payloads) > limits.MAX_EVENTS_PER_PUBLISH:
         raise invalid(f"events: {len(payloads)} events, at most {limits.MAX_EVENTS_PER_PUBLISH}")
     events = []
@@ -111,10 +113,8 @@ def decode_store_events(payloads: Sequence[bytes]) -> list[StoreEvent]:
         if len(payload) > limits.MAX_EVENT_BYTES:
             raise invalid(f"events[{i}]: {len(payload)} bytes, at most {limits.MAX_EVENT_BYTES}")
         try:
-            event = StoreEvent.decode(payload)
-        except ValueError as exc:
-            raise invalid(f"events[{i}]: {exc}") from exc
-        if len(event.block_hashes) > limits.MAX_HASHES_PER_EVENT:
-            raise invalid(f"events[{i}].block_hashes: more than {limits.MAX_HASHES_PER_EVENT}")
-        events.append(event)
+            events.append(StoreEvent.decode(payload))
+        except MalformedEvent as exc:
+            where = f"events[{i}].{exc.field}" if exc.field else f"events[{i}]"
+            raise invalid(f"{where}: {exc.reason}") from exc
     return events

@@ -24,11 +24,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore._proto import router_pb2
 from kvstore.router.core import Router
 from kvstore.service.feeds import Subscriptions
 from kvstore.service.metrics import MetricsServer
-from kvstore.service.router_service import RouterService
+from kvstore.service.router_service import RouterService, add_to_server
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -56,7 +56,7 @@ class ServedRouter:
 
         Call it from inside the running event loop (the feeds are tasks on it).
         """
-        router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.router), server)
+        add_to_server(RouterService(self.router), server)  # unparseable: INVALID_ARGUMENT
         subs = Subscriptions(self.router, asyncio.get_running_loop())
         subs.start()
         for name, endpoint in self.feeds.vllm:

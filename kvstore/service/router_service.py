@@ -20,7 +20,7 @@ from kvstore.router.admission import Worker
 from kvstore.router.core import Router
 from kvstore.router.load import LoadReport
 from kvstore.router.routing import RouteResult
-from kvstore.service import status
+from kvstore.service import malformed, status
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError
 
@@ -172,3 +172,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def RouterStats(self, request, context):  # noqa: ARG002 -- the servicer's signature
         return router_pb2.RouterStatsResponse(**asdict(self.router.stats()))
+
+
+def add_to_server(service: RouterService, server: grpc.aio.Server) -> None:
+    """``add_RouterServicer_to_server``, but a request that does not parse is
+    INVALID_ARGUMENT naming its message type, never UNKNOWN."""
+    malformed.add_service(
+        server, router_pb2.DESCRIPTOR.services_by_name["Router"], router_pb2, service
+    )

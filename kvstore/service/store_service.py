@@ -8,25 +8,21 @@ with its precise code and message.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.service import status
+from kvstore.service import malformed, status
 from kvstore.service import store_codec as codec
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
-from kvstore.wire.errors import KVError, exhausted, invalid
+from kvstore.wire.errors import KVError, exhausted
 from kvstore.wire.events import StoreEvent
 
 log = logging.getLogger(__name__)
@@ -172,61 +168,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 
 
-@dataclass(frozen=True)
-class Malformed:
-    """A request whose bytes do not parse: its handler answers INVALID_ARGUMENT."""
-
-    error: KVError
-
-
-def tolerant_parser(message_type) -> Callable[[bytes], Any]:
-    """``message_type.FromString`` that returns :class:`Malformed` instead of raising
-    (gRPC would answer a raising deserializer with UNKNOWN)."""
-
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except DecodeError as err:
-            name = message_type.DESCRIPTOR.name
-            return Malformed(invalid(f"request: not a valid {name} message ({err})"))
-
-    return parse
-
-
-def refuse_malformed(handler: Callable, streaming: bool) -> Callable:
-    """``handler``, answering a :class:`Malformed` request with its error."""
-
-    async def unary(request, context):
-        if isinstance(request, Malformed):
-            await status.abort(context, request.error)
-        return await handler(request, context)
-
-    async def stream(request, context):
-        if isinstance(request, Malformed):
-            await status.abort(context, request.error)
-        async with contextlib.aclosing(handler(request, context)) as updates:
-            async for update in updates:
-                yield update
-
-    return functools.wraps(handler)(stream if streaming else unary)
-
-
 def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
     """``add_KVStoreServicer_to_server``, but a request that does not parse is
     INVALID_ARGUMENT naming its message type, never UNKNOWN."""
-    handlers = {}
-    for method in SERVICE.methods:
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            refuse_malformed(getattr(service, method.name), method.server_streaming),
-            request_deserializer=tolerant_parser(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
-        )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
-    )
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    malformed.add_service(server, SERVICE, pb, service)

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstore.client.shared_memory import shm_empty
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.vllm.identity import block_key, client_namespace, hash_format
 from kvstore.integrations.vllm.scheduler import BlockPair, SchedulerSide
@@ -88,7 +87,7 @@ def test_the_kv_pool_allocates_vllm_buffer_in_shared_memory_only():
 
 
 def test_lookups_are_idempotent_leased_once_and_never_claim_the_last_token(server, rank):
-    worker, views, _ = rank
+    worker = rank[0]
     client = StoreClient(server.address)
     sched = SchedulerSide(client, "vllm-engine-1", BS, expected_hash_format=lambda: HF)
     # save blocks 0..3 through the worker, as a step after a forward would

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.router.core import EventsApplied, Router
-from kvstore.wire.errors import KVError
+from kvstore.wire import limits
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from tests.router.conftest import Clock, card
 
@@ -134,3 +135,18 @@ def test_bad_input_names_the_field(router, call, field):
         call(router)
     assert err.value.code.name == "INVALID_ARGUMENT" and field in err.value.message
     assert router.stats() == before
+
+
+def test_refreshes_cannot_take_a_peer_past_its_namespaces(router):
+    """Each refresh may add namespaces, but never past MAX_NAMESPACES_PER_PEER in
+    all; a refused refresh changes nothing, not even the addresses."""
+    half = limits.MAX_NAMESPACES_PER_PEER // 2
+    first = [f"a{i}.0123456789abcdef" for i in range(half)]
+    more = [f"b{i}.0123456789abcdef" for i in range(half + 1)]
+    p = peer(router, "a", first)
+    with pytest.raises(KVError) as err:
+        router.advertise_peer("a", "moved:1", "moved:2", more, generation=p.generation)
+    assert err.value.code == Code.RESOURCE_EXHAUSTED and "final_namespaces" in err.value.message
+    assert (p.store_address, len(p.namespaces)) == ("a:50051", half)
+    router.advertise_peer("a", "moved:1", "moved:2", more[:-1], generation=p.generation)
+    assert len(p.namespaces) == limits.MAX_NAMESPACES_PER_PEER
