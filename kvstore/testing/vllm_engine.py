@@ -13,6 +13,8 @@ every engine is fresh. The spec (JSON):
                    {"wait_file": path}             block until the file exists
                    {"touch": path}                 create a file (a signal to the test)
     connector    null, or kv_connector_extra_config of KVStoreConnector
+    connector_by_name   find the connector through kvstore's vLLM plugin entry
+                 point instead of kv_connector_module_path
     tp, block_size, max_tokens, dtype, max_model_len   engine settings
 
 OUT gets one record per run prompt: tokens, logprobs (of the chosen tokens),
@@ -40,9 +42,10 @@ def engine(spec: dict):
 
     kv = None
     if spec.get("connector") is not None:
+        by_name = spec.get("connector_by_name", False)  # the vllm.general_plugins entry point
         kv = KVTransferConfig(
             kv_connector="KVStoreConnector",
-            kv_connector_module_path="kvstore.integrations.vllm",
+            kv_connector_module_path=None if by_name else "kvstore.integrations.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"],

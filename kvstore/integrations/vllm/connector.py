@@ -106,11 +106,23 @@ class Settings:
         )
 
 
+def _log_through_vllm() -> None:
+    """Send kvstore's log lines through vLLM's handlers, so they land in the engine's log."""
+    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """kvstore behind vLLM: a shared, cross-engine, cross-node prefix cache."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self.settings = s = Settings.from_vllm(vllm_config)
         self.client = StoreClient(s.address, timeout=s.timeout_s)
         self._requests: dict[str, Any] = {}

@@ -214,7 +214,7 @@ class SchedulerSide:
             self._down_since = self.clock()
             log.warning(
                 "kvstore store %s unreachable (%s): serving without the external prefix "
-                "cache (prefixes are recomputed) and retrying every %.0f s",
+                "cache (prefixes are recomputed) and retrying every %.1f s",
                 self.client.address,
                 err,
                 self.retry_s,
@@ -240,9 +240,9 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             request = requests.get(new.req_id)
             if request is not None:
-                self._tracked[new.req_id] = _Tracked(
-                    request, list(new.block_ids[0]), new.num_computed_tokens // self.block_size
-                )
+                # from block 0: blocks vLLM found in its own cache may be gone from the
+                # store (evicted, or a restarted store); Save skips what the store holds
+                self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]), 0)
             self._save_full_blocks(new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

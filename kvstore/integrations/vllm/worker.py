@@ -151,6 +151,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.load_errors: set[int] = set()
+        self._failures = 0  # registration attempts failed in a row
 
     def register(self, layers: list[KVLayer]) -> None:
         """Register and wait for the seal; a store that is down is retried in the background."""
@@ -177,9 +178,11 @@ class WorkerSide:
             )
             seal = session.wait_sealed(self.seal_timeout)
         except KVError as err:
-            log.warning(
+            self._failures += 1
+            log.log(
+                logging.WARNING if self._failures == 1 else logging.DEBUG,
                 "kvstore: rank %d of %s could not register with %s (%s); serving without "
-                "the store and retrying every %.0f s",
+                "the store and retrying every %.1f s",
                 i.rank,
                 i.instance_id,
                 self.client.address,
@@ -187,6 +190,14 @@ class WorkerSide:
                 self.retry_s,
             )
             return False
+        if self._failures:
+            log.warning(
+                "kvstore: rank %d of %s registered again after %d failed attempts",
+                i.rank,
+                i.instance_id,
+                self._failures,
+            )
+        self._failures = 0
         with self._lock:
             self._session = session
         log.info(

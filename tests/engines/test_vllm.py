@@ -1,0 +1,192 @@
+"""kvstore behind real vLLM (CPU build, tiny Llama, greedy): every claim against a baseline.
+
+Each engine is a fresh process; stores are real ``kvstore serve`` processes.
+Token ids and logprobs are compared with an engine that has no connector.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvstore.testing.engines import Engine, StoreProcess
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+SHARED = prompt(0, 160)
+PROMPTS = {
+    "p": SHARED + prompt(1, 40),  # 200 tokens: 6 claimable blocks
+    "q": prompt(2, 150),
+    "r": SHARED + prompt(3, 45),
+}
+HIT_P = (len(PROMPTS["p"]) - 1) // BLOCK * BLOCK  # 192
+
+
+def spec(model: str, runs: list, connector: dict | None = None, **kw) -> dict:
+    phases = [r if isinstance(r, dict) else {"run": [r]} for r in runs]
+    return {
+        "model": model,
+        "prompts": PROMPTS,
+        "phases": phases,
+        "connector": connector,
+        "max_tokens": MAX_TOKENS,
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        **kw,
+    }
+
+
+def run(workdir, name, *args, **kw) -> list[dict]:
+    return Engine(workdir, name, spec(*args, **kw)).wait()
+
+
+def same_output(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def baseline(models, workdir) -> dict[str, dict]:
+    """m0 without a connector."""
+    out = run(workdir, "baseline", models["m0"], ["p", "q", "r"])
+    return {r["prompt"]: r for r in out}
+
+
+@pytest.fixture(scope="module")
+def store(workdir):
+    s = StoreProcess(workdir, "a", transfer=True)
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def seeded(models, workdir, store) -> list[dict]:
+    """The store after a first m0 engine with the connector ran prompt p."""
+    return run(workdir, "first", models["m0"], ["p"], {"address": store.address})
+
+
+def test_fresh_engine_loads_the_prefix_another_engine_saved(
+    models, workdir, baseline, store, seeded
+):
+    assert seeded[0]["num_cached_tokens"] == 0
+    same_output(seeded[0], baseline["p"])
+    assert store.stats().sealed_blocks >= HIT_P // BLOCK
+
+    conn = {"address": store.address}
+    # found by name through kvstore's vllm.general_plugins entry point
+    second = run(workdir, "second", models["m0"], ["p", "r"], conn, connector_by_name=True)
+    assert second[0]["num_cached_tokens"] == HIT_P  # vLLM reports the external hit
+    same_output(second[0], baseline["p"])
+    assert second[1]["num_cached_tokens"] >= len(SHARED) // BLOCK * BLOCK  # shared prefix
+    same_output(second[1], baseline["r"])
+    assert store.stats().hits >= HIT_P // BLOCK
+
+
+def test_other_weights_or_layout_never_hit(models, workdir, baseline, store):
+    """m1 has m0's architecture and other weights; a block size of 64 is another layout."""
+    conn = {"address": store.address}
+    other = run(workdir, "m1", models["m1"], ["p"], conn)
+    assert other[0]["num_cached_tokens"] == 0
+    assert other[0]["tokens"] != baseline["p"]["tokens"]
+    wider = run(workdir, "bs64", models["m0"], ["p"], conn, block_size=64)
+    assert wider[0]["num_cached_tokens"] == 0
+    same_output(wider[0], baseline["p"])
+
+
+def test_negative_control_foreign_bytes_change_the_output(models, workdir, baseline):
+    """Forcing one namespace on two weights makes m0 load m1's KV: the loaded bytes are used."""
+    s = StoreProcess(workdir, "neg")
+    try:
+        conn = {"address": s.address, "namespace": "forced-same"}
+        run(workdir, "neg-m1", models["m1"], ["p"], conn)
+        loaded = run(workdir, "neg-m0", models["m0"], ["p"], conn)
+        assert loaded[0]["num_cached_tokens"] == HIT_P
+        assert loaded[0]["tokens"] != baseline["p"]["tokens"]
+    finally:
+        s.kill()
+
+
+def test_tensor_parallel_two_hits_give_the_tp2_baseline(models, workdir):
+    s = StoreProcess(workdir, "tp2")
+    try:
+        base = run(workdir, "tp2-base", models["m0"], ["p"], tp=2)
+        conn = {"address": s.address}
+        out = run(workdir, "tp2", models["m0"], ["p", {"reset": True}, "p"], conn, tp=2)
+        assert out[0]["num_cached_tokens"] == 0
+        assert out[1]["num_cached_tokens"] == HIT_P
+        same_output(out[0], base[0])
+        same_output(out[1], base[0])
+        assert s.stats().sealed_instances == 0  # both ranks left with the engine
+    finally:
+        s.kill()
+
+
+def test_an_engine_on_another_store_gets_its_blocks_over_ucx(
+    models, workdir, baseline, store, seeded
+):
+    """Store b knows store a as a peer; the engine on b prefetches a's blocks."""
+    b = StoreProcess(workdir, "b", "--peer", f"127.0.0.1:{store.ucx_port}", transfer=True)
+    try:
+        out = run(workdir, "on-b", models["m0"], ["p"], {"address": b.address, "prefetch": True})
+        assert out[0]["num_cached_tokens"] == HIT_P
+        same_output(out[0], baseline["p"])
+        assert b.stats().sealed_blocks >= HIT_P // BLOCK
+    finally:
+        b.kill()
+
+
+def test_store_killed_mid_run_engine_recomputes_then_reconnects(models, workdir, baseline):
+    s = StoreProcess(workdir, "killed")
+    signals = {k: workdir / f"kill-{k}" for k in ("saved", "killed", "served", "back")}
+    phases = [
+        "p",
+        {"touch": str(signals["saved"])},
+        {"wait_file": str(signals["killed"])},
+        "q",
+        {"touch": str(signals["served"])},
+        {"wait_file": str(signals["back"])},
+        "r",
+        {"reset": True},
+        "r",
+    ]
+    engine = Engine(
+        workdir, "killed", spec(models["m0"], phases, {"address": s.address, "retry_s": 0.5})
+    )
+    try:
+        wait_file(signals["saved"], engine)
+        s.kill()
+        signals["killed"].touch()
+        wait_file(signals["served"], engine)
+        s.start()  # an empty store on the same port
+        deadline = time.monotonic() + 30
+        while s.stats().sealed_instances < 1:  # the worker re-registers by itself
+            assert time.monotonic() < deadline, "the engine never re-registered"
+            time.sleep(0.2)
+        signals["back"].touch()
+        out = engine.wait()
+    finally:
+        s.kill()
+    same_output(out[1], baseline["q"])  # served while the store was down
+    assert out[3]["num_cached_tokens"] >= HIT_P - BLOCK  # saved to and loaded from the new store
+    same_output(out[3], baseline["r"])
+    log = engine.log()
+    assert "unreachable" in log and "recomputed" in log
+    assert "re-registering" in log or "is back" in log
+
+
+def wait_file(path, engine: Engine, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if engine.proc.poll() is not None:
+            engine.wait()  # raises with the engine's log
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.1)
