@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.store.fetch import FetchResult
-from kvstore.store.memory import CudaIpcRef, HostShmRef
+from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
 from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult
 from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
 from kvstore.wire.errors import invalid
@@ -46,11 +46,14 @@ def decode_layer(index: int, spec: pb.LayerSpec) -> LayerReg:
     )
 
 
-def decode_memory(index: int, spec: pb.LayerSpec) -> HostShmRef | CudaIpcRef:
+def decode_memory(index: int, spec: pb.LayerSpec) -> HostShmRef | HostFdRef | CudaIpcRef:
     kind = spec.memory.WhichOneof("kind")
     if kind == "host":
         m = spec.memory.host
         return HostShmRef(name=m.name, size=m.size, offset=m.offset)
+    if kind == "host_fd":
+        m = spec.memory.host_fd
+        return HostFdRef(pid=m.pid, fd=m.fd, size=m.size, offset=m.offset)
     if kind == "cuda":
         m = spec.memory.cuda
         return CudaIpcRef(
@@ -58,7 +61,7 @@ def decode_memory(index: int, spec: pb.LayerSpec) -> HostShmRef | CudaIpcRef:
         )
     raise invalid(
         f"layers[{index}].memory ({spec.name[:64]!r}) has no handle: "
-        "set host (shared memory) or cuda (IPC handle)"
+        "set host (shared memory), host_fd (a shared-memory descriptor) or cuda (IPC handle)"
     )
 
 

@@ -1,8 +1,10 @@
 """Map the memory that workers share with the store server (docs/design.md §1).
 
 A registration names each layer's memory by a handle record: a POSIX
-shared-memory object on the host (:class:`HostShmRef`) or a CUDA IPC handle
-plus the device UUID on a GPU (:class:`CudaIpcRef`). Opening a record maps it
+shared-memory object on the host (:class:`HostShmRef`), an open
+shared-memory file descriptor of a worker process (:class:`HostFdRef`: a
+``memfd_create`` object, as SGLang allocates its HiCache host pools), or a
+CUDA IPC handle plus the device UUID on a GPU (:class:`CudaIpcRef`). Opening a record maps it
 into this process as a :class:`MappedRegion`, whose base address the copy
 engine uses directly. Nothing is pickled: a handle is a name or 64 opaque
 bytes. The worker's half (allocating and exporting that memory) is
@@ -17,10 +19,13 @@ when the server exits.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import mmap
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +37,12 @@ from kvstore.wire.errors import invalid, precondition
 from kvstore.wire.limits import MAX_SHM_NAME_LEN
 
 SHM_DIR = "/dev/shm"
+# fstatfs f_type of the file systems shared memory lives on (linux/magic.h):
+# memfd_create and /dev/shm are tmpfs (shmem), MFD_HUGETLB memfds hugetlbfs.
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+SHM_FS_TYPES = (TMPFS_MAGIC, HUGETLBFS_MAGIC)
+SHM_LINK_PREFIXES = ("/memfd:", SHM_DIR + "/")  # where /proc/<pid>/fd/<fd> may point
 SHM_NAME_RE = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_SHM_NAME_LEN}}}")
 
 
@@ -69,6 +80,22 @@ class HostShmRef:
 
     def open(self, where: str) -> MappedRegion:
         return map_host_shm(self.name, self.size, where)
+
+
+@dataclass(frozen=True)
+class HostFdRef:
+    """A layer tensor inside the shared-memory file open as ``fd`` in process ``pid``."""
+
+    pid: int
+    fd: int
+    size: int
+    offset: int
+
+    def key(self) -> tuple:
+        return ("fd", self.pid, self.fd)
+
+    def open(self, where: str) -> MappedRegion:
+        return map_host_fd(self.pid, self.fd, self.size, where)
 
 
 @dataclass(frozen=True)
@@ -113,6 +140,91 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
         release=functools.partial(_close_mmap, mm),
         keep_alive=view,
     )
+
+
+def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
+    """Map the shared-memory file open as ``fd`` in process ``pid`` read-write.
+
+    Opened through ``/proc/<pid>/fd/<fd>`` (the caller's descriptor stays its
+    own). Only shared memory is accepted: a regular file on tmpfs or hugetlbfs
+    that ``/proc`` names ``/memfd:...`` or ``/dev/shm/...``; never a file on
+    disk, a socket or pipe, or this server's own memory. ``where`` names the
+    field in errors (``<where>.host_fd.pid``, ``.fd``, ``.size``).
+    """
+    field_ = f"{where}.host_fd"
+    if pid == 0:
+        raise invalid(f"{field_}.pid is not set")
+    if pid == os.getpid():
+        raise invalid(f"{field_}.pid {pid} is the store server itself")
+    if not os.path.isdir(f"/proc/{pid}"):
+        raise invalid(f"{field_}.pid {pid}: no such process on this node")
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(path)
+        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise invalid(f"{field_}.fd {fd} is not open in process {pid}") from None
+    except PermissionError as exc:
+        raise precondition(
+            f"{field_}: cannot open fd {fd} of process {pid} ({exc.strerror}); the "
+            "server must run as the same user as the worker"
+        ) from exc
+    except OSError as exc:
+        raise invalid(
+            f"{field_}.fd {fd} of process {pid} cannot be opened: {exc.strerror}"
+        ) from exc
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode) or not target.startswith(SHM_LINK_PREFIXES):
+            raise invalid(
+                f"{field_}.fd {fd} of process {pid} is {target!r}, not shared memory "
+                "(a memfd or a /dev/shm file)"
+            )
+        fs_type = _fs_type(handle)
+        if fs_type is not None and fs_type not in SHM_FS_TYPES:
+            raise invalid(
+                f"{field_}.fd {fd} of process {pid} ({target!r}) is not on tmpfs or "
+                f"hugetlbfs (file system type {fs_type:#x})"
+            )
+        if size == 0 or size > info.st_size:
+            raise invalid(
+                f"{field_}.size {size} does not fit fd {fd} of process {pid} "
+                f"({target!r}, {info.st_size} bytes)"
+            )
+        mm = mmap.mmap(handle, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(handle)
+    view = np.frombuffer(mm, dtype=np.uint8)
+    return MappedRegion(
+        base=view.ctypes.data,
+        size=size,
+        device="cpu",
+        release=functools.partial(_close_mmap, mm),
+        keep_alive=view,
+    )
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _fs_type(fd: int) -> int | None:
+    """``f_type`` of the file system holding ``fd`` (fstatfs), or None if unknown.
+
+    ``struct statfs`` starts with ``f_type`` (a C long on Linux); the buffer is
+    larger than the whole struct on every architecture.
+    """
+    libc = _libc()
+    if libc is None:
+        return None
+    buf = ctypes.create_string_buffer(512)
+    if libc.fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def _close_mmap(mm: mmap.mmap) -> None:

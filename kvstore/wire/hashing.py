@@ -17,6 +17,10 @@ import blake3
 import numpy as np
 
 HASH_FORMAT = "kvstore-blake3-v1"
+# SGLang's HiCache page keys: chained SHA-256 hex strings; kvstore keys a page
+# by its first 16 hex digits read as an unsigned 64-bit integer (the same 64
+# bits SGLang's KV events publish, there as a signed int64).
+SGLANG_HASH_FORMAT = "sglang-sha256-hex16"
 
 
 def _u64(digest: bytes) -> int:
