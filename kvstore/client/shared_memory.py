@@ -14,7 +14,6 @@ Nothing is pickled: a handle is a name, a (pid, fd) pair or 64 opaque bytes. The
 
 from __future__ import annotations
 
-import ctypes
 import os
 import stat
 from collections.abc import Iterable
@@ -24,6 +23,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from kvstore.copy.cuda_memory import allocation_range
 from kvstore.wire.names import device_uuid
 
 
@@ -84,24 +84,9 @@ def cuda_ipc_export(ptr: int, device: int) -> tuple[bytes, int, int]:
     import cupy
 
     with cupy.cuda.Device(device):
-        base, size = _allocation_range(ptr)
+        base, size = allocation_range(ptr)
         handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
     return handle, base, size
-
-
-def _allocation_range(ptr: int) -> tuple[int, int]:
-    """Base and size of the device allocation holding ``ptr`` (cuMemGetAddressRange)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-    fn.argtypes = [
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_size_t),
-        ctypes.c_uint64,
-    ]
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    if rc != 0:
-        raise RuntimeError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}")
-    return base.value, size.value
 
 
 @dataclass(frozen=True)

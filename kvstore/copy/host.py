@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -269,33 +270,62 @@ def native_copy_function() -> Callable[..., int] | None:
 
 
 def _build_native() -> Path:
-    """Compile the C helper into a cache directory (once per source and compiler)."""
+    """Compile the C helper into a private cache directory (once per source and compiler).
+
+    Code loaded into the server must be ours: the directory and the library are
+    used only when this user owns them and nobody else can write them
+    (:func:`_private`); a planted or tampered file is rebuilt, never loaded.
+    """
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler on PATH")
     digest = hashlib.sha256(f"{cc}\n{_C_SOURCE}".encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"hostcopy-{digest}.so"
-    if target.exists():
-        return target
+    if target.exists() or target.is_symlink():
+        if _private(target, directory=False):
+            return target
+        log.warning("kvstore: %s is not this user's private file; rebuilding it", target)
+        target.unlink()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / "hostcopy.c"
         src.write_text(_C_SOURCE)
         built = Path(tmp) / target.name
         cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: concurrent builders all end with a whole file
     return target
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(
+    """The first private directory of: $KVSTORE_CACHE_DIR (or $XDG_CACHE_HOME/kvstore,
+    ~/.cache/kvstore), then $TMPDIR/kvstore-<uid>; created with mode 0700.
+
+    A directory that exists but is not private (another owner, writable by group
+    or others, a symlink) is skipped: in a shared temp directory anyone could
+    have made it first.
+    """
+    home = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstore"
     )
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        path = Path(tempfile.gettempdir()) / f"kvstore-{os.getuid()}"
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+    refused = []
+    for path in (Path(home), Path(tempfile.gettempdir()) / f"kvstore-{os.getuid()}"):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError as err:
+            refused.append(f"{path}: {err}")
+            continue
+        if _private(path, directory=True):
+            return path
+        refused.append(f"{path}: not a directory owned by uid {os.getuid()} and closed to others")
+    raise OSError("no private cache directory for the host copy helper: " + "; ".join(refused))
+
+
+def _private(path: Path, directory: bool) -> bool:
+    """``path`` itself (not a link) is a directory / regular file of this user that
+    neither group nor others can write."""
+    st = os.lstat(path)
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind and st.st_uid == os.getuid() and not st.st_mode & 0o022

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import mmap
 import os
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvstore.copy.cuda_memory import allocation_range
 from kvstore.wire import names
 from kvstore.wire.errors import invalid, precondition
 from kvstore.wire.limits import MAX_SHM_NAME_LEN
@@ -58,6 +60,9 @@ class MappedRegion:
     size: int
     device: str  # "cpu" or "cuda:N"
     release: Callable[[], None] | None = field(default=None, repr=False)
+    # what the memory is, whatever name reached it: (st_dev, st_ino) of a host
+    # object, ("cuda", device, base) of an allocation; one registration owns it
+    identity: tuple | None = None
     keep_alive: object = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -119,12 +124,17 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
     if not SHM_NAME_RE.fullmatch(name) or name.startswith("."):
         raise invalid(f"{where}.name {name!r} is not a valid shared-memory name")
     path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDWR)
+    try:  # never through a link: /dev/shm/x -> /etc/... would map a file as root
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise invalid(f"{where}.name {name!r} is a symbolic link, not shared memory") from exc
         raise precondition(f"{where}: cannot open shared memory {name!r}: {exc.strerror}") from exc
     try:
-        actual = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or _fs_type(fd) not in (*SHM_FS_TYPES, None):
+            raise invalid(f"{where}.name {name!r} is not a shared-memory object")
+        actual = info.st_size
         if size == 0 or size > actual:
             raise invalid(
                 f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes"
@@ -139,6 +149,7 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
         device="cpu",
         release=functools.partial(_close_mmap, mm),
         keep_alive=view,
+        identity=(info.st_dev, info.st_ino),
     )
 
 
@@ -201,6 +212,7 @@ def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
         device="cpu",
         release=functools.partial(_close_mmap, mm),
         keep_alive=view,
+        identity=(info.st_dev, info.st_ino),
     )
 
 
@@ -248,11 +260,17 @@ def map_cuda_ipc(handle: bytes, device_uuid: str, size: int, where: str) -> Mapp
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
         except Exception as exc:
             raise precondition(f"{where}: cannot open CUDA IPC handle: {exc}") from exc
+        # bounds come from the allocation itself, never from the size a client claims
+        base, actual = allocation_range(int(ptr))
+    if size == 0 or base != int(ptr) or size > actual:
+        _close_ipc(index, ptr)
+        raise invalid(f"{where}.size {size} does not fit the {actual}-byte CUDA allocation")
     return MappedRegion(
         base=int(ptr),
         size=size,
         device=f"cuda:{index}",
         release=functools.partial(_close_ipc, index, ptr),
+        identity=("cuda", index, int(ptr)),
     )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvstore.store.memory import MappedRegion
 from kvstore.store.validation import check_against, check_fields, check_seal_would_succeed
-from kvstore.wire.errors import invalid, not_found, precondition
+from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
 from kvstore.wire.fingerprint import LayerGeometry, fingerprint
 from kvstore.wire.kv_layout import LayoutKind
 from kvstore.wire.names import final_namespace
@@ -108,6 +108,10 @@ class Registration:
     def unhold(self) -> None:
         self._holds -= 1
         self._maybe_unmap()
+
+    def memory_ids(self) -> set[tuple]:
+        """What this rank's mappings are (inode or CUDA allocation), whatever named them."""
+        return {m.identity for m in self.mapped if m.identity is not None}
 
     def retire(self) -> None:
         """The rank left: unmap its memory once no copy is using it."""
@@ -213,6 +217,11 @@ class Registry:
         check_seal_would_succeed(list(inst.ranks.values()) if inst else [], reg)
         if self._mapper is not None:
             self._mapper(reg)  # raises KVError; nothing recorded yet
+            try:
+                self._check_owner(reg)
+            except KVError:
+                reg.retire()  # unmap what was just mapped
+                raise
         if inst is None:
             inst = self.instances[reg.instance_id] = Instance(reg.instance_id)
         inst.ranks[reg.rank] = reg
@@ -235,6 +244,18 @@ class Registry:
             )
         self._notify(inst)
         return inst
+
+    def _check_owner(self, reg: Registration) -> None:
+        """Memory belongs to one registration: another rank or instance naming the
+        same object (under any name) would read and overwrite its live KV cache."""
+        mine = reg.memory_ids()
+        for other in self.sessions.values():
+            shared = mine & other.memory_ids()
+            if shared:
+                raise exists(
+                    f"memory of {reg.where()} is already registered by {other.where()}; "
+                    "each rank must register its own KV-cache memory"
+                )
 
     def unregister(self, session: str) -> None:
         """Remove a rank (its session ended); the instance unseals."""
