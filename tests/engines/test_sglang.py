@@ -380,7 +380,7 @@ class Rank:
 @pytest.fixture(scope="module")
 def sglang_keys():
     """SGLang's own page keys (chained SHA-256 hex, native hash) of a few prompts."""
-    from conftest import need
+    from tests.engines.conftest import need
 
     need("sglang")
     from sglang.srt.mem_cache.utils import get_hash_str
