@@ -96,3 +96,62 @@ def test_serve_is_healthy_then_exits_cleanly_on_sigterm(extra):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("cmd", [["serve"], ["router"]])
+def test_etcd_flags_are_explained(cmd):
+    text = kvstore(*cmd, "--help").stdout
+    for flag in ("--etcd ", "--etcd-ttl", "--etcd-prefix"):
+        assert flag in text
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["serve", "--etcd", "127.0.0.1:2379", "--router", "127.0.0.1:50061"], "drop --router"),
+        (["serve", "--etcd", "no-port-here"], "HOST:PORT"),
+        (["serve", "--etcd", "127.0.0.1:2379", "--etcd-ttl", "1"], "--etcd-ttl"),
+        (["router", "--etcd", "https://127.0.0.1:2379"], "TLS"),
+        (["router", "--etcd", "127.0.0.1:2379", "--etcd-prefix", "kvstore"], "--etcd-prefix"),
+        (["router", "--etcd", "127.0.0.1:2379", "--store", "127.0.0.1:50051"], "drop --store"),
+    ],
+)
+def test_bad_etcd_flags_are_refused(args, words):
+    out = kvstore(*args, "--no-transfer" if args[0] == "serve" else "--port=0")
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr
+
+
+def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
+    import signal
+
+    from kvstore.demo import free_port
+    from kvstore.membership.etcd import EtcdConfig
+    from tests.membership.conftest import EtcdServer, etcd_keys, require_etcd
+    from tests.service.test_peer_fetch import wait_healthy
+
+    etcd = EtcdServer(require_etcd())
+    etcd.start()
+    port = free_port()
+    # A long TTL: keys gone right after exit can only have been revoked.
+    config = EtcdConfig.parse(etcd.url, 60, "/kvstore-cli-test/")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--node-id", "n1"),
+            *("--pool-size", "16MiB", "--no-transfer", "--device", "cpu"),
+            *("--etcd", etcd.url, "--etcd-ttl", "60", "--etcd-prefix", config.prefix),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc)
+        keys = etcd_keys(config)
+        assert {"stores/n1", f"routers/127.0.0.1%3A{port}"} <= set(keys)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert etcd_keys(config) == {}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        etcd.stop()

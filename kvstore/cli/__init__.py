@@ -43,6 +43,41 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_etcd(p) -> None:
+    """--etcd and its settings (store servers and routers alike)."""
+    p.add_argument(
+        "--etcd",
+        default="",
+        metavar="URL",
+        help="join a cluster on etcd: several routers and store servers sharing membership "
+        "and worker admission (http://HOST:PORT, several comma-separated). Without it, "
+        "nothing is shared: one router decides everything",
+    )
+    p.add_argument(
+        "--etcd-ttl",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="lease of this process's etcd registrations; a process silent this long "
+        "leaves routing (10; kept alive every third of it)",
+    )
+    p.add_argument(
+        "--etcd-prefix",
+        default="/kvstore/v1/",
+        metavar="PREFIX",
+        help="etcd key prefix of this cluster (/kvstore/v1/)",
+    )
+
+
+def etcd_config(args: argparse.Namespace):
+    """The EtcdConfig of --etcd (None without it); ValueError names a bad flag."""
+    if not args.etcd:
+        return None
+    from kvstore.membership.etcd import EtcdConfig
+
+    return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix)
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
@@ -88,8 +123,11 @@ def add_serve(sub) -> None:
         "--router",
         default="",
         metavar="ADDRESS",
-        help="advertise to a standalone `kvstore router` at ADDRESS instead of embedding one",
+        help="advertise to a standalone `kvstore router` at ADDRESS instead of embedding one; "
+        "several comma-separated are used one at a time, moving on when one fails "
+        "(not with --etcd, which finds the routers)",
     )
+    add_etcd(p)
     p.add_argument(
         "--no-transfer",
         action="store_true",
@@ -235,20 +273,23 @@ def main(argv: list[str] | None = None) -> int:
 async def _serve(args) -> None:
     from kvstore.service.store_server import ServerConfig, StoreServer, serve_until_signal
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        pool_size=args.pool_size,
-        device=args.device,
-        node_id=args.node_id,
-        router_address=args.router,
-        transfer=not args.no_transfer,
-        ucx_port=args.ucx_port,
-        peers=tuple(args.peer),
-        fetch_timeout_s=args.fetch_timeout,
-        metrics_port=args.metrics_port,
-    )
     try:
+        if args.etcd and args.router:
+            raise ValueError("--router with --etcd: the routers are found in etcd; drop --router")
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            pool_size=args.pool_size,
+            device=args.device,
+            node_id=args.node_id,
+            router_address=args.router,
+            etcd=etcd_config(args),
+            transfer=not args.no_transfer,
+            ucx_port=args.ucx_port,
+            peers=tuple(args.peer),
+            fetch_timeout_s=args.fetch_timeout,
+            metrics_port=args.metrics_port,
+        )
         router = None
         if not args.no_router and not args.router:
             from kvstore.cli.router import build_served_router

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvstore.cli import add_metrics
+from kvstore.cli import add_etcd, add_metrics, etcd_config
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
@@ -95,6 +95,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
             help="logging level (INFO; any case)",
         )
         add_metrics(parser)
+        add_etcd(parser)
     parser.add_argument(
         "--identity",
         choices=[a.value for a in IdentityAlgorithm],
@@ -155,8 +156,15 @@ def _zmq_endpoint(spec: str) -> tuple[str, str]:
 
 
 def build_served_router(args: argparse.Namespace) -> ServedRouter:
-    """The router core and its feeds, configured from ``args``; nothing runs yet."""
-    return ServedRouter(Router(router_config(args)), feed_specs(args))
+    """The router core and its feeds (and its replica on etcd, with --etcd),
+    configured from ``args``; nothing runs yet."""
+    etcd = etcd_config(args)
+    if etcd is not None and args.store:
+        raise ValueError(
+            "--store with --etcd: store servers on etcd publish to every router replica; "
+            "drop --store"
+        )
+    return ServedRouter(Router(router_config(args)), feed_specs(args), etcd)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -13,10 +13,19 @@
 
 Errors surface as :class:`KVError` carrying the router's status as a
 :class:`Code` and its message, as the store client's do.
+
+Several routers (replicas on etcd, or standbys) may be given, as a list or
+comma-separated: ``RouterClient("10.0.0.1:50061,10.0.0.2:50061")``. Calls go
+to one at a time; a call that finds it UNAVAILABLE or past its deadline is
+tried on the next one, and that one stays current. A call that timed out may
+still have been applied by the router that timed out (a Route then counts its
+request there until the router's request timeout frees it). A store
+advertisement is per router: after a move, ``advertise_peer`` again.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -28,18 +37,42 @@ from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
+# A router that answers these is gone or hung: the next one may answer.
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 
 class RouterClient:
-    def __init__(self, address: str, timeout_s: float = 10.0):
-        self.address = address
+    def __init__(self, address: str | Sequence[str], timeout_s: float = 10.0):
+        items = address.split(",") if isinstance(address, str) else list(address)
+        self.addresses = [a.strip() for a in items if a.strip()]
+        if not self.addresses:
+            raise ValueError("RouterClient: no router address given")
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._active = 0
+        self._lock = threading.Lock()
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, router_pb2_grpc.RouterStub] = {}
         self.node_id = ""
         self.generation = 0
 
+    @property
+    def address(self) -> str:
+        """The router calls go to now."""
+        return self.addresses[self._active]
+
+    def _stub(self, i: int) -> router_pb2_grpc.RouterStub:
+        with self._lock:
+            if i not in self._stubs:
+                self._channels[i] = grpc.insecure_channel(self.addresses[i])
+                self._stubs[i] = router_pb2_grpc.RouterStub(self._channels[i])
+            return self._stubs[i]
+
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
 
     def __enter__(self) -> RouterClient:
         return self
@@ -62,7 +95,7 @@ class RouterClient:
         advertisement and add namespaces); returns the peer generation, which
         :meth:`publish` then uses."""
         reply = self._call(
-            self._stub.AdvertisePeer,
+            "AdvertisePeer",
             router_pb2.AdvertisePeerRequest(
                 node_id=node_id,
                 store_address=store_address,
@@ -82,7 +115,7 @@ class RouterClient:
         ``applied`` and ``dropped`` ones."""
         payloads = [e.encode() if isinstance(e, StoreEvent) else e for e in events]
         return self._call(
-            self._stub.PublishEvents,
+            "PublishEvents",
             router_pb2.PublishEventsRequest(
                 node_id=node_id or self.node_id,
                 generation=generation or self.generation,
@@ -95,7 +128,7 @@ class RouterClient:
     ) -> list[PeerPrefix]:
         """Peers with sealed blocks of exactly ``final_namespace``, longest prefix first."""
         reply = self._call(
-            self._stub.QueryPrefix,
+            "QueryPrefix",
             router_pb2.QueryPrefixRequest(
                 final_namespace=final_namespace,
                 block_hashes=list(hashes),
@@ -111,13 +144,13 @@ class RouterClient:
 
     def register_worker(self, name: str, card: WorkerCard) -> router_pb2.RegisterWorkerResponse:
         return self._call(
-            self._stub.RegisterWorker,
+            "RegisterWorker",
             router_pb2.RegisterWorkerRequest(name=name, card=card_to_proto(card)),
         )
 
     def remove_worker(self, name: str, generation: int = 0) -> bool:
         return self._call(
-            self._stub.RemoveWorker,
+            "RemoveWorker",
             router_pb2.RemoveWorkerRequest(name=name, generation=generation),
         ).removed
 
@@ -134,7 +167,7 @@ class RouterClient:
         decode_tokens: int = 0,
     ) -> router_pb2.RouteResponse:
         return self._call(
-            self._stub.Route,
+            "Route",
             router_pb2.RouteRequest(
                 model=model,
                 namespace=namespace,
@@ -156,7 +189,7 @@ class RouterClient:
     ) -> None:
         """Worker ``worker``'s load now, for the engine or the store server on its behalf."""
         self._call(
-            self._stub.ReportLoad,
+            "ReportLoad",
             router_pb2.ReportLoadRequest(
                 worker=worker,
                 queued_prefill_tokens=queued_prefill_tokens,
@@ -167,25 +200,34 @@ class RouterClient:
 
     def request_started(self, request_id: str) -> None:
         """The routed request's prefill began."""
-        self._call(
-            self._stub.RequestStarted, router_pb2.RequestStartedRequest(request_id=request_id)
-        )
+        self._call("RequestStarted", router_pb2.RequestStartedRequest(request_id=request_id))
 
     def request_finished(self, request_id: str, cached_blocks: int | None = None) -> None:
         """The routed request is done; ``cached_blocks``: prefix blocks it really hit."""
         self._call(
-            self._stub.RequestFinished,
+            "RequestFinished",
             router_pb2.RequestFinishedRequest(request_id=request_id, cached_blocks=cached_blocks),
         )
 
     def stats(self) -> router_pb2.RouterStatsResponse:
-        return self._call(self._stub.RouterStats, router_pb2.RouterStatsRequest())
+        return self._call("RouterStats", router_pb2.RouterStatsRequest())
 
-    def _call(self, method, request):
-        """One unary call; a gRPC status becomes a KVError with the same code."""
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise KVError(
-                Code.from_name(exc.code().name), exc.details() or str(exc.code())
-            ) from None
+    def _call(self, name: str, request):
+        """One unary call of the Router method ``name`` (on the next router when
+        this one is gone); a gRPC status becomes a KVError with the same code."""
+        first, count = self._active, len(self.addresses)
+        for attempt in range(count):
+            i = (first + attempt) % count
+            try:
+                reply = getattr(self._stub(i), name)(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() in FAILOVER_CODES and attempt + 1 < count:
+                    continue
+                if exc.code() not in FAILOVER_CODES:
+                    self._active = i  # it answered: it is alive
+                raise KVError(
+                    Code.from_name(exc.code().name), exc.details() or str(exc.code())
+                ) from None
+            self._active = i
+            return reply
+        raise AssertionError("unreachable")

@@ -24,6 +24,11 @@ Each admission gets a new generation from one router-wide counter. A
 re-registration under a known worker name replaces the old generation in the
 same step (or, if refused, leaves it untouched); anything still arriving for
 the old generation is dropped by the router.
+
+This is the embedded default. Router replicas on etcd make the same decision
+in etcd transactions (``kvstore/membership/worksets.py``) and apply what etcd
+admitted here with the generation etcd gave it (``admit(..., generation=)``),
+refusing with :func:`refusal`'s words.
 """
 
 from __future__ import annotations
@@ -96,11 +101,14 @@ class Admission:
         self.rejected = 0
         self._next_generation = 1
 
-    def admit(self, name: str, card: WorkerCard) -> tuple[Worker, Worker | None]:
+    def admit(
+        self, name: str, card: WorkerCard, generation: int = 0
+    ) -> tuple[Worker, Worker | None]:
         """Admit ``card`` as worker ``name``; return (new worker, replaced one).
 
         ``card`` must be validated already. Raises FAILED_PRECONDITION, with
         nothing changed, when the WorkerSet holds another checksum.
+        ``generation``: one given by etcd (else the next of this router's counter).
         """
         checksum = card_checksum(card)
         key = key_of(card)
@@ -114,18 +122,20 @@ class Admission:
             and (wset.checksum != checksum or wset.reference.hash_format != card.hash_format)
         ):
             self.rejected += 1
-            raise _refusal(name, wset, card, others)
+            raise refusal(name, wset.key, wset.checksum, wset.reference, card, others)
         # Decision made: apply it.
         if old is not None:
             self._drop(old)
+        if not generation:
+            generation = self._next_generation
+            self._next_generation += 1
         worker = Worker(
-            WorkerRef(name, self._next_generation),
+            WorkerRef(name, generation),
             card,
             checksum,
             key,
             domain_of(card, checksum, self.algorithm),
         )
-        self._next_generation += 1
         wset = self.sets.get(key)
         if wset is None:
             wset = self.sets[key] = WorkerSet(key, checksum, card)
@@ -187,14 +197,22 @@ class Admission:
         return by_alias
 
 
-def _refusal(name: str, wset: WorkerSet, card: WorkerCard, others: int) -> KVError:
-    """FAILED_PRECONDITION naming every field in which ``card`` differs from the set's."""
-    diffs = differences(wset.reference, card) or ["card_checksum"]
+def refusal(
+    name: str,
+    key: WorkerSetKey,
+    checksum: str,
+    reference: WorkerCard,
+    card: WorkerCard,
+    others: int,
+) -> KVError:
+    """FAILED_PRECONDITION naming every field in which ``card`` differs from
+    ``reference``, the first admitted card of the set ``key`` (checksum ``checksum``)."""
+    diffs = differences(reference, card) or ["card_checksum"]
     detail = "; ".join(
-        describe_difference(wset.reference, card, d) if d != "card_checksum" else d for d in diffs
+        describe_difference(reference, card, d) if d != "card_checksum" else d for d in diffs
     )
     return precondition(
-        f"worker {name!r} rejected from WorkerSet {wset.key}: card differs from the admitted "
-        f"card ({wset.checksum[:12]}) in {detail}; the {others} admitted member(s) are "
+        f"worker {name!r} rejected from WorkerSet {key}: card differs from the admitted "
+        f"card ({checksum[:12]}) in {detail}; the {others} admitted member(s) are "
         "unaffected"
     )

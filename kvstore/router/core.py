@@ -48,7 +48,7 @@ from kvstore.router.routing import (
 from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
 from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
 from kvstore.wire.card import WorkerCard, validate_card
-from kvstore.wire.errors import not_found
+from kvstore.wire.errors import invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
@@ -68,6 +68,9 @@ class EventsApplied:
 
     applied: int
     dropped: int
+    # Why nothing applied: the publisher's (node id, generation) is not a current
+    # peer. Not part of equality: the counts are what became of the batch.
+    stale: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -127,12 +130,19 @@ class Router:
 
     # -- workers -----------------------------------------------------------
 
-    def register_worker(self, name: str, card: WorkerCard) -> Worker:
-        """Admit ``card`` as ``name`` (replacing its previous generation)."""
+    def register_worker(self, name: str, card: WorkerCard, generation: int = 0) -> Worker:
+        """Admit ``card`` as ``name`` (replacing its previous generation).
+
+        ``generation``: the one etcd gave this admission (replicas on etcd);
+        admitting the generation already current changes nothing.
+        """
         check_name("name", name)
         validate_card(card)
         with self._lock:
-            worker, old = self.admission.admit(name, card)
+            current = self.admission.workers.get(name)
+            if generation and current is not None and current.ref.generation == generation:
+                return current
+            worker, old = self.admission.admit(name, card, generation)
             if old is not None:
                 self._forget(old)
         log.info(
@@ -158,6 +168,16 @@ class Router:
     def _forget(self, worker: Worker) -> None:
         self.domains.forget(worker)
         self.loads.drop_worker(worker.ref)
+
+    def record_rejected(self) -> None:
+        """Count a registration refused elsewhere (by etcd's admission)."""
+        with self._lock:
+            self.admission.rejected += 1
+
+    def worker_generations(self) -> dict[str, int]:
+        """Every admitted worker's name and generation."""
+        with self._lock:
+            return {name: w.ref.generation for name, w in self.admission.workers.items()}
 
     def worker(self, ref: WorkerRef) -> Worker | None:
         with self._lock:
@@ -242,7 +262,7 @@ class Router:
             peer = self.peers.current(node_id, generation)
             if peer is None:
                 self._events_dropped += len(events)
-                return EventsApplied(0, len(events))
+                return EventsApplied(0, len(events), stale=True)
             self.peers.check_room(peer, [e for e in events if self._indexable(peer, e)])
             self.domains.check_room(
                 (worker, GPU_TIER)
@@ -296,6 +316,22 @@ class Router:
                 lease_ms,
                 now,
             )
+
+    def join_peer(
+        self, node_id: str, generation: int, store_address: str, ucx_address: str
+    ) -> Peer:
+        """Peer ``node_id`` as etcd registers it, at etcd's ``generation``: the
+        current generation keeps its blocks, another starts empty."""
+        check_peer(node_id, store_address, ucx_address, [], 0)
+        if generation < 1:
+            raise invalid(f"generation: must be >= 1, got {generation}")
+        with self._lock:
+            return self.peers.join(node_id, generation, store_address, ucx_address)
+
+    def peer_generations(self) -> dict[str, int]:
+        """Every current peer's node id and generation."""
+        with self._lock:
+            return {node_id: p.generation for node_id, p in self.peers.peers.items()}
 
     def ensure_peer(self, node_id: str, store_address: str) -> Peer:
         """The current advertisement of ``node_id``; when it has none, advertise it

@@ -9,7 +9,9 @@ final namespace carries the layout fingerprint, so keying by it is what makes
 
 Every advertisement gets a generation; a re-advertisement without one is a
 restart, which clears the old generation's blocks. An optional lease makes a
-silent peer expire.
+silent peer expire. Replicas on etcd instead ``join`` peers with the
+generation etcd gave them (their key's create revision, the same on every
+replica); etcd's lease is their liveness.
 """
 
 from __future__ import annotations
@@ -107,6 +109,20 @@ class Peers:
         peer.expires = now + lease_ms / 1000 if lease_ms else None
         if peer.expires is not None:
             heapq.heappush(self._leases, (peer.expires, node_id, peer.generation))
+        return peer
+
+    def join(self, node_id: str, generation: int, store_address: str, ucx_address: str) -> Peer:
+        """The peer as etcd knows it: the same generation updates its addresses,
+        another replaces it (its blocks go with the old one). No lease here."""
+        old = self.peers.get(node_id)
+        if old is not None and old.generation == generation:
+            old.store_address, old.ucx_address = store_address, ucx_address
+            return old
+        if old is None and len(self.peers) >= limits.MAX_PEERS:
+            raise exhausted(f"router already has {limits.MAX_PEERS} peers")
+        if old is not None:
+            self.remove(node_id)
+        peer = self.peers[node_id] = Peer(node_id, generation, store_address, ucx_address)
         return peer
 
     def current(self, node_id: str, generation: int) -> Peer | None:

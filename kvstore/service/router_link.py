@@ -1,10 +1,15 @@
 """A store server's link to the router: advertise, forward events, find peers.
 
 The router may run inside the same process (``kvstore serve`` embeds it) or
-stand alone (``kvstore serve --router HOST:PORT``). Both links offer the same
-three operations to the server; the remote one batches events onto a
-background task, keeps its advertisement alive with a lease, and replays
-every sealed block after the router restarts so its index is whole again.
+stand alone (``kvstore serve --router HOST:PORT[,HOST:PORT...]``), or be
+several replicas found in etcd (``kvstore serve --etcd URL``). Every link
+offers the same three operations to the server.
+
+The remote link batches events onto a background task, keeps its
+advertisement alive with a lease, and replays every sealed block after the
+router restarts so its index is whole again. Given several routers it uses
+one at a time and moves to the next when the current one stops answering,
+advertising there as a new peer with a full snapshot.
 
 A publish that fails (the router is down, hung or slow) may or may not have
 been applied, so the link does not guess: it advertises again as a new
@@ -12,16 +17,33 @@ generation, which drops what the router held for this node, and replays every
 sealed block. Until then lookups do not wait on the router: a Load that misses
 falls back to the ``--peer`` list at once, and a lookup of a reachable router
 waits at most ``QUERY_TIMEOUT_S``.
+
+The cluster link (etcd) registers the store under its own lease (its
+generation is the key's create revision, the same on every replica) and
+publishes to every router replica registered in etcd, one :class:`RouterFeed`
+each. A feed that fails, or whose replica does not know this generation yet,
+sends ``cleared`` for every namespace it ever sent and then a full snapshot,
+so the replica's index of this store is exact again without a new
+generation. A store silent past its TTL (hung, stopped, partitioned) loses
+its key, so every replica drops it; when it answers again it registers anew
+and every feed replays its snapshot. etcd being away stops nothing local:
+events keep flowing to the replicas already known.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
-from kvstore.wire.errors import unavailable
-from kvstore.wire.events import STORED, StoreEvent
+from kvstore.membership.directory import Directory
+from kvstore.membership.etcd import Change, Entry, Etcd, EtcdConfig
+from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
+from kvstore.membership.lease import KeyLease
+from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.events import CLEARED, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
@@ -29,7 +51,15 @@ log = logging.getLogger(__name__)
 LEASE_MS = 10_000
 REFRESH_S = 3.0
 MAX_BATCH = 1024
+RESYNC_BATCH = 64  # snapshot events (up to MAX_BATCH hashes each) per publish
 QUERY_TIMEOUT_S = 1.0  # a Load miss waits this long on the router at most
+RETRY_S = 0.1  # a feed's first retry; doubling up to REFRESH_S
+
+
+def router_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """``"a:1,b:2"`` or a sequence -> the addresses, in order, empty ones dropped."""
+    items = addresses.split(",") if isinstance(addresses, str) else addresses
+    return [a.strip() for a in items if a.strip()]
 
 
 class LocalRouterLink:
@@ -58,13 +88,15 @@ class LocalRouterLink:
 
 
 class RemoteRouterLink:
-    """The router is another process: gRPC through RouterClient, off the loop."""
+    """The router is another process (one of ``addresses``, in order of
+    preference): gRPC through RouterClient, off the loop."""
 
-    def __init__(self, address: str, node_id: str):
-        from kvstore.client.router_client import RouterClient
-
-        self.client = RouterClient(address, timeout_s=5.0)
-        self.lookups = RouterClient(address, timeout_s=QUERY_TIMEOUT_S)
+    def __init__(self, addresses: str | Sequence[str], node_id: str):
+        self.addresses = router_addresses(addresses)
+        if not self.addresses:
+            raise ValueError("no router address given")
+        self._active = 0
+        self.client, self.lookups = _clients(self.addresses[0])
         self.node_id = node_id
         self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -106,24 +138,46 @@ class RemoteRouterLink:
         self.advertised = True
 
     async def _advertise_or_warn(self) -> None:
+        fresh = not (self.advertised and self._in_sync)
         try:
-            await self._advertise(refresh=self.advertised and self._in_sync)
-        except Exception as exc:  # noqa: BLE001 -- router down or restarted: start over next time
-            if self.advertised:
-                log.warning(
-                    "router %s lost our advertisement (%s); re-advertising",
-                    self.client.address,
-                    _brief(exc),
-                )
-                self.advertised = False
-                await self._advertise_or_warn()
-            else:
-                log.warning(
-                    "router %s unreachable (%s); retrying every %.0f s",
-                    self.client.address,
-                    _brief(exc),
-                    REFRESH_S,
-                )
+            await self._advertise(refresh=not fresh)
+            return
+        except Exception as exc:  # noqa: BLE001 -- router down or restarted: start over
+            failure = exc
+        if self.advertised:
+            log.warning(
+                "router %s lost our advertisement (%s); re-advertising",
+                self.client.address,
+                _brief(failure),
+            )
+            self.advertised = False
+        tries = len(self.addresses)  # the current router anew, then the others
+        if fresh:  # the current one just failed a fresh advertisement: the others
+            tries -= 1
+            self._move_on()
+        for _ in range(tries):
+            try:
+                await self._advertise(refresh=False)
+                return
+            except Exception as exc:  # noqa: BLE001 -- unreachable: try the next one
+                failure = exc
+                self._move_on()
+        log.warning(
+            "router %s unreachable (%s); retrying every %.0f s",
+            ", ".join(self.addresses),
+            _brief(failure),
+            REFRESH_S,
+        )
+
+    def _move_on(self) -> None:
+        """Use the next router address (nothing changes with only one)."""
+        if len(self.addresses) == 1:
+            return
+        self._active = (self._active + 1) % len(self.addresses)
+        self.client.close()
+        self.lookups.close()
+        self.client, self.lookups = _clients(self.addresses[self._active])
+        log.info("moving to router %s", self.client.address)
 
     @property
     def _in_sync(self) -> bool:
@@ -168,6 +222,228 @@ class RemoteRouterLink:
             task.cancel()
         self.client.close()
         self.lookups.close()
+
+
+def _clients(address: str):
+    """(publishing client, lookup client) for one router."""
+    from kvstore.client.router_client import RouterClient
+
+    return RouterClient(address, timeout_s=5.0), RouterClient(address, timeout_s=QUERY_TIMEOUT_S)
+
+
+class RouterFeed:
+    """This store's events to one router replica, under the store's etcd generation.
+
+    Events go in order, batched, off the loop. Any failure (unreachable, or the
+    replica does not know this generation yet) is followed, after a backoff, by
+    a resync: ``cleared`` for every namespace ever sent, then every sealed
+    block, which subsumes whatever was queued.
+    """
+
+    def __init__(self, address: str, node_id: str, snapshot: Callable[[], list[StoreEvent]]):
+        self.address = address
+        self.node_id = node_id
+        self.client, self.lookups = _clients(address)
+        self.generation = 0
+        self.synced = False  # the replica holds exactly our sealed blocks (as of the last send)
+        self._snapshot = snapshot
+        self._namespaces: set[str] = set()
+        self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: resync
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def publish(self, event: StoreEvent) -> None:
+        if self.generation:
+            self._queue.put_nowait(event)
+
+    def resync(self, generation: int = 0) -> None:
+        """Send everything again (as ``generation`` from now, when given)."""
+        self.generation = generation or self.generation
+        self.synced = False
+        if self.generation:
+            self._queue.put_nowait(None)
+
+    async def _run(self) -> None:
+        while True:
+            item = await self._queue.get()
+            if item is None or not self.synced:
+                await self._resync()
+                continue
+            batch = [item]
+            while len(batch) < MAX_BATCH and not self._queue.empty():
+                nxt = self._queue.get_nowait()
+                if nxt is None:
+                    self.synced = False
+                    break
+                batch.append(nxt)
+            try:
+                await self._send(batch)
+            except Exception as exc:  # noqa: BLE001 -- any failure: resync, keep going
+                log.info(
+                    "router %s: %d events not taken (%s)", self.address, len(batch), _brief(exc)
+                )
+                self.synced = False
+            if not self.synced:
+                self._queue.put_nowait(None)
+
+    async def _resync(self) -> None:
+        """Until it succeeds: drop what is queued, send cleared + the snapshot."""
+        delay, failures = RETRY_S, 0
+        while True:
+            while not self._queue.empty():
+                self._queue.get_nowait()  # the snapshot covers them
+            events = [StoreEvent(CLEARED, ns, [], self.node_id) for ns in sorted(self._namespaces)]
+            events += self._snapshot()
+            try:
+                for i in range(0, max(len(events), 1), RESYNC_BATCH):  # even none: is gen known?
+                    await self._send(events[i : i + RESYNC_BATCH])
+            except Exception as exc:  # noqa: BLE001 -- unreachable or not known yet: retry
+                failures += 1
+                if failures == 5:
+                    log.warning(
+                        "router %s: not taking our events yet (%s)", self.address, _brief(exc)
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REFRESH_S)
+                continue
+            self.synced = True
+            log.info(
+                "router %s holds our %d sealed-block events (generation %d)",
+                self.address,
+                len(events),
+                self.generation,
+            )
+            return
+
+    async def _send(self, batch: list[StoreEvent]) -> None:
+        generation = self.generation
+        await asyncio.to_thread(self.client.publish, batch, self.node_id, generation)
+        self._namespaces.update(e.namespace for e in batch)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.client.close()
+        self.lookups.close()
+
+
+class ClusterRouterLink:
+    """Router replicas found in etcd; this store registered there under a lease."""
+
+    def __init__(self, config: EtcdConfig, node_id: str, local_router=None):
+        """``local_router``: the embedded router core, asked first for peers."""
+        self.config = config
+        self.node_id = node_id
+        self.local_router = local_router
+        self.etcd = Etcd(config)
+        self.layout = Layout(config.prefix)
+        self.feeds: dict[str, RouterFeed] = {}
+        self._router_generations: dict[str, int] = {}
+        self._snapshot: Callable[[], list[StoreEvent]] = list
+        self.registration: KeyLease | None = None
+        self.directory = Directory(
+            self.etcd, self.layout.routers, self, f"store {node_id}: routers"
+        )
+        self._closing: set[asyncio.Task] = set()
+
+    @property
+    def generation(self) -> int:
+        return self.registration.generation if self.registration is not None else 0
+
+    async def start(
+        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
+    ) -> None:
+        """Register in etcd now if it answers (else keep trying), follow the replicas."""
+        self._snapshot = snapshot
+        record = StoreRecord(store_address, ucx_address).encode()
+        self.registration = KeyLease(
+            self.etcd,
+            self.config.ttl_s,
+            partial(self.etcd.recreate, self.layout.store(self.node_id), record),
+            f"store {self.node_id}",
+            on_registered=self._registered,
+        )
+        try:
+            generation = await self.registration.register()
+            log.info("store %s registered in etcd (generation %d)", self.node_id, generation)
+        except KVError as exc:
+            log.warning("store %s not registered in etcd yet: %s", self.node_id, exc.message)
+        self.registration.keep()
+        self.directory.start()
+
+    def _registered(self, generation: int) -> None:
+        for feed in self.feeds.values():
+            feed.resync(generation)
+
+    # -- the replicas, as the directory of routers/ tells them -------------
+
+    def reset(self, entries: list[Entry]) -> None:
+        listed = {}
+        for entry in entries:
+            with contextlib.suppress(ValueError):
+                listed[RouterRecord.decode(entry.value).address] = entry.create_revision
+        for address in set(self.feeds) - set(listed):
+            self._drop(address)
+        for address, revision in listed.items():
+            self._add(address, revision)
+
+    def changed(self, change: Change) -> None:
+        try:
+            address = RouterRecord.decode(change.entry.value).address
+        except ValueError:
+            return
+        if change.deleted:
+            self._drop(address)
+        else:
+            self._add(address, change.entry.create_revision)
+
+    def _add(self, address: str, revision: int) -> None:
+        feed = self.feeds.get(address)
+        if feed is None:
+            feed = self.feeds[address] = RouterFeed(address, self.node_id, self._snapshot)
+            log.info("store %s: router replica %s joined", self.node_id, address)
+        if self._router_generations.get(address) != revision:  # new, or restarted
+            self._router_generations[address] = revision
+            feed.resync(self.generation)
+
+    def _drop(self, address: str) -> None:
+        feed = self.feeds.pop(address, None)
+        self._router_generations.pop(address, None)
+        if feed is not None:
+            log.info("store %s: router replica %s left", self.node_id, address)
+            task = asyncio.get_running_loop().create_task(feed.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    # -- the link ------------------------------------------------------------
+
+    def publish(self, event: StoreEvent) -> None:
+        for feed in self.feeds.values():
+            feed.publish(event)
+
+    async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
+        if self.local_router is not None:
+            return self.local_router.query_prefix(namespace, hashes, exclude_node_id=self.node_id)
+        feeds = sorted((f for f in self.feeds.values() if f.synced), key=lambda f: f.address)
+        for feed in feeds[:2]:
+            try:
+                return await asyncio.to_thread(
+                    feed.lookups.query_prefix, namespace, hashes, self.node_id
+                )
+            except KVError as exc:
+                log.debug("router %s lookup failed: %s", feed.address, exc)
+        raise unavailable("no router replica is reachable right now")
+
+    async def stop(self) -> None:
+        """Leave etcd at once (the key is revoked) and stop the feeds."""
+        await self.directory.close()
+        if self.registration is not None:
+            await self.registration.release()
+        for address in list(self.feeds):
+            await self.feeds.pop(address).close()
+        for task in list(self._closing):
+            await task
+        await self.etcd.close()
 
 
 def _brief(exc: Exception) -> str:

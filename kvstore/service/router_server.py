@@ -2,6 +2,7 @@
 
     served = ServedRouter(Router(config), FeedSpecs(vllm=(("w", "tcp://..."),)))
     served.start(server)   # inside the running loop, before server.start()
+    await served.announce("127.0.0.1:50061")   # once bound: joins etcd when configured
     await served.close()   # after server.stop()
 
     await serve_router(served, "127.0.0.1", 50061)   # standalone, until a signal
@@ -9,6 +10,12 @@
 ``kvstore serve`` hands a :class:`ServedRouter` to its StoreServer, which
 starts and closes it with its own gRPC server; ``kvstore router`` runs
 :func:`serve_router`. The router core itself knows nothing of either.
+
+With an :class:`EtcdConfig` the router is one replica of several: worker
+admission and removal go through etcd transactions and store servers are
+known from etcd (``kvstore.membership``), served by
+:class:`ClusterRouterService`; everything else (Route, loads, events) is the
+plain service on this replica's own core.
 """
 
 from __future__ import annotations
@@ -25,14 +32,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvstore._proto import router_pb2
+from kvstore.membership.etcd import Etcd, EtcdConfig
+from kvstore.membership.replica import RouterReplica
+from kvstore.membership.worksets import Refused
+from kvstore.router.admission import Worker, WorkerRef, key_of, refusal
 from kvstore.router.core import Router
+from kvstore.service import status
 from kvstore.service.feeds import Subscriptions
 from kvstore.service.metrics import MetricsServer
-from kvstore.service.router_service import RouterService, add_to_server
+from kvstore.service.router_service import RouterService, add_to_server, admitted_reply
+from kvstore.wire.card import WorkerCard, validate_card
+from kvstore.wire.card_proto import card_from_proto
+from kvstore.wire.errors import KVError, not_found, precondition, unavailable
+from kvstore.wire.names import check_name
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 STOP_GRACE_S = 5.0
+FIRST_LISTING_S = 3.0  # a replica waits this long for etcd's listing before serving
 
 
 @dataclass(frozen=True)
@@ -44,11 +61,17 @@ class FeedSpecs:
 
 
 class ServedRouter:
-    """A router core, the gRPC service that serves it, and the feeds it owns."""
+    """A router core, the gRPC service that serves it, and the feeds it owns;
+    with ``etcd``, also its replica on etcd."""
 
-    def __init__(self, router: Router, feeds: FeedSpecs | None = None):
+    def __init__(
+        self, router: Router, feeds: FeedSpecs | None = None, etcd: EtcdConfig | None = None
+    ):
         self.router = router
         self.feeds = feeds or FeedSpecs()
+        self.etcd_config = etcd
+        self.replica: RouterReplica | None = None
+        self._etcd: Etcd | None = None
         self._subscriptions: Subscriptions | None = None
 
     def start(self, server: grpc.aio.Server) -> None:
@@ -56,7 +79,13 @@ class ServedRouter:
 
         Call it from inside the running event loop (the feeds are tasks on it).
         """
-        add_to_server(RouterService(self.router), server)  # unparseable: INVALID_ARGUMENT
+        if self.etcd_config is None:
+            service = RouterService(self.router)
+        else:
+            self._etcd = Etcd(self.etcd_config)
+            self.replica = RouterReplica(self._etcd, self.etcd_config, self.router)
+            service = ClusterRouterService(self.router, self.replica)
+        add_to_server(service, server)  # unparseable: INVALID_ARGUMENT
         subs = Subscriptions(self.router, asyncio.get_running_loop())
         subs.start()
         for name, endpoint in self.feeds.vllm:
@@ -71,11 +100,110 @@ class ServedRouter:
             raise RuntimeError("start the served router first")
         self._subscriptions.add_store(address)
 
+    async def announce(self, address: str) -> None:
+        """The server is bound at ``address``: on etcd, register this replica there
+        and follow the cluster (waiting a moment for etcd's first listing)."""
+        if self.replica is None:
+            return
+        await self.replica.start(address)
+        if not await self.replica.listed(FIRST_LISTING_S):
+            log.warning("etcd has not answered yet; serving, and following it once it does")
+
     async def close(self) -> None:
-        """Stop the feeds (the core stays usable)."""
+        """Stop the feeds and leave etcd (the core stays usable)."""
         if self._subscriptions is not None:
             await self._subscriptions.close()
             self._subscriptions = None
+        if self.replica is not None:
+            await self.replica.close()
+        if self._etcd is not None:
+            await self._etcd.close()
+
+
+class ClusterRouterService(RouterService):
+    """The Router service of a replica on etcd.
+
+    RegisterWorker, WorkerSession and RemoveWorker decide in etcd (first-wins
+    in a transaction; the worker's lease held by this replica) and answer once
+    this replica's core shows the outcome. Store servers are known from etcd,
+    so AdvertisePeer is refused; PublishEvents from a (node, generation) this
+    replica does not know (yet) is NOT_FOUND, which tells the store to send its
+    snapshot again shortly. Everything else is the plain service.
+    """
+
+    def __init__(self, router: Router, replica: RouterReplica):
+        super().__init__(router)
+        self.replica = replica
+
+    async def _admit(self, context, name: str, card: WorkerCard) -> Worker:
+        try:
+            check_name("name", name)
+            validate_card(card)
+            outcome = await self.replica.admit(name, card)
+            if isinstance(outcome, Refused):
+                self.router.record_rejected()
+                raise refusal(
+                    name, key_of(card), outcome.checksum, outcome.reference, card, outcome.others
+                )
+            worker = self.router.worker(WorkerRef(name, outcome.generation))
+            if worker is None:
+                raise unavailable(
+                    f"worker {name!r} admitted in etcd (generation {outcome.generation}) "
+                    "but not yet seen by this replica; register again"
+                )
+            return worker
+        except KVError as exc:
+            await status.abort(context, exc)
+            raise  # abort raises; this keeps the type checker honest
+
+    async def RegisterWorker(self, request, context):
+        worker = await self._admit(context, request.name, card_from_proto(request.card))
+        return admitted_reply(worker, self.router.members(worker.key))
+
+    async def WorkerSession(self, request, context):
+        worker = await self._admit(context, request.name, card_from_proto(request.card))
+        try:
+            yield admitted_reply(worker, self.router.members(worker.key))
+            while not context.done():  # hold the session; cancellation ends it
+                await asyncio.sleep(3600)
+        finally:
+            self.replica.release(worker.name, worker.ref.generation)
+
+    async def RemoveWorker(self, request, context):
+        try:
+            if not await self.replica.remove(request.name, request.generation):
+                generation = request.generation or "any"
+                raise not_found(f"worker {request.name!r} generation {generation} is not admitted")
+        except KVError as exc:
+            await status.abort(context, exc)
+        return router_pb2.RemoveWorkerResponse(removed=True)
+
+    async def AdvertisePeer(self, request, context):  # noqa: ARG002 -- the servicer's signature
+        await status.abort(
+            context,
+            precondition(
+                "this router replica learns store servers from etcd: start the store "
+                "with --etcd (AdvertisePeer is for a router without etcd)"
+            ),
+        )
+
+    async def PublishEvents(self, request, context):
+        result = await self._call(
+            context,
+            self.router.publish_store_events,
+            request.node_id,
+            request.generation,
+            list(request.events),
+        )
+        if result.stale:
+            await status.abort(
+                context,
+                not_found(
+                    f"peer {request.node_id!r} generation {request.generation} is not current "
+                    "on this replica (not seen in etcd yet, or it left); send a snapshot again"
+                ),
+            )
+        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
 
 
 async def serve_router(
@@ -102,6 +230,7 @@ async def serve_router(
         await served.close()
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
+    await served.announce(f"{host}:{bound}")
     gc.freeze()  # startup's objects never die: full collections need not walk them
     if metrics is not None:
         await metrics.start()

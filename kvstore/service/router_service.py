@@ -27,7 +27,7 @@ from kvstore.wire.errors import KVError
 log = logging.getLogger(__name__)
 
 
-def _admitted(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse:
+def admitted_reply(worker: Worker, members: int) -> router_pb2.RegisterWorkerResponse:
     return router_pb2.RegisterWorkerResponse(
         name=worker.name,
         generation=worker.ref.generation,
@@ -78,14 +78,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         worker = await self._call(
             context, self.router.register_worker, request.name, card_from_proto(request.card)
         )
-        return _admitted(worker, self.router.members(worker.key))
+        return admitted_reply(worker, self.router.members(worker.key))
 
     async def WorkerSession(self, request, context):
         worker = await self._call(
             context, self.router.register_worker, request.name, card_from_proto(request.card)
         )
         try:
-            yield _admitted(worker, self.router.members(worker.key))
+            yield admitted_reply(worker, self.router.members(worker.key))
             while not context.done():  # hold the session; cancellation ends it
                 await asyncio.sleep(3600)
         finally:

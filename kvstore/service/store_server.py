@@ -17,8 +17,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.copy import copier_for
+from kvstore.membership.etcd import EtcdConfig
 from kvstore.service.metrics import MetricsServer
-from kvstore.service.router_link import LocalRouterLink, RemoteRouterLink, snapshot_events
+from kvstore.service.router_link import (
+    ClusterRouterLink,
+    LocalRouterLink,
+    RemoteRouterLink,
+    snapshot_events,
+)
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
 from kvstore.store.attach import attach
@@ -57,7 +63,10 @@ class ServerConfig:
     device: str = "auto"
     slab_bytes: int = DEFAULT_SLAB_BYTES
     node_id: str = ""
-    router_address: str = ""  # a standalone router to advertise to; "" = none/embedded
+    # Standalone routers to advertise to, "HOST:PORT[,HOST:PORT...]", one at a time
+    # in this order; "" = none/embedded.
+    router_address: str = ""
+    etcd: EtcdConfig | None = None  # register in etcd, publish to every router replica there
     transfer: bool = False  # run a UCX listener and fetch missing blocks from peers
     ucx_port: int = 0
     peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
@@ -110,7 +119,7 @@ class StoreServer:
         self.port = 0
         self._event_sinks = [self.service.publish]
         self._expirer: asyncio.Task | None = None
-        self.link: LocalRouterLink | RemoteRouterLink | None = None
+        self.link: LocalRouterLink | RemoteRouterLink | ClusterRouterLink | None = None
         self.metrics: MetricsServer | None = None
         if config.metrics_port is not None:
             self.metrics = MetricsServer(self._stats_records, config.host, config.metrics_port)
@@ -148,6 +157,8 @@ class StoreServer:
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()
+        if self.embedded_router is not None:
+            await self.embedded_router.announce(f"{self.config.host}:{self.port}")
         await self._link_router()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -181,7 +192,9 @@ class StoreServer:
         return peers or [PeerPrefix(a, "", a, 0) for a in self.config.peers]
 
     async def _link_router(self) -> None:
-        if self.router is not None:
+        if self.config.etcd is not None:
+            self.link = ClusterRouterLink(self.config.etcd, self.node_id, self.router)
+        elif self.router is not None:
             self.link = LocalRouterLink(self.router, self.node_id)
         elif self.config.router_address:
             self.link = RemoteRouterLink(self.config.router_address, self.node_id)

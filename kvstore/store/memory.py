@@ -139,18 +139,9 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
             raise invalid(
                 f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes"
             )
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_file(fd, size, info)
     finally:
         os.close(fd)
-    view = np.frombuffer(mm, dtype=np.uint8)
-    return MappedRegion(
-        base=view.ctypes.data,
-        size=size,
-        device="cpu",
-        release=functools.partial(_close_mmap, mm),
-        keep_alive=view,
-        identity=(info.st_dev, info.st_ino),
-    )
 
 
 def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
@@ -202,9 +193,14 @@ def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
                 f"{field_}.size {size} does not fit fd {fd} of process {pid} "
                 f"({target!r}, {info.st_size} bytes)"
             )
-        mm = mmap.mmap(handle, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_file(handle, size, info)
     finally:
         os.close(handle)
+
+
+def _map_file(fd: int, size: int, info: os.stat_result) -> MappedRegion:
+    """Map the first ``size`` bytes of the open shared-memory file ``fd`` read-write."""
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     view = np.frombuffer(mm, dtype=np.uint8)
     return MappedRegion(
         base=view.ctypes.data,

@@ -1,0 +1,39 @@
+"""Several routers and store servers on etcd: membership, liveness, admission.
+
+Without ``--etcd`` nothing here runs: one router (embedded in ``kvstore serve``
+or ``kvstore router``) holds every decision, as before. With it, etcd holds
+the small, strongly consistent part every process must agree on; block
+events keep flowing from each store to each router replica over gRPC.
+
+Keys (``layout.py``), under ``/kvstore/v1/`` unless ``--etcd-prefix`` says
+otherwise, every path component percent-encoded, values msgpack maps:
+
+    stores/<node id>         {"store": host:port, "ucx": host:port}   the store's lease
+    routers/<address>        {"address": host:port}                   the replica's lease
+    workers/<worker>         {"set": [model, namespace, role]}        the worker's lease
+    worksets/<model>/<namespace>/<role>/card
+                             {"checksum", "hash_format", "card"}      no lease
+    worksets/<model>/<namespace>/<role>/members/<worker>
+                             {"card": {...}}                          the worker's lease
+
+Leases have a TTL of ``--etcd-ttl`` (10 s) and are kept alive every TTL / 3. A
+store's generation is its key's create revision, a worker's the revision of
+the transaction that admitted it: etcd revisions, so every replica agrees.
+
+Modules, one concept each:
+
+    etcd.py       the client (aetcd), compares and operations; errors are KVError UNAVAILABLE
+    layout.py     the keys and their records
+    lease.py      KeyLease: keys under one lease, kept alive, registered again when lost
+    directory.py  Directory: one prefix listed, watched, listed again after an outage
+    worksets.py   first-wins admission, removal and dissolution as transactions
+    mirror.py     etcd's stores and workers applied to a router replica's core
+    replica.py    RouterReplica: a router on etcd (registration, mirrors, held workers)
+
+This room imports only ``kvstore.wire`` and aetcd (``make lint`` checks it); the
+service edges and the CLI use it. Design and limits: README.md here.
+"""
+
+from kvstore.membership.etcd import EtcdConfig
+
+__all__ = ["EtcdConfig"]

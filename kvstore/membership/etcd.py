@@ -1,0 +1,287 @@
+"""A thin asyncio client for etcd v3: the one module that knows the client library.
+
+    etcd = Etcd(EtcdConfig.parse("http://127.0.0.1:2379"))
+    lease = await etcd.grant(10)
+    revision = await etcd.recreate("/kvstore/v1/stores/a", b"...", lease)
+    entries, revision = await etcd.list_prefix("/kvstore/v1/stores/")
+    async for change in etcd.watch_prefix("/kvstore/v1/stores/", revision + 1): ...
+    result = await etcd.txn([version_is(key, 0)], [put(key, value, lease)])
+    await etcd.close()
+
+Keys are ``str`` (kvstore's are ASCII: see ``layout.py``), values ``bytes``.
+Every call is bounded by ``EtcdConfig.timeout_s``; not reaching etcd, or etcd
+failing a call, is a :class:`KVError` UNAVAILABLE naming the endpoint. With
+several endpoints a failed call moves the client to the next one.
+
+The library is aetcd (asyncio, works with kvstore's grpcio and protobuf;
+python-etcd3 does not import with them). Compares and operations for
+:meth:`Etcd.txn` are built with the functions below, so no other module
+imports it and another client could replace it here alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import aetcd
+import aetcd.transactions as tx
+
+from kvstore.wire.errors import KVError, unavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "/kvstore/v1/"
+DEFAULT_TTL_S = 10
+MIN_TTL_S = 2  # etcd refuses shorter leases with its default election timeout
+# The channel notices a hung etcd by keepalive pings (etcd refuses pings more
+# often than every 5 s) and redials a restarted one within about a second.
+CHANNEL_OPTIONS = {
+    "grpc.keepalive_time_ms": 5000,
+    "grpc.keepalive_timeout_ms": 3000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """Where etcd is and how kvstore uses it."""
+
+    endpoints: tuple[str, ...]  # host:port, tried in order
+    ttl_s: int = DEFAULT_TTL_S  # lease of every registration; kept alive every ttl_s / 3
+    prefix: str = DEFAULT_PREFIX  # every kvstore key lies under it
+    timeout_s: float = 2.0  # one etcd call at most
+
+    @classmethod
+    def parse(
+        cls, urls: str, ttl_s: int = DEFAULT_TTL_S, prefix: str = DEFAULT_PREFIX
+    ) -> EtcdConfig:
+        """``"http://h1:2379,h2:2379"`` (scheme optional); ValueError names what is wrong."""
+        endpoints = []
+        for url in urls.split(","):
+            url = url.strip()
+            if url.startswith("https://"):
+                raise ValueError(f"--etcd {url}: TLS to etcd is not supported yet")
+            host, sep, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--etcd {url!r}: expected HOST:PORT or http://HOST:PORT")
+            endpoints.append(f"{host}:{port}")
+        if not ttl_s >= MIN_TTL_S:
+            raise ValueError(f"--etcd-ttl must be at least {MIN_TTL_S} s, got {ttl_s}")
+        if not (prefix.startswith("/") and prefix.isascii() and prefix.isprintable()):
+            raise ValueError(
+                f"--etcd-prefix must be printable ASCII starting with '/', got {prefix!r}"
+            )
+        return cls(tuple(endpoints), ttl_s, prefix if prefix.endswith("/") else prefix + "/")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key as etcd holds it."""
+
+    key: str
+    value: bytes
+    create_revision: int  # the revision that created this incarnation of the key
+    mod_revision: int  # the revision that last wrote it
+    lease: int  # 0 when the key lives without a lease
+
+
+@dataclass(frozen=True)
+class Change:
+    """One watched change: a put (``entry`` is the new value) or a delete
+    (``entry`` is the value before it, when etcd still had it)."""
+
+    deleted: bool
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int  # the store's revision after the transaction (0 when unknown)
+    reads: list[list[Entry]]  # one list per get of the branch that ran
+
+
+def prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with ``prefix`` (an ASCII key)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def version_is(key: str, version: int, range_end: str | None = None) -> tx.BaseCompare:
+    """True when the key's version is ``version`` (0: absent); with ``range_end``
+    for every key in ``[key, range_end)`` (an empty range is version 0)."""
+    return tx.Version(key.encode(), range_end.encode() if range_end else None) == version
+
+
+def modified_at(key: str, revision: int) -> tx.BaseCompare:
+    """True when the key was last written at ``revision`` (0: absent)."""
+    return tx.Mod(key.encode()) == revision
+
+
+def put(key: str, value: bytes, lease: int = 0) -> tx.Put:
+    return tx.Put(key.encode(), value, lease=lease)
+
+
+def delete(key: str) -> tx.Delete:
+    return tx.Delete(key.encode())
+
+
+def get(key: str, range_end: str | None = None) -> tx.Get:
+    return tx.Get(key.encode(), range_end.encode() if range_end else None)
+
+
+def _entry(kv) -> Entry:
+    return Entry(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+class Etcd:
+    """One connection to an etcd cluster, shared by a process's users of it."""
+
+    def __init__(self, config: EtcdConfig):
+        self.config = config
+        self._endpoint = 0
+        self._client: aetcd.Client | None = None
+        self._closing: set[asyncio.Task] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.endpoints[self._endpoint]
+
+    def _connected(self) -> aetcd.Client:
+        if self._client is None:
+            host, _, port = self.endpoint.rpartition(":")
+            self._client = aetcd.Client(
+                host, int(port), timeout=self.config.timeout_s, options=CHANNEL_OPTIONS
+            )
+        return self._client
+
+    def _failed(self, client: aetcd.Client) -> None:
+        """A call on ``client`` failed: with several endpoints, move to the next."""
+        if len(self.config.endpoints) == 1 or client is not self._client:
+            return
+        self._endpoint = (self._endpoint + 1) % len(self.config.endpoints)
+        self._client = None
+        task = asyncio.get_running_loop().create_task(client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _call(self, what: str, fn):
+        """``fn(client)``, bounded; tried once on each endpoint until one answers."""
+        for attempt in range(len(self.config.endpoints)):
+            client, endpoint = self._connected(), self.endpoint
+            try:
+                return await asyncio.wait_for(fn(client), self.config.timeout_s)
+            except (aetcd.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self._failed(client)
+                if attempt + 1 == len(self.config.endpoints):
+                    raise _unreachable(endpoint, what, exc) from None
+        raise AssertionError("unreachable")
+
+    # -- keys --------------------------------------------------------------
+
+    async def get(self, key: str) -> Entry | None:
+        kv = await self._call(f"get {key}", lambda c: c.get(key.encode()))
+        return None if kv is None else _entry(kv)
+
+    async def list_prefix(self, prefix: str) -> tuple[list[Entry], int]:
+        """Every key under ``prefix`` and the revision they were read at."""
+        got = await self._call(f"list {prefix}", lambda c: c.get_prefix(prefix.encode()))
+        return [_entry(kv) for kv in got], got.header.revision
+
+    async def txn(self, compare: Sequence, success: Sequence, failure: Sequence = ()) -> TxnResult:
+        """One transaction: ``success`` runs when every compare holds, else ``failure``."""
+        ok, responses = await self._call(
+            "transaction",
+            lambda c: c.transaction(
+                compare=list(compare), success=list(success), failure=list(failure)
+            ),
+        )
+        revision, reads = 0, []
+        for response in responses:
+            if isinstance(response, list):  # a get: [(value, Get), ...]
+                reads.append([_entry(kv) for _, kv in response])
+                revision = max([revision] + [kv.header.revision for _, kv in response])
+            else:
+                kind = response.WhichOneof("response")
+                revision = max(revision, getattr(response, kind).header.revision)
+        return TxnResult(ok, revision, reads)
+
+    async def recreate(self, key: str, value: bytes, lease: int) -> int:
+        """Put ``key`` as a new key (deleting an earlier incarnation first), so its
+        create revision is new; returns that revision."""
+        for _ in range(8):
+            result = await self.txn([version_is(key, 0)], [put(key, value, lease)], [delete(key)])
+            if result.succeeded:
+                return result.revision
+        raise unavailable(f"etcd {self.endpoint}: {key} is rewritten by someone else meanwhile")
+
+    # -- leases ------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> int:
+        lease = await self._call("lease grant", lambda c: c.lease(ttl_s))
+        return lease.id
+
+    async def refresh(self, lease: int) -> int:
+        """Keep ``lease`` alive once; its TTL in seconds, 0 when it is gone."""
+        reply = await self._call("lease keepalive", lambda c: c.refresh_lease(lease))
+        return reply.TTL if reply is not None else 0
+
+    async def revoke(self, lease: int) -> None:
+        """End ``lease`` now, deleting its keys in one revision (a gone lease is no error)."""
+        try:
+            await self._call("lease revoke", lambda c: c.revoke_lease(lease))
+        except KVError as exc:
+            if "not found" not in exc.message:
+                raise
+
+    # -- watches -----------------------------------------------------------
+
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[Change]:
+        """Every change under ``prefix`` from ``start_revision`` on, in revision order.
+
+        Ends only by raising UNAVAILABLE (etcd gone, the stream broken, or the
+        revision compacted): the caller lists again and watches anew.
+        """
+        client = self._connected()
+        try:
+            watch = await asyncio.wait_for(
+                client.watch_prefix(prefix.encode(), start_revision=start_revision, prev_kv=True),
+                self.config.timeout_s,
+            )
+        except (aetcd.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._failed(client)
+            raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
+        try:
+            async for event in watch:
+                if event.kind == "DELETE":
+                    before = event.prev_kv or event.kv
+                    yield Change(True, _entry(before))
+                else:
+                    yield Change(False, _entry(event.kv))
+        except (aetcd.ClientError, OSError) as exc:
+            self._failed(client)
+            raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
+        finally:
+            with contextlib.suppress(Exception):  # the stream may be gone already
+                await asyncio.wait_for(watch.cancel(), 1.0)
+        raise unavailable(f"etcd {self.endpoint}: watch {prefix} ended")
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing a dead channel may fail: it is closed
+                await asyncio.wait_for(client.close(), self.config.timeout_s)
+        for task in list(self._closing):
+            with contextlib.suppress(Exception):
+                await task
+
+
+def _unreachable(endpoint: str, what: str, exc: BaseException) -> KVError:
+    detail = str(exc) or type(exc).__name__
+    return unavailable(f"etcd {endpoint}: {what} failed: {detail}")

@@ -1,0 +1,213 @@
+"""What kvstore keeps in etcd: the keys under its prefix and their records.
+
+    <prefix>stores/<node id>           StoreRecord   the store server's lease
+    <prefix>routers/<address>          RouterRecord  the router replica's lease
+    <prefix>workers/<worker>           NameClaim     the worker's lease
+    <prefix>worksets/<model>/<namespace>/<role>/card             SetCard   no lease
+    <prefix>worksets/<model>/<namespace>/<role>/members/<worker> MemberRecord  the worker's lease
+
+``<prefix>`` is ``/kvstore/v1/`` unless configured. Every path component is
+percent-encoded (``urllib.parse.quote`` with nothing safe), so a ``/`` never
+occurs inside one, keys are ASCII, and one set's prefix is never a prefix of
+another's. Records are msgpack maps (``use_bin_type``); a record that does not
+decode is logged and skipped by whoever reads it, never fatal.
+
+A worker's lease is held by the router replica that admitted it; its name
+claim and its member key are written together and vanish together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from urllib.parse import quote, unquote
+
+import msgpack
+
+from kvstore.wire.card import WorkerCard
+
+_CARD_FIELDS = frozenset(f.name for f in fields(WorkerCard))
+
+
+@dataclass(frozen=True, order=True)
+class SetId:
+    """A WorkerSet: (model = display name, namespace, role = worker type)."""
+
+    model: str
+    namespace: str
+    role: str
+
+    @classmethod
+    def of(cls, card: WorkerCard) -> SetId:
+        return cls(card.display_name, card.namespace, card.worker_type)
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.namespace}/{self.role}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The keys under one prefix (ending in ``/``)."""
+
+    prefix: str
+
+    @property
+    def stores(self) -> str:
+        return f"{self.prefix}stores/"
+
+    @property
+    def routers(self) -> str:
+        return f"{self.prefix}routers/"
+
+    @property
+    def worksets(self) -> str:
+        return f"{self.prefix}worksets/"
+
+    def store(self, node_id: str) -> str:
+        return self.stores + _q(node_id)
+
+    def router(self, address: str) -> str:
+        return self.routers + _q(address)
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}workers/{_q(name)}"
+
+    def workset(self, set_id: SetId) -> str:
+        return f"{self.worksets}{_q(set_id.model)}/{_q(set_id.namespace)}/{_q(set_id.role)}/"
+
+    def card(self, set_id: SetId) -> str:
+        return self.workset(set_id) + "card"
+
+    def members(self, set_id: SetId) -> str:
+        return self.workset(set_id) + "members/"
+
+    def member(self, set_id: SetId, name: str) -> str:
+        return self.members(set_id) + _q(name)
+
+    def name_under(self, directory: str, key: str) -> str:
+        """The node id or address of ``key``, a key directly under ``directory``."""
+        return unquote(key.removeprefix(directory))
+
+    def parse_workset_key(self, key: str) -> tuple[SetId, str | None] | None:
+        """``(set, worker name)`` of a member key, ``(set, None)`` of a card key,
+        None for anything else under ``worksets/``."""
+        parts = key.removeprefix(self.worksets).split("/")
+        if len(parts) == 4 and parts[3] == "card":
+            return SetId(*map(unquote, parts[:3])), None
+        if len(parts) == 5 and parts[3] == "members":
+            return SetId(*map(unquote, parts[:3])), unquote(parts[4])
+        return None
+
+
+def _q(component: str) -> str:
+    return quote(component, safe="")
+
+
+# -- records -----------------------------------------------------------------
+
+
+def _pack(value: object) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> dict:
+    try:
+        value = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises several types
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("not a msgpack map")
+    return value
+
+
+def _card_of(value: object) -> WorkerCard:
+    if not isinstance(value, dict):
+        raise ValueError("card is not a map")
+    try:
+        return WorkerCard(**{k: v for k, v in value.items() if k in _CARD_FIELDS})
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"card: {exc}") from None
+
+
+@dataclass(frozen=True)
+class StoreRecord:
+    """A store server: where workers and peers reach it."""
+
+    store_address: str
+    ucx_address: str = ""
+
+    def encode(self) -> bytes:
+        return _pack({"store": self.store_address, "ucx": self.ucx_address})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> StoreRecord:
+        value = _unpack(raw)
+        return cls(str(value.get("store", "")), str(value.get("ucx", "")))
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    """A router replica: the gRPC address stores publish to and clients route through."""
+
+    address: str
+
+    def encode(self) -> bytes:
+        return _pack({"address": self.address})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RouterRecord:
+        return cls(str(_unpack(raw).get("address", "")))
+
+
+@dataclass(frozen=True)
+class NameClaim:
+    """Which WorkerSet a worker name is admitted into now."""
+
+    set_id: SetId
+
+    def encode(self) -> bytes:
+        s = self.set_id
+        return _pack({"set": [s.model, s.namespace, s.role]})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NameClaim:
+        parts = _unpack(raw).get("set")
+        if not (isinstance(parts, list) and len(parts) == 3):
+            raise ValueError("set is not [model, namespace, role]")
+        return cls(SetId(*map(str, parts)))
+
+
+@dataclass(frozen=True)
+class SetCard:
+    """A WorkerSet's first-wins identity: its checksum, hash format and reference card."""
+
+    checksum: str
+    hash_format: str
+    card: WorkerCard
+
+    def encode(self) -> bytes:
+        return _pack(
+            {"checksum": self.checksum, "hash_format": self.hash_format, "card": asdict(self.card)}
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SetCard:
+        value = _unpack(raw)
+        return cls(
+            str(value.get("checksum", "")),
+            str(value.get("hash_format", "")),
+            _card_of(value.get("card")),
+        )
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """An admitted worker: its whole card, so every replica can route to it."""
+
+    card: WorkerCard
+
+    def encode(self) -> bytes:
+        return _pack({"card": asdict(self.card)})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MemberRecord:
+        return cls(_card_of(_unpack(raw).get("card")))

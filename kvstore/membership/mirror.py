@@ -1,0 +1,202 @@
+"""What etcd says exists, applied to a router replica's core.
+
+    StoreMirror   stores/<node>       -> join_peer(node, create_revision, addresses) / remove_peer
+    WorkerMirror  worksets/.../members/<worker>
+                                      -> register_worker(name, card, generation=mod_revision)
+                                         / remove_worker; a set that lost its last member
+                                         is handed to ``on_empty`` (the replica dissolves it)
+
+On etcd, the mirrors are the only writers of a replica's peers and workers,
+and they apply changes in etcd's revision order, so the core holds etcd's
+state at some revision. Every member of a set carries the set's checksum at
+every revision (``worksets.py``), so the core's own first-wins check never
+refuses what etcd admitted. A listing (the first, or after etcd was away) is
+applied by difference: a peer or worker whose generation is unchanged keeps
+its indexed blocks and its load; anything else is replaced or removed.
+
+Generations are etcd revisions, so every replica agrees on them: a store's is
+its key's create revision (each registration creates the key anew), a
+worker's the revision of the transaction that admitted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from kvstore.membership.etcd import Change, Entry
+from kvstore.membership.layout import Layout, MemberRecord, SetId, StoreRecord
+from kvstore.wire.card import WorkerCard
+from kvstore.wire.errors import KVError
+
+log = logging.getLogger(__name__)
+
+
+class RouterCore(Protocol):
+    """The router core's methods a mirror applies etcd's state with
+    (``kvstore.router.core.Router`` has them)."""
+
+    def join_peer(
+        self, node_id: str, generation: int, store_address: str, ucx_address: str
+    ) -> object: ...
+
+    def remove_peer(self, node_id: str, generation: int = 0) -> bool: ...
+
+    def peer_generations(self) -> dict[str, int]: ...
+
+    def register_worker(self, name: str, card: WorkerCard, generation: int = 0) -> object: ...
+
+    def remove_worker(self, name: str, generation: int = 0) -> object: ...
+
+    def worker_generations(self) -> dict[str, int]: ...
+
+
+class StoreMirror:
+    """``stores/`` applied as the core's peers."""
+
+    def __init__(self, router: RouterCore, layout: Layout):
+        self.router = router
+        self.layout = layout
+
+    def _node(self, entry: Entry) -> str:
+        return self.layout.name_under(self.layout.stores, entry.key)
+
+    def reset(self, entries: list[Entry]) -> None:
+        wanted: dict[str, tuple[int, StoreRecord]] = {}
+        for entry in entries:
+            record = _decode(StoreRecord.decode, entry)
+            if record is not None:
+                wanted[self._node(entry)] = (entry.create_revision, record)
+        known = self.router.peer_generations()
+        for node_id, generation in known.items():
+            if wanted.get(node_id, (0,))[0] != generation:
+                self.router.remove_peer(node_id, generation)
+                log.info("store %s (generation %d) is gone from etcd", node_id, generation)
+        for node_id, (generation, record) in wanted.items():
+            self._join(node_id, generation, record, known.get(node_id, 0))
+
+    def changed(self, change: Change) -> None:
+        node_id = self._node(change.entry)
+        if change.deleted:
+            if self.router.remove_peer(node_id, change.entry.create_revision):
+                log.info("store %s left (generation %d)", node_id, change.entry.create_revision)
+            return
+        record = _decode(StoreRecord.decode, change.entry)
+        if record is not None:
+            known = self.router.peer_generations().get(node_id, 0)
+            self._join(node_id, change.entry.create_revision, record, known)
+
+    def _join(self, node_id: str, generation: int, record: StoreRecord, known: int) -> None:
+        try:
+            self.router.join_peer(node_id, generation, record.store_address, record.ucx_address)
+        except KVError as exc:
+            log.warning("store %s in etcd not joined: %s", node_id, exc)
+            return
+        if generation != known:
+            log.info(
+                "store %s joined (generation %d) at %s", node_id, generation, record.store_address
+            )
+
+
+class WorkerMirror:
+    """``worksets/`` applied as the core's admitted workers."""
+
+    def __init__(
+        self,
+        router: RouterCore,
+        layout: Layout,
+        on_empty: Callable[[SetId], None],
+        on_member: Callable[[str, Change], None],
+    ):
+        self.router = router
+        self.layout = layout
+        self.on_empty = on_empty  # a set lost its last member
+        self.on_member = on_member  # every member change, after it applied
+        self._members: dict[str, tuple[SetId, int]] = {}  # name -> (set, generation) applied
+        self._tick = asyncio.Event()
+
+    def generation(self, name: str) -> int:
+        """The generation of ``name`` applied here (0: none)."""
+        return self._members.get(name, (None, 0))[1]
+
+    def reset(self, entries: list[Entry]) -> None:
+        listed: dict[str, tuple[SetId, int, MemberRecord]] = {}
+        cards = set()
+        for entry in entries:
+            parsed = self.layout.parse_workset_key(entry.key)
+            if parsed is None:
+                continue
+            set_id, name = parsed
+            if name is None:
+                cards.add(set_id)
+                continue
+            record = _decode(MemberRecord.decode, entry)
+            if record is not None:
+                listed[name] = (set_id, entry.mod_revision, record)
+        for name, generation in self.router.worker_generations().items():
+            if listed.get(name, (None, 0))[1] != generation:
+                self._remove(name)
+        for name, (set_id, generation, record) in listed.items():
+            self._admit(name, set_id, generation, record.card)
+        for set_id in cards - {set_id for set_id, _, _ in listed.values()}:
+            self.on_empty(set_id)
+        self._changed()
+
+    def changed(self, change: Change) -> None:
+        parsed = self.layout.parse_workset_key(change.entry.key)
+        if parsed is None or parsed[1] is None:
+            return  # a card: admission reads it, the core needs no copy
+        set_id, name = parsed
+        if change.deleted:
+            if self._members.get(name, (None, 0))[0] == set_id:
+                self._remove(name)
+                if not any(s == set_id for s, _ in self._members.values()):
+                    self.on_empty(set_id)
+        else:
+            record = _decode(MemberRecord.decode, change.entry)
+            if record is not None:
+                self._admit(name, set_id, change.entry.mod_revision, record.card)
+        self.on_member(name, change)
+        self._changed()
+
+    def _admit(self, name: str, set_id: SetId, generation: int, card: WorkerCard) -> None:
+        if self._members.get(name) == (set_id, generation):
+            return
+        try:
+            self.router.register_worker(name, card, generation)
+        except KVError as exc:  # a card etcd holds but this core refuses: say so, go on
+            log.error("worker %s (generation %d) from etcd not admitted: %s", name, generation, exc)
+            return
+        self._members[name] = (set_id, generation)
+
+    def _remove(self, name: str) -> None:
+        self._members.pop(name, None)
+        with contextlib.suppress(KVError):  # not admitted here: nothing to remove
+            self.router.remove_worker(name)
+
+    def _changed(self) -> None:
+        self._tick.set()
+        self._tick = asyncio.Event()
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``done()`` holds after a change (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._tick.wait(), remaining)
+        return True
+
+
+def _decode(decode, entry: Entry):
+    try:
+        return decode(entry.value)
+    except ValueError as exc:
+        log.warning("etcd key %s: record skipped: %s", entry.key, exc)
+        return None

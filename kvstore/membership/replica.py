@@ -1,0 +1,213 @@
+"""A router replica on etcd: registered, mirroring the cluster, admitting workers.
+
+    replica = RouterReplica(etcd, config, router)     # router: the core (mirror.RouterCore)
+    await replica.start("10.0.0.5:50061")            # register, follow stores/ and worksets/
+    outcome = await replica.admit("w0", card)         # Admitted(generation) | Refused(...)
+    replica.release("w0", outcome.generation)         # a WorkerSession ended
+    await replica.remove("w0", generation)            # RemoveWorker
+    await replica.close()                             # leave: its key and its workers go
+
+The replica registers ``routers/<address>`` under its own lease, so store
+servers find it and publish their events to it. It follows ``stores/`` and
+``worksets/`` into its core (``mirror.py``). A worker admitted through it is
+written under a lease of its own that this replica keeps alive for as long as
+it holds the worker: until RemoveWorker, the end of the worker's session, or
+the replica's own end. If that lease is lost (the replica was silent past the
+TTL, or etcd lost its data) the replica admits the worker again, as a new
+generation, when etcd answers; if it is refused then (another checksum took
+the set meanwhile) the worker is let go. A worker re-registered through
+another replica, or removed through one, is let go here too.
+
+Admission returns once this replica's own core shows the admitted generation,
+so a Route through the same replica right after it sees the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+from kvstore.membership.directory import Directory
+from kvstore.membership.etcd import Change, Etcd, EtcdConfig
+from kvstore.membership.layout import Layout, RouterRecord, SetId
+from kvstore.membership.lease import KeyLease
+from kvstore.membership.mirror import RouterCore, StoreMirror, WorkerMirror
+from kvstore.membership.worksets import Admitted, Refused, WorkerSets
+from kvstore.wire.card import WorkerCard, card_checksum
+from kvstore.wire.errors import Code, KVError
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 5.0  # how long an admission or removal waits for this replica's own core
+
+
+@dataclass
+class HeldWorker:
+    """A worker this replica admitted and keeps alive."""
+
+    lease: KeyLease
+    first_generation: int  # the generation its admission here returned
+
+
+class RouterReplica:
+    def __init__(self, etcd: Etcd, config: EtcdConfig, router: RouterCore):
+        self.etcd = etcd
+        self.ttl_s = config.ttl_s
+        self.layout = Layout(config.prefix)
+        self.worksets = WorkerSets(etcd, self.layout)
+        self.stores = StoreMirror(router, self.layout)
+        self.workers = WorkerMirror(router, self.layout, self._dissolve_soon, self._member_changed)
+        self.directories = (
+            Directory(etcd, self.layout.stores, self.stores, "router: stores in etcd"),
+            Directory(etcd, self.layout.worksets, self.workers, "router: worker sets in etcd"),
+        )
+        self.registration: KeyLease | None = None
+        self._held: dict[str, HeldWorker] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, address: str) -> None:
+        """Follow the cluster and register as a replica reachable at ``address``.
+        With etcd unreachable it keeps trying in the background."""
+        for directory in self.directories:
+            directory.start()
+        key, record = self.layout.router(address), RouterRecord(address).encode()
+        self.registration = KeyLease(
+            self.etcd,
+            self.ttl_s,
+            partial(self.etcd.recreate, key, record),
+            f"router replica {address}",
+        )
+        try:
+            generation = await self.registration.register()
+            log.info("router replica %s registered in etcd (generation %d)", address, generation)
+        except KVError as exc:
+            log.warning("router replica %s not registered yet: %s", address, exc.message)
+        self.registration.keep()
+
+    # -- workers -----------------------------------------------------------
+
+    async def admit(self, name: str, card: WorkerCard) -> Admitted | Refused:
+        """Admit a validated ``card`` as ``name`` through etcd; UNAVAILABLE when
+        etcd does not answer."""
+        checksum = card_checksum(card)
+        lease = await self.etcd.grant(self.ttl_s)
+        try:
+            outcome = await self.worksets.admit(name, card, checksum, lease)
+        except BaseException:
+            with contextlib.suppress(KVError):
+                await self.etcd.revoke(lease)
+            raise
+        if isinstance(outcome, Refused):
+            await self.etcd.revoke(lease)
+            return outcome
+        held = KeyLease(
+            self.etcd,
+            self.ttl_s,
+            partial(self._readmit, name, card, checksum),
+            f"worker {name}",
+            on_lost=partial(self._let_go, name),
+        )
+        held.adopt(lease, outcome.generation)
+        self._replace_held(name, HeldWorker(held, outcome.generation))
+        held.keep()
+        generation = outcome.generation
+        if not await self.workers.wait(
+            lambda: self.workers.generation(name) == generation, SETTLE_S
+        ):
+            log.warning(
+                "worker %s admitted at %d; this replica has not seen it yet", name, generation
+            )
+        return outcome
+
+    async def _readmit(self, name: str, card: WorkerCard, checksum: str, lease: int) -> int:
+        outcome = await self.worksets.admit(name, card, checksum, lease)
+        if isinstance(outcome, Refused):
+            raise KVError(
+                Code.FAILED_PRECONDITION,
+                f"WorkerSet {SetId.of(card)} now holds checksum {outcome.checksum[:12]}",
+            )
+        return outcome.generation
+
+    def _replace_held(self, name: str, held: HeldWorker | None) -> None:
+        old = self._held.pop(name, None)
+        if held is not None:
+            self._held[name] = held
+        if old is not None and old is not held:
+            self._soon(old.lease.release())  # its keys moved to the new lease, or are gone
+
+    def _let_go(self, name: str) -> None:
+        self._replace_held(name, None)
+
+    def release(self, name: str, first_generation: int) -> None:
+        """The session that admitted ``name`` at ``first_generation`` ended: revoke
+        its lease, so every replica drops it (unless it registered again since)."""
+        held = self._held.get(name)
+        if held is not None and held.first_generation == first_generation:
+            self._replace_held(name, None)
+
+    async def remove(self, name: str, generation: int = 0) -> bool:
+        """RemoveWorker: False when ``name`` (that generation, when given) is not admitted."""
+        if generation == 0:
+            generation = self.workers.generation(name)
+        if await self.worksets.remove(name, generation) is None:
+            return False
+        held = self._held.get(name)
+        if held is not None and held.lease.generation == generation:
+            self._replace_held(name, None)
+        await self.workers.wait(lambda: self.workers.generation(name) != generation, SETTLE_S)
+        return True
+
+    def _member_changed(self, name: str, change: Change) -> None:
+        """Let go of a worker that registered through another replica, or was removed."""
+        held = self._held.get(name)
+        if held is None or not held.lease.lease:
+            return
+        if not change.deleted and change.entry.lease != held.lease.lease:
+            self._replace_held(name, None)  # re-registered elsewhere: the keys are not ours
+        elif change.deleted and change.entry.lease == held.lease.lease:
+            self._soon(self._check_removed(name, held))
+
+    async def _check_removed(self, name: str, held: HeldWorker) -> None:
+        """Our worker's keys went: removed by someone (our lease still lives) or
+        expired (it does not: the keepalive admits it again)."""
+        with contextlib.suppress(KVError):
+            if await held.lease.alive() and self._held.get(name) is held:
+                self._replace_held(name, None)
+
+    def _dissolve_soon(self, set_id: SetId) -> None:
+        self._soon(self._dissolve(set_id))
+
+    async def _dissolve(self, set_id: SetId) -> None:
+        with contextlib.suppress(KVError):  # unreachable: the next replica or listing does it
+            if await self.worksets.dissolve(set_id):
+                log.info("WorkerSet %s has no member left: dissolved", set_id)
+
+    def _soon(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def listed(self, timeout_s: float) -> bool:
+        """Whether both directories have listed etcd at least once (within ``timeout_s``)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not all(d.listings for d in self.directories):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def close(self) -> None:
+        """Leave: the replica's key and the workers it holds vanish at once."""
+        for directory in self.directories:
+            await directory.close()
+        if self.registration is not None:
+            await self.registration.release()
+        for name in list(self._held):
+            held = self._held.pop(name)
+            await held.lease.release()
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task

