@@ -24,10 +24,12 @@ import torch
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client.shared_memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
+from kvstore.client.tls import open_channel
 from kvstore.copy import region_from_tensor
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.hashing import HASH_FORMAT
 from kvstore.wire.kv_layout import LayoutKind
+from kvstore.wire.tls import TlsFiles
 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
@@ -227,13 +229,27 @@ class RankSession:
             self._thread.join(timeout=5)
 
 
-class StoreClient:
-    """A connection to one store server."""
+@dataclass(frozen=True)
+class RankSpec:
+    """Who a rank is in the store: what RegisterLayers says besides the layers."""
 
-    def __init__(self, address: str, timeout: float = 10.0):
+    instance_id: str
+    client_namespace: str
+    hash_format: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    rank: int = 0
+    world_size: int = 1
+
+
+class StoreClient:
+    """A connection to one store server; ``tls``: mutual TLS (plaintext when None)."""
+
+    def __init__(self, address: str, timeout: float = 10.0, tls: TlsFiles | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVStoreStub(self.channel)
 
     def register(
@@ -266,6 +282,20 @@ class StoreClient:
         )
         session.start()
         return session
+
+    def register_rank(self, spec: RankSpec, layers: list[KVLayer]) -> RankSession:
+        """:meth:`register` with the rank described by ``spec``."""
+        return self.register(
+            spec.instance_id,
+            spec.client_namespace,
+            layers,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            block_size=spec.block_size,
+            hash_format=spec.hash_format,
+        )
 
     def query(
         self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0

@@ -15,15 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstore.client.store_client import StoreClient
+from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.vllm.identity import block_key, client_namespace, hash_format
 from kvstore.integrations.vllm.scheduler import BlockPair, SchedulerSide
-from kvstore.integrations.vllm.worker import (
-    RankIdentity,
-    SharedMemoryKVPool,
-    WorkerSide,
-    paged_layers,
-)
+from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
 
 BS, NB = 32, 64
 HF = hash_format("sha256", "vllm-none-hash")
@@ -66,7 +61,7 @@ def rank(server):
         .view(NB, 2, BS, 128)
         for i in range(2)
     }
-    identity = RankIdentity("vllm-engine-1", "tiny-0123456789abcdef", HF, BS, 0, 1, 0, 1)
+    identity = RankSpec("vllm-engine-1", "tiny-0123456789abcdef", HF, BS, 0, 1, 0, 1)
     worker = WorkerSide(StoreClient(server.address), identity, seal_timeout=10, retry_s=0.2)
     worker.register(paged_layers(views, BS, "LBHNC", pool))
     yield worker, views, buf

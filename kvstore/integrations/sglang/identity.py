@@ -39,6 +39,9 @@ from dataclasses import dataclass
 
 import blake3
 
+from kvstore.client.store_client import RankSpec
+from kvstore.wire.hashing import SGLANG_HASH_FORMAT
+
 U64 = (1 << 64) - 1
 HEX_KEY = re.compile(r"[0-9a-fA-F]{16,}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -108,6 +111,20 @@ class RankIdentity:
     world_size: int
     replicated: bool  # MLA: the cells are shared by every rank
     writer: bool  # this rank saves (False: an MLA replica that only loads)
+
+    @property
+    def spec(self) -> RankSpec:
+        """What the store's RegisterLayers needs of this rank."""
+        return RankSpec(
+            instance_id=self.instance_id,
+            client_namespace=self.client_namespace,
+            hash_format=SGLANG_HASH_FORMAT,
+            block_size=self.block_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
 
 def rank_identity(

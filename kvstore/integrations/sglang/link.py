@@ -15,7 +15,6 @@ import time
 from kvstore.client.store_client import KVLayer, RankSession, StoreClient
 from kvstore.integrations.sglang.identity import RankIdentity
 from kvstore.wire.errors import Code, KVError
-from kvstore.wire.hashing import SGLANG_HASH_FORMAT
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 
 log = logging.getLogger(__name__)
@@ -76,17 +75,7 @@ class RankLink:
             pending = self._pending
         if pending is None:
             try:
-                pending = self.client.register(
-                    i.instance_id,
-                    i.client_namespace,
-                    self.layers,
-                    tp_rank=i.tp_rank,
-                    tp_size=i.tp_size,
-                    rank=i.rank,
-                    world_size=i.world_size,
-                    block_size=i.block_size,
-                    hash_format=SGLANG_HASH_FORMAT,
-                )
+                pending = self.client.register_rank(i.spec, self.layers)
             except KVError as err:
                 self._failed("register", err)
                 return

@@ -38,15 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.client.store_client import StoreClient
+from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
-from kvstore.integrations.vllm.worker import (
-    RankIdentity,
-    SharedMemoryKVPool,
-    WorkerSide,
-    paged_layers,
-)
+from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +175,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         s, cache = self.settings, self._vllm_config.cache_config
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         pp = get_pp_group()
-        identity = RankIdentity(
+        identity = RankSpec(
             instance_id=s.instance_id,
             client_namespace=s.client_namespace,
             hash_format=hash_format(s.hash_algo, none_hash_seed(s.hash_algo)),

@@ -20,13 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from kvstore.client.shared_memory import ShmTensor, shm_empty
-from kvstore.client.store_client import KVLayer, RankSession, StoreClient
+from kvstore.client.store_client import KVLayer, RankSession, RankSpec, StoreClient
 from kvstore.integrations.vllm.scheduler import BlockPair
 from kvstore.wire.errors import KVError, unavailable
 from kvstore.wire.kv_layout import LayoutKind, paged_layout
@@ -82,20 +81,6 @@ class SharedMemoryKVPool(TorchFunctionMode):
         self.buffers.clear()
 
 
-@dataclass(frozen=True)
-class RankIdentity:
-    """Who this rank is in the store: its instance, namespace and place in the world."""
-
-    instance_id: str
-    client_namespace: str
-    hash_format: str
-    block_size: int  # vLLM's (scheduler) block size in tokens
-    tp_rank: int
-    tp_size: int
-    rank: int
-    world_size: int
-
-
 def paged_layers(
     kv_caches: dict[str, torch.Tensor],
     block_size: int,
@@ -134,7 +119,7 @@ class WorkerSide:
     def __init__(
         self,
         client: StoreClient,
-        identity: RankIdentity,
+        identity: RankSpec,
         *,
         seal_timeout: float = 120.0,
         retry_s: float = 5.0,
@@ -165,17 +150,7 @@ class WorkerSide:
     def _connect(self) -> bool:
         i = self.identity
         try:
-            session = self.client.register(
-                i.instance_id,
-                i.client_namespace,
-                self._layers,
-                tp_rank=i.tp_rank,
-                tp_size=i.tp_size,
-                rank=i.rank,
-                world_size=i.world_size,
-                block_size=i.block_size,
-                hash_format=i.hash_format,
-            )
+            session = self.client.register_rank(i, self._layers)
             seal = session.wait_sealed(self.seal_timeout)
         except KVError as err:
             self._failures += 1
