@@ -31,7 +31,7 @@ COUNTERS = frozenset({
     "fetches_failed_unavailable", "fetches_failed_timeout", "served_blocks",
     "refused_connections", "busy_refusals", "events_applied", "events_dropped",
     "blocks_ingested", "rejected_registrations", "load_reports", "hit_reports",
-    "hit_blocks_predicted", "hit_blocks_reported",
+    "hit_blocks_predicted", "hit_blocks_reported", "worker_recreations",
 })  # fmt: skip
 
 Reader = Callable[[], dict[str, object]]  # part name -> stats record

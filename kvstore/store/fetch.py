@@ -11,7 +11,9 @@
   ``QueryPrefix`` answer for exactly this final namespace (so a peer with
   another layout is never asked), or, without a router, an explicit ``--peer``
   list. A failed or hung peer costs at most ``timeout_s``; the fetch then
-  retries once on the next peer that holds the prefix.
+  retries once on the next peer that holds the prefix. A peer that dies
+  mid-transfer costs only that attempt: later fetches go to the others (and a
+  local UCX worker found wedged is recreated, counted in ``worker_recreations``).
 
 The transfer engine (:mod:`kvstore.transfer`) moves slots and knows nothing of
 blocks; these adapters are the only place the two meet.
@@ -30,7 +32,7 @@ import numpy as np
 from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, Lease
 from kvstore.store.registry import Registry
-from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch
+from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, worker_recreations
 from kvstore.wire.errors import KVError, invalid, precondition, unavailable
 from kvstore.wire.peers import PeerPrefix
 
@@ -180,6 +182,8 @@ class FetcherStats:
     fetched_blocks: int = 0  # committed blocks pulled from peers, each counted once
     fetches_failed_unavailable: int = 0  # a peer refused, died or could not be reached
     fetches_failed_timeout: int = 0  # a peer did not finish within the fetch timeout
+    # This process's UCX worker found wedged and recreated (kvstore.transfer, "Peer death").
+    worker_recreations: int = 0
 
 
 class Fetcher:
@@ -197,7 +201,12 @@ class Fetcher:
         self._failed = {PeerUnavailable: 0, PeerTimeout: 0}
 
     def stats(self) -> FetcherStats:
-        return FetcherStats(self._fetched, self._failed[PeerUnavailable], self._failed[PeerTimeout])
+        return FetcherStats(
+            self._fetched,
+            self._failed[PeerUnavailable],
+            self._failed[PeerTimeout],
+            worker_recreations(),
+        )
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
         """Make the longest prefix of ``hashes`` that any peer holds local."""

@@ -51,13 +51,19 @@ aborted only once no request can still write into it, and the error surfaces
 as :class:`PeerUnavailable` or :class:`PeerTimeout`. The serving side bounds
 its own waits the same way and releases a lease only once no send can still
 read from it, including when the fetcher dies mid-transfer.
+
+Peer death: a peer killed at any point costs the fetch (or the served request)
+it was part of, never the process. UCX's shared-memory transports are left off
+by default (a peer dying while writing into one wedges the receiving worker);
+should the local worker still stop receiving, consecutive connect timeouts
+have it recreated (:func:`worker_recreations` counts it). See README.md.
 """
 
 from kvstore.transfer.client import fetch
 from kvstore.transfer.errors import PeerTimeout, PeerUnavailable, ProtocolError
 from kvstore.transfer.server import PeerServer
 from kvstore.transfer.slots import Lease, Reservation, SlotSink, SlotSource, SlotTable
-from kvstore.transfer.ucx import close_endpoints
+from kvstore.transfer.ucx import close_endpoints, worker_recreations
 
 __all__ = [
     "Lease",
@@ -71,4 +77,5 @@ __all__ = [
     "SlotTable",
     "close_endpoints",
     "fetch",
+    "worker_recreations",
 ]

@@ -26,6 +26,7 @@ from kvstore.transfer.ucx import (
     SEND_WINDOW,
     Conn,
     frame_sends,
+    is_ucx_error,
     pump,
     recv_frame,
     run_ops,
@@ -33,6 +34,7 @@ from kvstore.transfer.ucx import (
     send_frame,
     ucxx_module,
     when_settled,
+    worker_health,
 )
 from kvstore.transfer.wire import (
     MAX_SLOT_BYTES,
@@ -102,6 +104,7 @@ class PeerServer:
         self.send_window = send_window
         self.limits = limits or PortLimits()
         self._listener: Any = None
+        self._started = False
         self._conns: set[Conn] = set()
         self._handlers: set[asyncio.Task] = set()
         self._pinned = 0
@@ -110,10 +113,11 @@ class PeerServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` to advertise to the router."""
-        if self._listener is None:
+        """``host:port`` to advertise to the router (it stays the same across a
+        worker recreation, during which the port briefly does not listen)."""
+        if not self._started:
             raise RuntimeError("PeerServer is not started")
-        return f"{self.host}:{self._listener.port}"
+        return f"{self.host}:{self.port}"
 
     def stats(self) -> PortStats:
         return PortStats(
@@ -124,16 +128,38 @@ class PeerServer:
         ucxx = ucxx_module()
         self._listener = ucxx.create_listener(self._on_connect, port=self.port)
         self.port = self._listener.port
+        self._started = True
+        worker_health().add_listener(self)
 
     async def stop(self) -> None:
         """Stop listening, cut every connection, and wait for leases to be released."""
-        if self._listener is not None:
-            self._listener.close()
+        worker_health().remove_listener(self)
+        await self.suspend()
+        self._started = False
+
+    async def suspend(self) -> None:
+        """Stop listening and cut every connection (stop, or a worker recreation)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         for conn in list(self._conns):
             conn.abort()
         if self._handlers:
             await asyncio.wait(list(self._handlers), timeout=ABORT_GRACE_S)
-        self._listener = None
+
+    async def resume(self, attempts: int = 10, every_s: float = 0.5) -> None:
+        """Listen again on the same port, on the fresh worker (retrying while the
+        port is still taken)."""
+        for attempt in range(attempts):
+            if not self._started or self._listener is not None:
+                return
+            try:
+                self._listener = ucxx_module().create_listener(self._on_connect, port=self.port)
+                return
+            except Exception as exc:
+                if attempt == attempts - 1 or not is_ucx_error(exc):
+                    raise
+                await asyncio.sleep(every_s)
 
     async def _on_connect(self, ep: Any) -> None:
         conn = Conn(ep, peer="fetcher")

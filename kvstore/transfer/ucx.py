@@ -1,15 +1,17 @@
 """UCX plumbing: the environment, connections, bounded waits, frames on an
-endpoint, segment views, and pooled endpoints to peers."""
+endpoint, segment views, pooled endpoints to peers, and the health of the
+process's worker (recreated when wedged)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -33,9 +35,17 @@ CONTROL_TAG = 1
 DATA_TAG_BASE = 2
 
 # Settings applied (unless already set) before this process first starts UCX.
-# - MM_ERROR_HANDLING: endpoints with peer-failure handling (needed to notice a
-#   dead peer) may otherwise not use the shared-memory transports, and
-#   intra-node traffic falls back to tcp over loopback.
+# - No UCX_MM_ERROR_HANDLING=y: every endpoint handles peer failure, so UCX uses
+#   no shared-memory (posix/sysv) transport for it, and intra-node traffic goes
+#   over tcp. Those transports deliver every sender's messages through ONE
+#   receive FIFO in the receiver's shared memory; a peer killed while writing
+#   its element leaves a slot that is never marked written, and the receiving
+#   worker never reads past it: nothing arrives any more from any peer, and
+#   every later connect times out (README.md, "Peer death"). Setting it to "y"
+#   buys shared-memory speed for host memory at that risk; WorkerHealth then
+#   recreates a wedged worker.
+# - CM_REUSEADDR=y: a listener binds its port again while connections it
+#   accepted linger in TIME_WAIT (a worker recreation, a quick restart).
 # - UCXPY_PROGRESS_MODE=blocking: the event loop progresses UCX when the
 #   worker's fd is readable, instead of a progress thread handing completions
 #   over: a control round trip costs one wake-up, not a thread hand-off
@@ -46,7 +56,7 @@ DATA_TAG_BASE = 2
 #   thread wakes the loop per batch of completions instead of every pending
 #   request spinning on asyncio.sleep(0).
 UCX_DEFAULTS = {
-    "UCX_MM_ERROR_HANDLING": "y",
+    "UCX_CM_REUSEADDR": "y",
     "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
@@ -100,7 +110,7 @@ def ucxx_module() -> Any:
     return ucxx
 
 
-def _is_ucx_error(exc: BaseException) -> bool:
+def is_ucx_error(exc: BaseException) -> bool:
     from ucxx.exceptions import UCXError
 
     return isinstance(exc, UCXError)
@@ -115,6 +125,11 @@ class Conn:
     broken: bool = False
     # Requests that were still in flight when we gave up on them.
     unsettled: list[asyncio.Task] = field(default_factory=list)
+    # run_ops calls awaiting requests on this endpoint right now.
+    active: int = 0
+
+    def __post_init__(self) -> None:
+        worker_health().track(self)
 
     def abort(self) -> None:
         """Close abruptly: UCX cancels every request still posted on the endpoint."""
@@ -128,6 +143,11 @@ class Conn:
     @property
     def usable(self) -> bool:
         return not self.broken and not self.ep.closed
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request of this endpoint may still complete (and touch memory)."""
+        return self.active > 0 or any(not t.done() for t in self.unsettled)
 
 
 async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what: str) -> list:
@@ -144,17 +164,21 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
     if not tasks:
         return []
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
+    conn.active += 1
     try:
-        done, pending = await asyncio.wait(
-            tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
-        )
-    except BaseException:  # cancelled from outside
+        try:
+            done, pending = await asyncio.wait(
+                tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+            )
+        except BaseException:  # cancelled from outside
+            await abort_and_settle(conn, tasks)
+            raise
+        failed = [t for t in done if t.exception() is not None]
+        if not failed and not pending:
+            return [t.result() for t in tasks]
         await abort_and_settle(conn, tasks)
-        raise
-    failed = [t for t in done if t.exception() is not None]
-    if not failed and not pending:
-        return [t.result() for t in tasks]
-    await abort_and_settle(conn, tasks)
+    finally:
+        conn.active -= 1
     if failed:
         raise _peer_error(failed[0].exception(), conn.peer, what)
     raise PeerTimeout(f"peer {conn.peer}: {what} did not finish within the deadline")
@@ -169,8 +193,11 @@ async def abort_and_settle(conn: Conn, tasks: list[asyncio.Task]) -> None:
             log.error("%d UCX requests to %s did not settle after abort", len(still), conn.peer)
             conn.unsettled.extend(still)
     for t in tasks:  # mark exceptions as retrieved: the first one is reported
-        if t.done() and not t.cancelled():
-            t.exception()
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+            # With Python futures (progress thread), ucxx keeps the failed future,
+            # and so this exception: its traceback's frames would keep the
+            # buffers, the endpoint and the worker alive for good.
+            exc.__traceback__ = None
 
 
 def _peer_error(exc: BaseException, peer: str, what: str) -> Exception:
@@ -178,7 +205,7 @@ def _peer_error(exc: BaseException, peer: str, what: str) -> Exception:
         return exc
     if isinstance(exc, ProtocolError):
         return PeerUnavailable(f"peer {peer}: protocol error during {what}: {exc}")
-    if _is_ucx_error(exc):
+    if is_ucx_error(exc):
         return PeerUnavailable(f"peer {peer}: {what} failed: {type(exc).__name__}: {exc}")
     return exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
 
@@ -224,6 +251,7 @@ async def recv_frame(
     await run_ops(
         conn, [*after, conn.ep.recv(first, tag=CONTROL_TAG)], deadline, "waiting for a frame"
     )
+    worker_health().received()
     kind, length = decode_preamble(first[: PREAMBLE.size].tobytes(), expect)
     end = PREAMBLE.size + length
     if end <= INLINE_FRAME_BYTES:
@@ -282,6 +310,12 @@ class EndpointPool:
         self._idle.clear()
 
 
+def close_all_pools() -> None:
+    """Drop the pooled endpoints of every event loop."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EndpointPool] = (
     weakref.WeakKeyDictionary()
 )
@@ -310,17 +344,296 @@ def parse_address(address: str) -> tuple[str, int]:
 async def connect(address: str, deadline: float) -> Conn:
     host, port = parse_address(address)
     ucxx = ucxx_module()
+    health = worker_health()
+    await health.ready(deadline)
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
         raise PeerTimeout(f"peer {address}: no time left to connect")
+    health.connecting += 1
     try:
-        ep = await asyncio.wait_for(
-            ucxx.create_endpoint(host, port, connect_timeout=remaining), remaining
-        )
+        ep = await _create_endpoint(ucxx, host, port, remaining)
     except (asyncio.TimeoutError, TimeoutError):
+        health.connect_timed_out(address)
         raise PeerTimeout(f"peer {address}: connect did not finish in {remaining:.1f}s") from None
     except Exception as e:
-        if _is_ucx_error(e) or isinstance(e, OSError | RuntimeError):
+        if is_ucx_error(e) or isinstance(e, OSError | RuntimeError):
             raise PeerUnavailable(f"peer {address}: connect failed: {e}") from None
         raise
+    finally:
+        health.connecting -= 1
+    health.received()  # the peer info exchange came back
     return Conn(ep, peer=address)
+
+
+async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> Any:
+    """``ucxx.create_endpoint``, except that an endpoint whose peer info exchange
+    fails or times out is closed rather than dropped.
+
+    A dropped one, its receive still posted, crashed the process (SIGSEGV) when
+    the peer answered later. And the close is UCX's plain one where it can be
+    (progressed here, not by a thread), which completes that (stream) receive:
+    ucxx's blocking close first tries to cancel it, which UCX cannot do for a
+    stream receive, and then keeps request, endpoint and worker alive for good
+    (a worker recreation would leave the old one behind).
+    """
+    from ucxx._lib import libucxx as ucx_api
+    from ucxx._lib_async.endpoint import Endpoint
+    from ucxx._lib_async.exchange_peer_info import exchange_peer_info
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.exceptions import UCXMessageTruncatedError
+
+    ctx = ucxx.core._get_ctx()  # noqa: SLF001 -- ucxx's context: no public handle on it
+    ctx.continuous_ucx_progress()
+    ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)  # peer-failure handling
+    if not ctx.progress_mode.startswith("thread"):
+        ctx.worker.progress()
+    msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
+    try:
+        ucx_ep.raise_on_error()  # refused already: a receive posted now would never end
+        # Inline, not in a task of its own: the receive must be posted at once,
+        # before progress can fail the endpoint (UCX ends it then; a receive
+        # posted on a failed endpoint is only ever cancelled, and that fails).
+        info = await exchange_peer_info(
+            endpoint=ucx_ep, msg_tag=msg_tag, listener=False, connect_timeout=timeout
+        )
+    except UCXMessageTruncatedError:  # the peer closed: say why
+        try:
+            ucx_ep.raise_on_error()
+            raise
+        finally:
+            _close_unconnected(ctx, ucx_ep)
+    except BaseException:
+        _close_unconnected(ctx, ucx_ep)
+        raise
+    return Endpoint(
+        endpoint=ucx_ep, ctx=ctx, tags={"msg_send": info["msg_tag"], "msg_recv": msg_tag}
+    )
+
+
+def _close_unconnected(ctx: Any, ucx_ep: Any) -> None:
+    if ctx.progress_mode.startswith("thread"):
+        # The progress thread may fail the endpoint meanwhile: only the blocking
+        # close copes with that (it leaves the stream receive behind, though).
+        ucx_ep.close_blocking(period=int(ABORT_GRACE_S * 1e9), max_attempts=1)
+    elif ucx_ep.alive:  # a failed one is closed already: ucxx's close() crashes on it
+        ucx_ep.close()  # completes on progress
+        worker_health().closing(ucx_ep)
+        ctx.worker.progress()
+
+
+# ---- the local worker: noticing it wedged, and recreating it --------------------------
+
+# After this many connect timeouts in a row, with nothing received over UCX in
+# between, the local worker is presumed wedged (README.md, "Peer death").
+WEDGED_AFTER_CONNECT_TIMEOUTS = 2
+
+
+class Suspendable(Protocol):
+    """A listener that stops for a worker recreation and listens again after it."""
+
+    async def suspend(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class WorkerHealth:
+    """This process's UCX worker: notices it stopped receiving and recreates it.
+
+    The fallback for a worker that no message reaches any more (a peer died in
+    the middle of writing into a shared-memory FIFO, when those transports are
+    enabled): then every connect times out, since the peer info exchange never
+    comes back, while connects to a live peer normally finish well within a
+    fetch deadline. WEDGED_AFTER_CONNECT_TIMEOUTS of them in a row, nothing
+    received in between, start a recreation in the background: listeners
+    suspend, every endpoint is aborted and its requests get ABORT_GRACE_S to
+    settle, the worker stops being progressed and ucxx drops its context (and
+    with it the worker, its descriptors and its shared memory); ucxx creates a
+    fresh one on next use and the listeners listen again on their ports.
+    Connects wait for a recreation in progress, within their deadline.
+    """
+
+    def __init__(self) -> None:
+        self.recreations = 0
+        self.connecting = 0  # connects in progress
+        self._timeouts = 0
+        self._conns: weakref.WeakSet[Conn] = weakref.WeakSet()
+        self._closing: list[Any] = []  # ucxx endpoints closing (UCXEndpoint)
+        self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._recreating: asyncio.Task | None = None
+
+    def track(self, conn: Conn) -> None:
+        self._conns.add(conn)
+
+    def closing(self, ucx_ep: Any) -> None:
+        """An endpoint whose close completes on progress: held until it has."""
+        self._closing = [ep for ep in self._closing if ep.alive]
+        self._closing.append(ucx_ep)
+
+    def add_listener(self, listener: Suspendable) -> None:
+        self._listeners.add(listener)
+
+    def remove_listener(self, listener: Suspendable) -> None:
+        self._listeners.discard(listener)
+
+    def received(self) -> None:
+        """Something arrived over UCX: the worker is alive."""
+        self._timeouts = 0
+
+    def connect_timed_out(self, peer: str) -> None:
+        self._timeouts += 1
+        if self._timeouts >= WEDGED_AFTER_CONNECT_TIMEOUTS and self._recreating is None:
+            reason = f"{self._timeouts} connects in a row timed out, the last one to {peer}"
+            self._recreating = asyncio.ensure_future(self._recreate(reason))
+
+    @property
+    def recreating(self) -> bool:
+        return self._recreating is not None
+
+    async def ready(self, deadline: float) -> None:
+        """Wait for a recreation in progress: no connect starts on the old worker."""
+        task = self._recreating
+        if task is None or task.done():
+            return
+        remaining = deadline - asyncio.get_running_loop().time()
+        await asyncio.wait([task], timeout=max(0.0, remaining))
+        if not task.done():
+            raise PeerTimeout("the UCX worker is being recreated")
+
+    async def _recreate(self, reason: str) -> None:
+        log.error("UCX worker presumed wedged (%s): recreating it", reason)
+        loop = asyncio.get_running_loop()
+        try:
+            listeners = list(self._listeners)
+            for listener in listeners:
+                await listener.suspend()
+            close_all_pools()
+            for conn in list(self._conns):
+                conn.abort()
+            await self._settle(loop.time() + ABORT_GRACE_S)
+            await _drop_worker(loop)
+            self.recreations += 1
+            self._timeouts = 0
+            for listener in listeners:
+                try:
+                    await listener.resume()
+                except Exception:
+                    log.exception("a UCX listener did not come back after the worker recreation")
+            log.warning("UCX worker recreated (%d so far)", self.recreations)
+        except Exception:
+            log.exception("recreating the UCX worker failed")
+        finally:
+            self._recreating = None
+
+    async def _settle(self, deadline: float) -> None:
+        """Wait until no request, connect or close can still complete on the old
+        worker (progressing it: a wedged one only wakes up on a timer)."""
+        loop = asyncio.get_running_loop()
+        ctx = getattr(ucxx_module().core, "_ctx", None)
+        blocking = ctx is not None and not ctx.progress_mode.startswith("thread")
+        while True:
+            self._closing = [ep for ep in self._closing if ep.alive]
+            busy = any(conn.busy for conn in list(self._conns))
+            if not (self.connecting or busy or self._closing):
+                return
+            if loop.time() >= deadline:
+                log.warning("UCX requests still pending while the worker is recreated")
+                return
+            if blocking:
+                ctx.worker.progress()
+            await asyncio.sleep(0.05)
+
+
+async def _drop_worker(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop progressing this process's UCX worker and drop ucxx's context (ucxx
+    makes a fresh context and worker on next use).
+
+    ucxx's own reset() is made for shutdown: it leaves the progress machinery of
+    a running loop in place, still holding the old worker (progress tasks, the
+    epoll fd reader, a progress thread), so that goes first; and the old
+    context's finalizer, which would clear the NEW context's progress entry
+    were it to run late, is detached.
+    """
+    ucxx = ucxx_module()
+    await _stop_progress(loop)
+    ctx = getattr(ucxx.core, "_ctx", None)
+    if ctx is not None:
+        for ref in weakref.getweakrefs(ctx):
+            if isinstance(ref.__callback__, weakref.finalize):
+                ref.__callback__.detach()
+    del ctx
+    try:
+        ucxx.reset()
+    except Exception as exc:
+        if not is_ucx_error(exc):
+            raise
+        # Something still holds the old context: it goes once released.
+        log.warning("the old UCX context is still referenced: %s", str(exc).split("\n")[0])
+    # Endpoints of the old worker may still be on their way out (a handler
+    # unwinding); until they are, the old listener holds its port.
+    deadline = loop.time() + ABORT_GRACE_S
+    while _ucxx_objects_alive() and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+
+
+async def _stop_progress(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ucxx progressing the worker on ``loop`` (tasks, fd reader, thread)."""
+    from ucxx._lib_async import application_context as app
+
+    progress = app.ProgressTasks.pop(loop, None)
+    if progress is None:
+        return
+    epoll_fd = getattr(progress.worker, "epoll_file_descriptor", None)
+    if getattr(progress, "rsock", None) is not None and epoll_fd is not None:  # blocking mode
+        loop.remove_reader(epoll_fd)
+    # The progress loops end on their next turn once they find no worker. Not
+    # cancelled: a cancelled one's traceback keeps the worker in its frame (and
+    # one of them eats a cancel and carries on).
+    progress.worker = None
+    arm = getattr(progress, "arm_task", None)
+    if arm is not None:
+        arm.cancel()  # it waits on a socket, holding no worker
+    tasks = [t for t in getattr(progress, "_tasks", ()) if t is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=ABORT_GRACE_S)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: how it ended does not matter
+    del tasks, arm
+    # ucxx cancels whatever stands there when the loop closes: finished futures.
+    for name in ("arm_task", "progress_task"):
+        if getattr(progress, name, None) is not None:
+            done = loop.create_future()
+            done.set_result(None)
+            setattr(progress, name, done)
+    _run_finalizers(progress)  # close its socket, stop the progress thread
+
+
+def _ucxx_objects_alive() -> int:
+    """ucxx workers, endpoints and listeners still alive in this process."""
+    from ucxx._lib import libucxx as ucx_api
+
+    kinds = (ucx_api.UCXWorker, ucx_api.UCXEndpoint, ucx_api.UCXListener)
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, kinds))
+
+
+def _run_finalizers(obj: object) -> None:
+    for ref in weakref.getweakrefs(obj):
+        if isinstance(ref.__callback__, weakref.finalize):
+            try:
+                ref.__callback__()
+            except Exception:
+                log.debug("a ucxx finalizer failed", exc_info=True)
+
+
+_HEALTH = WorkerHealth()
+
+
+def worker_health() -> WorkerHealth:
+    """This process's (ucxx has one context and one worker per process)."""
+    return _HEALTH
+
+
+def worker_recreations() -> int:
+    """How many times this process recreated its UCX worker."""
+    return _HEALTH.recreations

@@ -137,9 +137,12 @@ def _router_knows(b_addr, ns, hashes) -> bool:
 
 
 def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
-    (a_addr, _a, a_proc), (b_addr, b, _), _ = cluster
+    """A dead peer costs the load that asked it; the fetching store keeps fetching
+    from the others (issue 11 item 6)."""
+    (a_addr, _a, a_proc), (b_addr, b, _), (c_addr, c, _) = cluster
     src, _ns = instance(a_addr, "src")
-    dst, _ = instance(b_addr, "dst")
+    dst, ns = instance(b_addr, "dst")
+    other = None
     try:
         hashes = [9000 + i for i in range(6)]
         src.each("fill", [(h, i) for i, h in enumerate(hashes)])
@@ -155,9 +158,20 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
         stats = b.stats()
         assert stats.sealed_blocks == 0 and stats.inflight_blocks == 0
         assert stats.used_bytes == used
+
+        # Another peer holds the same blocks: the next load fetches them from it.
+        other, ns_c = instance(c_addr, "src2")
+        assert ns_c == ns
+        other.each("fill", [(h, i) for i, h in enumerate(hashes)])
+        other.each("save", [(h, i) for i, h in enumerate(hashes)])
+        assert wait_for(lambda: _router_knows(b_addr, ns, hashes), timeout=20)
+        dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes)])
+        assert dst.each("digest", list(range(16, 22))) == other.each("digest", list(range(6)))
+        assert b.stats().fetched_blocks == 6 and c.stats().served_blocks == 6
     finally:
-        src.close()
-        dst.close()
+        for group in (src, dst, other):
+            if group is not None:
+                group.close()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,363 @@
+"""The transfer tests' harness: "nodes", each a spawned process with its own UCX
+context, driven over a pipe, serving a numpy-pool SlotSource (or a real store
+node) or fetching into a numpy-pool SlotSink that checks every byte; and
+misbehaving peers, PeerServer subclasses that fail at a chosen point.
+
+Both pools place slots back to back, so runs of slots coalesce into one UCX
+message; ``gap_every=k`` leaves a gap after every k-th slot on that side, which
+splits runs there, and ``lanes=L`` allocates like the store does with tp_size L
+(slot s of every block belongs to lane s % L; a lane's slots of all blocks
+come first, then the next lane's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvstore.transfer.testing import GAP, MemorySink, MemorySource, Pool, slot_content
+
+CTX = mp.get_context("spawn")
+NS = "model-a.0123456789abcdef"
+CALL_TIMEOUT = 20.0
+
+
+def torch_from(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(a)
+
+
+# ---- misbehaving peers --------------------------------------------------------------
+
+
+def make_server(
+    behaviour: str, source: MemorySource, timeout_s: float, limits: dict | None = None
+) -> Any:
+    from kvstore.transfer import server as peer_server
+    from kvstore.transfer import ucx, wire
+
+    class Server(peer_server.PeerServer):
+        sent_half = False
+        segments: list[int] = []  # bytes of each segment message sent
+
+        async def _send_slots(self, conn, views, deadline, first=0):
+            self.segments.extend(v.nbytes for v in views)
+            if behaviour == "die_writing":  # half the slots, then die inside a send
+                from tests.transfer.ucp_kill import die_in_send
+
+                await super()._send_slots(conn, views[: len(views) // 2], deadline)
+                self.sent_half = True
+                die_in_send(conn.ep.ucp_endpoint)
+            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long", "oversend"):
+                return await super()._send_slots(conn, views, deadline)
+            if behaviour == "oversend":  # every slot one byte longer than announced
+                views = [np.zeros(v.nbytes + 1, np.uint8) for v in views]
+                return await super()._send_slots(conn, views, deadline)
+            half = len(views) // 2
+            assert half > 0, "serve with gap_every so that there is a half to send"
+            await super()._send_slots(conn, views[:half], deadline)
+            self.sent_half = True
+            if behaviour == "die_half":
+                os.kill(os.getpid(), signal.SIGKILL)
+            await asyncio.sleep({"hang_half": 3600, "pause_long": 3.0}.get(behaviour, 1.0))
+            await super()._send_slots(conn, views[half:], deadline, first=half)
+
+        async def _serve(self, conn, body):
+            if behaviour == "mute":
+                await asyncio.sleep(3600)
+            if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
+                sizes = [[1 << 40]] * 9000
+                return await ucx.send_frame(
+                    conn, wire.Kind.REPLY, None, body=wire.encode_offer(sizes)
+                )
+            if behaviour.startswith("bad_runs"):  # sane sizes, malformed run starts
+                starts = {
+                    "bad_runs_unsorted": [3, 1],
+                    "bad_runs_range": [1, 99],
+                    "bad_runs_dup": [2, 2],
+                    "bad_runs_zero": [0],
+                    "bad_runs_lanes": [],
+                }
+                lanes = 3 if behaviour == "bad_runs_lanes" else 1
+                body = wire.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
+                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
+            return await super()._serve(conn, body)
+
+    return Server(source, timeout_s=timeout_s, limits=peer_server.PortLimits(**(limits or {})))
+
+
+# ---- a node: one spawned process driven over a pipe ------------------------------------
+
+
+class NodeState:
+    def __init__(self):
+        self.source: MemorySource | None = None
+        self.server: Any = None
+
+    async def serve(
+        self,
+        blocks: dict[int, list[int]],
+        behaviour: str = "normal",
+        timeout_s: float = 30.0,
+        gap_every: int = 0,
+        lanes: int = 1,
+        limits: dict | None = None,
+    ) -> str:
+        slots = sum(len(s) for s in blocks.values())
+        pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
+        self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
+        self.server = make_server(behaviour, self.source, timeout_s, limits)
+        await self.server.start()
+        return self.server.address
+
+    async def serve_store(
+        self,
+        hashes: list[int],
+        behaviour: str = "normal",
+        slot_bytes: int = 4096,
+        pool_blocks: int = 32,
+    ) -> tuple[str, str]:
+        """Serve from a real store node (TP1, two layers) whose sealed blocks hold
+        slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
+        from kvstore.store.fetch import StoreSource
+        from kvstore.testing.store import make_instance, make_store
+
+        self.node = make_store(pool_bytes=pool_blocks * 2 * slot_bytes, slab_bytes=8 * slot_bytes)
+        self.ranks = make_instance(
+            self.node.registry, "peer", tp_size=1, layers=2, num_blocks=16, block_bytes=slot_bytes
+        )
+        self.seal = self.node.registry.instances["peer"].seal
+        await self._save_store(hashes)
+        self.server = make_server(behaviour, StoreSource(self.node.index), 30.0)
+        await self.server.start()
+        return self.server.address, self.seal.final_namespace
+
+    async def _save_store(self, hashes: list[int]) -> None:
+        rank = self.ranks[0]
+        for start in range(0, len(hashes), 16):
+            batch = hashes[start : start + 16]
+            for i, h in enumerate(batch):
+                for s, t in enumerate(rank.tensors):  # slot s = layer s (TP1)
+                    t[:, i] = torch_from(slot_content(h, s, t[:, i].numel())).view(2, -1)
+            await self.node.save(rank.reg.caller_id, [(h, i) for i, h in enumerate(batch)])
+
+    async def evict_with(self, hashes: list[int]) -> dict:
+        """Save ``hashes`` too, pushing older unpinned blocks out of the pool."""
+        await self._save_store(hashes)
+        return await self.store_state()
+
+    async def store_state(self) -> dict:
+        return {
+            "evictions": self.node.index.stats().evictions,
+            "sent_half": self.server.sent_half,
+            "held": [k[1] for k, b in self.node.index.blocks.items() if b.sealed and b.pins],
+        }
+
+    async def leases(self) -> dict:
+        return {
+            "active": self.source.active,
+            "released": self.source.released,
+            "sent_half": self.server.sent_half,
+            "segments": list(self.server.segments),
+        }
+
+    async def port_stats(self) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(self.server.stats())
+
+    async def open_idle(self, address: str, n: int) -> int:
+        """Open ``n`` connections to ``address`` and keep them, sending nothing."""
+        from kvstore.transfer import ucx
+
+        self.idle = getattr(self, "idle", [])
+        for _ in range(n):
+            self.idle.append(await ucx.connect(address, asyncio.get_running_loop().time() + 5))
+        return len(self.idle)
+
+    async def ucx_state(self) -> dict:
+        """Open descriptors, and what the process's UCX worker health says."""
+        from kvstore.transfer.ucx import worker_health
+
+        health = worker_health()
+        return {
+            "fds": len(os.listdir("/proc/self/fd")),
+            "recreations": health.recreations,
+            "recreating": health.recreating,
+        }
+
+    async def freeze(self, seconds: float) -> None:
+        """Block this node's event loop (and so its UCX progress) for ``seconds``."""
+        asyncio.get_running_loop().call_soon(time.sleep, seconds)
+
+    async def set_max_segment_bytes(self, nbytes: int) -> None:
+        import kvstore.transfer.slots
+
+        kvstore.transfer.slots.MAX_SEGMENT_BYTES = nbytes
+
+    async def fetch(
+        self,
+        address: str,
+        hashes: list[int],
+        timeout_s: float = 10.0,
+        on_reserve: str = "",
+        repeat: int = 1,
+        pool_bytes: int = 64 << 20,
+        gap_every: int = 0,
+        lanes: int = 1,
+        namespace: str = NS,
+        fresh: bool = False,
+    ) -> dict:
+        """``fresh``: drop pooled endpoints first, so that the fetch connects."""
+        from kvstore.transfer import close_endpoints, fetch
+        from kvstore.wire.errors import KVError
+
+        if fresh:
+            await close_endpoints()
+        sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
+        out: dict[str, Any] = {"n": [], "error": None}
+        start = time.monotonic()
+        try:
+            for _ in range(repeat):
+                out["n"].append(await fetch(address, namespace, hashes, sink, timeout_s=timeout_s))
+        except KVError as e:
+            out["error"] = type(e).__name__
+            out["code"] = e.code.name
+            out["message"] = e.message
+        out["elapsed"] = time.monotonic() - start
+        return out | sink.report()
+
+    async def raw(
+        self, address: str, frames: list[bytes], replies: int, keep: bool = False
+    ) -> list:
+        """Send hand-made control frames; collect [kind, arg, body] replies or the error;
+        ``keep`` leaves the connection open afterwards."""
+        from kvstore.transfer import ucx, wire
+
+        conn = await ucx.connect(address, asyncio.get_running_loop().time() + 5)
+        for f in frames:
+            await conn.ep.send(np.frombuffer(f, np.uint8), tag=ucx.CONTROL_TAG)
+        out = []
+        for _ in range(replies):
+            deadline = asyncio.get_running_loop().time() + 3
+            try:
+                kind, arg, body = await ucx.recv_frame(conn, list(wire.Kind), deadline)
+                out.append([kind.name, arg, msgpack.unpackb(body) if body else None])
+            except Exception as e:
+                out.append(["failed", type(e).__name__])
+                break
+        if keep:
+            self.idle = [*getattr(self, "idle", []), conn]
+        else:
+            conn.abort()
+        return out
+
+
+def node_main(pipe: Any) -> None:
+    asyncio.run(_node_loop(pipe))
+
+
+async def _node_loop(pipe: Any) -> None:
+    state = NodeState()
+    loop = asyncio.get_running_loop()
+    tasks = set()
+
+    async def run(rid: int, name: str, kwargs: dict) -> None:
+        try:
+            result = (True, await getattr(state, name)(**kwargs))
+        except BaseException as e:  # report, never kill the node
+            result = (False, f"{type(e).__name__}: {e}")
+        pipe.send((rid, *result))
+
+    while True:
+        rid, name, kwargs = await loop.run_in_executor(None, pipe.recv)
+        if name == "exit":
+            return
+        task = asyncio.ensure_future(run(rid, name, kwargs))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+class Node:
+    """A process with its own UCX context; ``call`` runs a NodeState method there."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        """``env``: set in the node's environment (UCX reads it when it starts there)."""
+        self.pipe, child = CTX.Pipe()
+        self.proc = CTX.Process(target=node_main, args=(child,), daemon=True)
+        saved = dict(os.environ)
+        try:
+            os.environ.update(env or {})
+            self.proc.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        self._next = 0
+        self._results: dict[int, tuple] = {}
+
+    def submit(self, name: str, **kwargs) -> int:
+        self._next += 1
+        self.pipe.send((self._next, name, kwargs))
+        return self._next
+
+    def result(self, rid: int, timeout: float = CALL_TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while rid not in self._results:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pipe.poll(left):
+                raise TimeoutError(f"node did not answer call {rid} in {timeout}s")
+            got, ok, value = self.pipe.recv()
+            self._results[got] = (ok, value)
+        ok, value = self._results.pop(rid)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def call(self, name: str, timeout: float = CALL_TIMEOUT, **kwargs) -> Any:
+        return self.result(self.submit(name, **kwargs), timeout)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        close_all([self])
+
+
+def close_all(nodes: list[Node], grace_s: float = 5.0) -> None:
+    """Ask every node to exit, give them ``grace_s`` together, kill the rest."""
+    for node in nodes:
+        if node.proc.is_alive():
+            try:
+                node.pipe.send((0, "exit", {}))
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for node in nodes:
+        node.proc.join(max(0.0, deadline - time.monotonic()))
+        node.kill()
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+HASHES = [(0x9E3779B97F4A7C15 * (i + 1)) & ((1 << 64) - 1) for i in range(12)]
+
+
+def blocks_of(hashes: list[int], layout: list[int]) -> dict[int, list[int]]:
+    return {h: list(layout) for h in hashes}
