@@ -78,6 +78,44 @@ def etcd_config(args: argparse.Namespace):
     return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix)
 
 
+def add_tls(p, server: bool = False) -> None:
+    """--tls-ca/--tls-cert/--tls-key (and, for a server, --admin and --insecure)."""
+    p.add_argument(
+        "--tls-ca", default="", metavar="PEM", help="CA certificate that signs every component"
+    )
+    p.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="PEM",
+        help="this component's certificate; its subject CN is its identity (mutual TLS "
+        "needs --tls-ca, --tls-cert and --tls-key together)",
+    )
+    p.add_argument("--tls-key", default="", metavar="PEM", help="this component's private key")
+    if not server:
+        return
+    p.add_argument(
+        "--admin",
+        action="append",
+        default=[],
+        metavar="CN",
+        help="a client certificate CN trusted with everything: any worker, peer or "
+        "namespace, Clear of all, every event (repeatable; with TLS)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS (logs a warning): anyone who "
+        "reaches the port may register, remove, clear and read anything",
+    )
+
+
+def tls_files(args: argparse.Namespace):
+    """The TlsFiles of --tls-* (None without them); ValueError when one is missing."""
+    from kvstore.wire.tls import TlsFiles
+
+    return TlsFiles.of(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
@@ -157,6 +195,7 @@ def add_serve(sub) -> None:
         help="seconds a peer fetch may take before it fails over (10)",
     )
     add_metrics(p)
+    add_tls(p, server=True)
     add_common(p)
     from kvstore.cli.router import add_router_arguments
 
@@ -190,6 +229,7 @@ def add_demo(sub) -> None:
 def add_stats(sub) -> None:
     p = sub.add_parser("stats", help="print a store server's counters")
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    add_tls(p)
 
 
 def add_clear(sub) -> None:
@@ -201,11 +241,13 @@ def add_clear(sub) -> None:
     )
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
     p.add_argument("--namespace", default="", help="final namespace (default: every namespace)")
+    add_tls(p)
 
 
 def add_events(sub) -> None:
     p = sub.add_parser("events", help="print a store server's events as they happen")
     p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    add_tls(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,19 +297,29 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging(args.log_level)
         return run_demo(args)
-    if args.command == "stats":
-        from kvstore.client.store_client import StoreClient
-
-        print(StoreClient(args.address).stats())
-        return 0
-    if args.command == "clear":
-        from kvstore.client.store_client import StoreClient
-
-        print(f"cleared {StoreClient(args.address).clear(args.namespace)} blocks")
-        return 0
-    if args.command == "events":
-        return _print_events(args.address)
+    if args.command in ("stats", "clear", "events"):
+        return _client_command(args)
     return 2
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    """stats, clear, events: one call to a store server; a refusal prints its status."""
+    from kvstore.client.store_client import StoreClient
+    from kvstore.wire.errors import KVError
+
+    try:
+        tls = tls_files(args)
+        if args.command == "events":
+            return _print_events(args.address, tls)
+        client = StoreClient(args.address, tls=tls)
+        if args.command == "stats":
+            print(client.stats())
+        else:
+            print(f"cleared {client.clear(args.namespace)} blocks")
+    except (ValueError, KVError) as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def _serve(args) -> None:
@@ -289,7 +341,11 @@ async def _serve(args) -> None:
             peers=tuple(args.peer),
             fetch_timeout_s=args.fetch_timeout,
             metrics_port=args.metrics_port,
+            tls=tls_files(args),
+            admins=tuple(args.admin),
+            insecure=args.insecure,
         )
+        config.security.check_exposure(config.host, config.insecure)
         router = None
         if not args.no_router and not args.router:
             from kvstore.cli.router import build_served_router
@@ -302,19 +358,23 @@ async def _serve(args) -> None:
     await serve_until_signal(server)
 
 
-def _print_events(address: str) -> int:
+def _print_events(address: str, tls) -> int:
     import grpc
 
     from kvstore._proto import store_pb2 as pb
     from kvstore._proto import store_pb2_grpc as pb_grpc
+    from kvstore.client.tls import open_channel
     from kvstore.wire.events import StoreEvent
 
-    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(address))
+    stub = pb_grpc.KVStoreStub(open_channel(address, tls))
     try:
         for event in stub.Events(pb.EventsRequest()):
             print(StoreEvent.decode(event.payload), flush=True)
     except KeyboardInterrupt:
         pass
+    except grpc.RpcError as exc:
+        print(f"kvstore events: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     return 0
 
 

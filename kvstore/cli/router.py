@@ -14,11 +14,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvstore.cli import add_etcd, add_metrics, etcd_config
+from kvstore.cli import add_etcd, add_metrics, add_tls, etcd_config, tls_files
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
+from kvstore.service.tls import Security
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
@@ -96,6 +97,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         )
         add_metrics(parser)
         add_etcd(parser)
+        add_tls(parser, server=True)
     parser.add_argument(
         "--identity",
         choices=[a.value for a in IdentityAlgorithm],
@@ -167,17 +169,36 @@ def build_served_router(args: argparse.Namespace) -> ServedRouter:
     return ServedRouter(Router(router_config(args)), feed_specs(args), etcd)
 
 
+def security(args: argparse.Namespace) -> Security:
+    """TLS and admins of --tls-*/--admin; ValueError when a TLS flag is missing,
+    or when a non-loopback --host has no TLS and no --insecure."""
+    result = Security(tls_files(args), tuple(args.admin))
+    result.check_exposure(args.host, args.insecure)
+    return result
+
+
 def run_router(args: argparse.Namespace) -> int:
     """The standalone router until SIGINT or SIGTERM; 2 when a flag is refused."""
     try:
+        guard = security(args)
         served = build_served_router(args)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    asyncio.run(
-        serve_router(served, args.host, args.port, _announcer(args.host), args.metrics_port)
-    )
+    asyncio.run(_serve(served, args, guard))
     return 0
+
+
+def _serve(served: ServedRouter, args: argparse.Namespace, guard: Security):
+    return serve_router(
+        served,
+        args.host,
+        args.port,
+        _announcer(args.host),
+        args.metrics_port,
+        security=guard,
+        insecure=args.insecure,
+    )
 
 
 def _announcer(host: str) -> Callable[[int], None]:
@@ -193,16 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvstore router", description=__doc__.splitlines()[0])
     add_router_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        served = build_served_router(args)
-    except ValueError as exc:
-        parser.error(str(exc))
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(
-        serve_router(served, args.host, args.port, _announcer(args.host), args.metrics_port)
-    )
+    try:
+        guard = security(args)
+        served = build_served_router(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(_serve(served, args, guard))
 
 
 if __name__ == "__main__":

@@ -31,18 +31,24 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.client.tls import open_channel
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.card_proto import card_to_proto
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.tls import TlsFiles
 
 # A router that answers these is gone or hung: the next one may answer.
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RouterClient:
-    def __init__(self, address: str | Sequence[str], timeout_s: float = 10.0):
+    def __init__(
+        self, address: str | Sequence[str], timeout_s: float = 10.0, tls: TlsFiles | None = None
+    ):
+        """``tls``: mutual TLS to every router (plaintext when None)."""
+        self.tls = tls
         items = address.split(",") if isinstance(address, str) else list(address)
         self.addresses = [a.strip() for a in items if a.strip()]
         if not self.addresses:
@@ -63,7 +69,7 @@ class RouterClient:
     def _stub(self, i: int) -> router_pb2_grpc.RouterStub:
         with self._lock:
             if i not in self._stubs:
-                self._channels[i] = grpc.insecure_channel(self.addresses[i])
+                self._channels[i] = open_channel(self.addresses[i], self.tls)
                 self._stubs[i] = router_pb2_grpc.RouterStub(self._channels[i])
             return self._stubs[i]
 

@@ -39,6 +39,7 @@ from typing import NamedTuple
 from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
 from kvstore.wire.errors import KVError, not_found, precondition
+from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 
 @dataclass(frozen=True, order=True)
@@ -68,6 +69,7 @@ class Worker:
     checksum: str
     key: WorkerSetKey
     domain: Domain
+    owner: str = ""  # the principal that admitted it ("" = anonymous local)
 
     @property
     def name(self) -> str:
@@ -102,17 +104,21 @@ class Admission:
         self._next_generation = 1
 
     def admit(
-        self, name: str, card: WorkerCard, generation: int = 0
+        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = LOCAL
     ) -> tuple[Worker, Worker | None]:
-        """Admit ``card`` as worker ``name``; return (new worker, replaced one).
+        """Admit ``card`` as worker ``name`` for ``caller``; return (new worker, replaced one).
 
         ``card`` must be validated already. Raises FAILED_PRECONDITION, with
-        nothing changed, when the WorkerSet holds another checksum.
+        nothing changed, when the WorkerSet holds another checksum, and
+        PERMISSION_DENIED when ``name`` is admitted for another principal
+        (only its owner or an admin may replace it).
         ``generation``: one given by etcd (else the next of this router's counter).
         """
         checksum = card_checksum(card)
         key = key_of(card)
         old = self.workers.get(name)
+        if old is not None:
+            check_owner(f"worker name {name!r}", old.owner, caller)
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
@@ -135,6 +141,7 @@ class Admission:
             checksum,
             key,
             domain_of(card, checksum, self.algorithm),
+            caller.name,
         )
         wset = self.sets.get(key)
         if wset is None:
@@ -143,11 +150,13 @@ class Admission:
         self.workers[name] = worker
         return worker, old
 
-    def remove(self, name: str, generation: int = 0) -> Worker:
-        """Remove worker ``name`` (that generation only, when given)."""
+    def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
+        """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED
+        unless ``caller`` admitted it or is an admin."""
         worker = self.workers.get(name)
         if worker is None or (generation and worker.ref.generation != generation):
             raise not_found(f"worker {name!r} generation {generation or 'any'} is not admitted")
+        check_owner(f"worker {name!r}", worker.owner, caller)
         self._drop(worker)
         return worker
 

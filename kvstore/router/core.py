@@ -52,6 +52,7 @@ from kvstore.wire.errors import invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.principal import LOCAL, Principal
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,15 @@ class Router:
 
     # -- workers -----------------------------------------------------------
 
-    def register_worker(self, name: str, card: WorkerCard, generation: int = 0) -> Worker:
+    def register_worker(
+        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = LOCAL
+    ) -> Worker:
         """Admit ``card`` as ``name`` (replacing its previous generation).
 
         ``generation``: the one etcd gave this admission (replicas on etcd);
-        admitting the generation already current changes nothing.
+        admitting the generation already current changes nothing. ``caller``
+        owns the name while it is admitted: another principal (not admin) is
+        PERMISSION_DENIED.
         """
         check_name("name", name)
         validate_card(card)
@@ -142,7 +147,7 @@ class Router:
             current = self.admission.workers.get(name)
             if generation and current is not None and current.ref.generation == generation:
                 return current
-            worker, old = self.admission.admit(name, card, generation)
+            worker, old = self.admission.admit(name, card, generation, caller)
             if old is not None:
                 self._forget(old)
         log.info(
@@ -156,10 +161,11 @@ class Router:
         self._notify(worker, old)
         return worker
 
-    def remove_worker(self, name: str, generation: int = 0) -> Worker:
-        """Remove a worker; its index entries and tracked load go with it."""
+    def remove_worker(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
+        """Remove a worker; its index entries and tracked load go with it.
+        Only its owner or an admin may (PERMISSION_DENIED)."""
         with self._lock:
-            worker = self.admission.remove(name, generation)
+            worker = self.admission.remove(name, generation, caller)
             self._forget(worker)
         log.info("removed %s gen %d", name, worker.ref.generation)
         self._notify(None, worker)
@@ -240,7 +246,7 @@ class Router:
     # -- store events ------------------------------------------------------
 
     def publish_store_events(
-        self, node_id: str, generation: int, payloads: Sequence[bytes]
+        self, node_id: str, generation: int, payloads: Sequence[bytes], caller: Principal = LOCAL
     ) -> EventsApplied:
         """Decode and apply a store's events, the whole batch or none of it.
 
@@ -248,17 +254,27 @@ class Router:
         call with INVALID_ARGUMENT naming it and changes nothing. A stale
         generation drops everything (the peer restarted since).
         """
-        return self.apply_store_events(node_id, generation, decode_store_events(node_id, payloads))
+        events = decode_store_events(node_id, payloads)
+        return self.apply_store_events(node_id, generation, events, caller)
 
     def apply_store_events(
-        self, node_id: str, generation: int, events: Sequence[StoreEvent]
+        self,
+        node_id: str,
+        generation: int,
+        events: Sequence[StoreEvent],
+        caller: Principal = LOCAL,
     ) -> EventsApplied:
         """Apply decoded store events from peer (node_id, generation).
 
-        Room for every namespace and holder the batch brings is checked
-        before its first event applies: RESOURCE_EXHAUSTED changes nothing.
+        Only the principal that advertised ``node_id`` (or an admin) may
+        publish as it: PERMISSION_DENIED. Room for every namespace and holder
+        the batch brings is checked before its first event applies:
+        RESOURCE_EXHAUSTED changes nothing.
         """
         with self._lock:
+            known = self.peers.get(node_id)
+            if known is not None:
+                known.check_caller(caller)
             peer = self.peers.current(node_id, generation)
             if peer is None:
                 self._events_dropped += len(events)
@@ -301,7 +317,9 @@ class Router:
         final_namespaces: Sequence[str],
         generation: int = 0,
         lease_ms: int = 0,
+        caller: Principal = LOCAL,
     ) -> Peer:
+        """Advertise store ``node_id`` for ``caller``, who then owns that node id."""
         final_namespaces = list(final_namespaces)
         check_peer(node_id, store_address, ucx_address, final_namespaces, lease_ms)
         with self._lock:
@@ -315,6 +333,7 @@ class Router:
                 generation,
                 lease_ms,
                 now,
+                caller,
             )
 
     def join_peer(

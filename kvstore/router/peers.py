@@ -25,6 +25,7 @@ from kvstore.wire import limits
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 Holder = tuple[str, str]  # (node id, tier)
 
@@ -38,6 +39,16 @@ class Peer:
     namespaces: set[str] = field(default_factory=set)
     lease_ms: int = 0
     expires: float | None = None
+    # The principal that advertised it; None: joined from etcd, claimed by its
+    # first publisher (etcd does not say who registered a store).
+    owner: str | None = None
+
+    def check_caller(self, caller: Principal) -> None:
+        """PERMISSION_DENIED unless ``caller`` may speak for this node (claiming
+        it when nobody has yet)."""
+        if self.owner is None:
+            self.owner = caller.name
+        check_owner(f"peer node_id {self.node_id!r}", self.owner, caller)
 
 
 @dataclass(frozen=True)
@@ -76,12 +87,16 @@ class Peers:
         generation: int,
         lease_ms: int,
         now: float,
+        caller: Principal = LOCAL,
     ) -> Peer:
         """New advertisement (generation 0) or refresh of a current one.
 
-        The fields are checked already (``requests.check_peer``).
+        The fields are checked already (``requests.check_peer``). A node id
+        advertised by one principal is PERMISSION_DENIED to another (not admin).
         """
         old = self.peers.get(node_id)
+        if old is not None:
+            old.check_caller(caller)
         if generation:
             if old is None or old.generation != generation:
                 raise not_found(
@@ -103,6 +118,7 @@ class Peers:
             if old is not None:
                 self.remove(node_id)
             peer = Peer(node_id, self._next_generation, store_address, ucx_address, set(namespaces))
+            peer.owner = caller.name
             self._next_generation += 1
             self.peers[node_id] = peer
         peer.lease_ms = lease_ms

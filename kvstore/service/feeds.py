@@ -21,15 +21,16 @@ import asyncio
 import contextlib
 import logging
 
-import grpc
 import zmq
 import zmq.asyncio
 
 from kvstore._proto import store_pb2, store_pb2_grpc
+from kvstore.client.tls import open_aio_channel
 from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import decode_message
 from kvstore.wire.events import GPU_TIER, StoreEvent
+from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,16 @@ async def follow_vllm(
         sock.close(0)
 
 
-async def follow_store(router: Router, address: str, retry_s: float = 1.0) -> None:
-    """Follow one store server's Events stream until cancelled; reconnect on failure."""
+async def follow_store(
+    router: Router, address: str, retry_s: float = 1.0, tls: TlsFiles | None = None
+) -> None:
+    """Follow one store server's Events stream until cancelled; reconnect on failure.
+    (With TLS the store must list this router's CN as ``--admin`` to show it
+    every namespace's events.)"""
     while True:
         bound: list[tuple[str, int]] = []  # the (node id, peer generation) this stream feeds
         try:
-            await _follow_store_once(router, address, bound)
+            await _follow_store_once(router, address, bound, tls)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 -- any stream failure: log, drop the node, retry
@@ -91,9 +96,11 @@ async def follow_store(router: Router, address: str, retry_s: float = 1.0) -> No
         await asyncio.sleep(retry_s)
 
 
-async def _follow_store_once(router: Router, address: str, bound: list[tuple[str, int]]) -> None:
+async def _follow_store_once(
+    router: Router, address: str, bound: list[tuple[str, int]], tls: TlsFiles | None
+) -> None:
     """One Events stream; ``bound`` gets the peer it feeds once its node id is known."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_aio_channel(address, tls) as channel:
         stub = store_pb2_grpc.KVStoreStub(channel)
         async for message in stub.Events(store_pb2.EventsRequest()):
             try:
@@ -120,9 +127,13 @@ class Subscriptions:
     with :meth:`add_vllm` and :meth:`add_store`. :meth:`close` ends them all.
     """
 
-    def __init__(self, router: Router, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, router: Router, loop: asyncio.AbstractEventLoop, tls: TlsFiles | None = None
+    ):
+        """``tls``: credentials for the store Events streams (plaintext when None)."""
         self.router = router
         self.loop = loop
+        self.tls = tls
         self.tasks: dict[WorkerRef, asyncio.Task] = {}
         self.static: list[asyncio.Task] = []
 
@@ -148,7 +159,7 @@ class Subscriptions:
         self.static.append(self.loop.create_task(follow_vllm(self.router, endpoint, name=name)))
 
     def add_store(self, address: str) -> None:
-        self.static.append(self.loop.create_task(follow_store(self.router, address)))
+        self.static.append(self.loop.create_task(follow_store(self.router, address, tls=self.tls)))
 
     async def close(self) -> None:
         self.router.remove_listener(self.on_worker_change)

@@ -45,6 +45,7 @@ from kvstore.membership.lease import KeyLease
 from kvstore.wire.errors import KVError, unavailable
 from kvstore.wire.events import CLEARED, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,14 @@ class RemoteRouterLink:
     """The router is another process (one of ``addresses``, in order of
     preference): gRPC through RouterClient, off the loop."""
 
-    def __init__(self, addresses: str | Sequence[str], node_id: str):
+    def __init__(self, addresses: str | Sequence[str], node_id: str, tls: TlsFiles | None = None):
+        """``tls``: mutual TLS to the routers (plaintext when None)."""
         self.addresses = router_addresses(addresses)
         if not self.addresses:
             raise ValueError("no router address given")
         self._active = 0
-        self.client, self.lookups = _clients(self.addresses[0])
+        self.tls = tls
+        self.client, self.lookups = _clients(self.addresses[0], tls)
         self.node_id = node_id
         self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -176,7 +179,7 @@ class RemoteRouterLink:
         self._active = (self._active + 1) % len(self.addresses)
         self.client.close()
         self.lookups.close()
-        self.client, self.lookups = _clients(self.addresses[self._active])
+        self.client, self.lookups = _clients(self.addresses[self._active], self.tls)
         log.info("moving to router %s", self.client.address)
 
     @property
@@ -224,11 +227,14 @@ class RemoteRouterLink:
         self.lookups.close()
 
 
-def _clients(address: str):
+def _clients(address: str, tls: TlsFiles | None):
     """(publishing client, lookup client) for one router."""
     from kvstore.client.router_client import RouterClient
 
-    return RouterClient(address, timeout_s=5.0), RouterClient(address, timeout_s=QUERY_TIMEOUT_S)
+    return (
+        RouterClient(address, timeout_s=5.0, tls=tls),
+        RouterClient(address, timeout_s=QUERY_TIMEOUT_S, tls=tls),
+    )
 
 
 class RouterFeed:
@@ -240,10 +246,16 @@ class RouterFeed:
     block, which subsumes whatever was queued.
     """
 
-    def __init__(self, address: str, node_id: str, snapshot: Callable[[], list[StoreEvent]]):
+    def __init__(
+        self,
+        address: str,
+        node_id: str,
+        snapshot: Callable[[], list[StoreEvent]],
+        tls: TlsFiles | None = None,
+    ):
         self.address = address
         self.node_id = node_id
-        self.client, self.lookups = _clients(address)
+        self.client, self.lookups = _clients(address, tls)
         self.generation = 0
         self.synced = False  # the replica holds exactly our sealed blocks (as of the last send)
         self._snapshot = snapshot
@@ -330,9 +342,13 @@ class RouterFeed:
 class ClusterRouterLink:
     """Router replicas found in etcd; this store registered there under a lease."""
 
-    def __init__(self, config: EtcdConfig, node_id: str, local_router=None):
-        """``local_router``: the embedded router core, asked first for peers."""
+    def __init__(
+        self, config: EtcdConfig, node_id: str, local_router=None, tls: TlsFiles | None = None
+    ):
+        """``local_router``: the embedded router core, asked first for peers;
+        ``tls``: mutual TLS to the replicas (plaintext when None)."""
         self.config = config
+        self.tls = tls
         self.node_id = node_id
         self.local_router = local_router
         self.etcd = Etcd(config)
@@ -400,7 +416,7 @@ class ClusterRouterLink:
     def _add(self, address: str, revision: int) -> None:
         feed = self.feeds.get(address)
         if feed is None:
-            feed = self.feeds[address] = RouterFeed(address, self.node_id, self._snapshot)
+            feed = self.feeds[address] = RouterFeed(address, self.node_id, self._snapshot, self.tls)
             log.info("store %s: router replica %s joined", self.node_id, address)
         if self._router_generations.get(address) != revision:  # new, or restarted
             self._router_generations[address] = revision

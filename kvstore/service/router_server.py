@@ -41,10 +41,12 @@ from kvstore.service import status
 from kvstore.service.feeds import Subscriptions
 from kvstore.service.metrics import MetricsServer
 from kvstore.service.router_service import RouterService, add_to_server, admitted_reply
+from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
 from kvstore.wire.names import check_name
+from kvstore.wire.principal import denied
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -65,7 +67,10 @@ class ServedRouter:
     with ``etcd``, also its replica on etcd."""
 
     def __init__(
-        self, router: Router, feeds: FeedSpecs | None = None, etcd: EtcdConfig | None = None
+        self,
+        router: Router,
+        feeds: FeedSpecs | None = None,
+        etcd: EtcdConfig | None = None,
     ):
         self.router = router
         self.feeds = feeds or FeedSpecs()
@@ -74,19 +79,21 @@ class ServedRouter:
         self._etcd: Etcd | None = None
         self._subscriptions: Subscriptions | None = None
 
-    def start(self, server: grpc.aio.Server) -> None:
+    def start(self, server: grpc.aio.Server, security: Security = PLAINTEXT) -> None:
         """Add the Router service to ``server`` and start the feeds.
 
-        Call it from inside the running event loop (the feeds are tasks on it).
+        ``security``: the server's TLS and admins (who callers are; the store
+        feeds present the same credentials). Call it from inside the running
+        event loop (the feeds are tasks on it).
         """
         if self.etcd_config is None:
-            service = RouterService(self.router)
+            service = RouterService(self.router, security)
         else:
             self._etcd = Etcd(self.etcd_config)
             self.replica = RouterReplica(self._etcd, self.etcd_config, self.router)
-            service = ClusterRouterService(self.router, self.replica)
+            service = ClusterRouterService(self.router, self.replica, security)
         add_to_server(service, server)  # unparseable: INVALID_ARGUMENT
-        subs = Subscriptions(self.router, asyncio.get_running_loop())
+        subs = Subscriptions(self.router, asyncio.get_running_loop(), security.tls)
         subs.start()
         for name, endpoint in self.feeds.vllm:
             subs.add_vllm(name, endpoint)
@@ -129,10 +136,16 @@ class ClusterRouterService(RouterService):
     so AdvertisePeer is refused; PublishEvents from a (node, generation) this
     replica does not know (yet) is NOT_FOUND, which tells the store to send its
     snapshot again shortly. Everything else is the plain service.
+
+    Ownership on etcd is partial: etcd does not record who admitted a worker
+    or registered a store, so RemoveWorker is for admins only (with TLS), a
+    store node id belongs to the first principal that publishes as it on this
+    replica, and a worker name is not tied to a principal (first-wins per
+    WorkerSet in etcd still applies).
     """
 
-    def __init__(self, router: Router, replica: RouterReplica):
-        super().__init__(router)
+    def __init__(self, router: Router, replica: RouterReplica, security: Security = PLAINTEXT):
+        super().__init__(router, security)
         self.replica = replica
 
     async def _admit(self, context, name: str, card: WorkerCard) -> Worker:
@@ -171,6 +184,12 @@ class ClusterRouterService(RouterService):
 
     async def RemoveWorker(self, request, context):
         try:
+            caller = self.security.principal(context)
+            if not caller.admin:
+                raise denied(
+                    f"worker {request.name!r}: on etcd only an admin may remove a worker "
+                    f"(etcd does not record who admitted it), not {caller}"
+                )
             if not await self.replica.remove(request.name, request.generation):
                 generation = request.generation or "any"
                 raise not_found(f"worker {request.name!r} generation {generation} is not admitted")
@@ -188,12 +207,14 @@ class ClusterRouterService(RouterService):
         )
 
     async def PublishEvents(self, request, context):
+        caller = await self._caller(context)
         result = await self._call(
             context,
             self.router.publish_store_events,
             request.node_id,
             request.generation,
             list(request.events),
+            caller,
         )
         if result.stale:
             await status.abort(
@@ -212,20 +233,25 @@ async def serve_router(
     port: int,
     on_listening: Callable[[int], None] | None = None,
     metrics_port: int | None = None,
+    security: Security = PLAINTEXT,
+    insecure: bool = False,
 ) -> None:
     """The standalone router: gRPC + health on ``host:port`` until SIGINT or SIGTERM.
 
     ``on_listening`` gets the bound port (``port`` 0 picks a free one); with
-    ``metrics_port`` it also serves Prometheus /metrics there.
+    ``metrics_port`` it also serves Prometheus /metrics there. ``security``:
+    TLS and admins; a non-loopback ``host`` without TLS is a ValueError unless
+    ``insecure``.
     """
+    security.check_exposure(host, insecure)
     metrics = None
     if metrics_port is not None:
         metrics = MetricsServer(lambda: {"router": served.router.stats()}, host, metrics_port)
     server = grpc.aio.server()
-    served.start(server)
+    served.start(server, security)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.bind(server, f"{host}:{port}")
     if bound == 0:
         await served.close()
         raise OSError(f"cannot bind {host}:{port}")

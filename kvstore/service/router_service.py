@@ -21,8 +21,10 @@ from kvstore.router.core import Router
 from kvstore.router.load import LoadReport
 from kvstore.router.routing import RouteResult
 from kvstore.service import malformed, status
+from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError
+from kvstore.wire.principal import Principal
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,12 @@ def _routed(result: RouteResult) -> router_pb2.RouteResponse:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router):
+    """``security``: who callers are (their certificate CN with TLS); the core
+    decides what each may do (worker names and peer node ids have owners)."""
+
+    def __init__(self, router: Router, security: Security = PLAINTEXT):
         self.router = router
+        self.security = security
 
     async def _call(self, context: grpc.aio.ServicerContext, fn, *args, **kwargs):
         try:
@@ -74,16 +80,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except KVError as exc:
             await status.abort(context, exc)
 
-    async def RegisterWorker(self, request, context):
-        worker = await self._call(
-            context, self.router.register_worker, request.name, card_from_proto(request.card)
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        return await self._call(context, self.security.principal, context)
+
+    async def _register(self, request, context):
+        caller = await self._caller(context)
+        card = card_from_proto(request.card)
+        return await self._call(
+            context, self.router.register_worker, request.name, card, caller=caller
         )
+
+    async def RegisterWorker(self, request, context):
+        worker = await self._register(request, context)
         return admitted_reply(worker, self.router.members(worker.key))
 
     async def WorkerSession(self, request, context):
-        worker = await self._call(
-            context, self.router.register_worker, request.name, card_from_proto(request.card)
-        )
+        worker = await self._register(request, context)
         try:
             yield admitted_reply(worker, self.router.members(worker.key))
             while not context.done():  # hold the session; cancellation ends it
@@ -93,7 +105,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.router.remove_worker(worker.name, worker.ref.generation)
 
     async def RemoveWorker(self, request, context):
-        await self._call(context, self.router.remove_worker, request.name, request.generation)
+        caller = await self._caller(context)
+        await self._call(
+            context, self.router.remove_worker, request.name, request.generation, caller
+        )
         return router_pb2.RemoveWorkerResponse(removed=True)
 
     async def Route(self, request, context):
@@ -128,6 +143,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.RequestFinishedResponse()
 
     async def AdvertisePeer(self, request, context):
+        caller = await self._caller(context)
         peer = await self._call(
             context,
             self.router.advertise_peer,
@@ -137,6 +153,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             list(request.final_namespaces),
             request.generation,
             request.lease_ms,
+            caller,
         )
         return router_pb2.AdvertisePeerResponse(generation=peer.generation)
 
@@ -161,12 +178,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def PublishEvents(self, request, context):
+        caller = await self._caller(context)
         result = await self._call(
             context,
             self.router.publish_store_events,
             request.node_id,
             request.generation,
             list(request.events),
+            caller,
         )
         return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
 

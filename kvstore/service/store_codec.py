@@ -10,12 +10,17 @@ from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
 from kvstore.wire.errors import invalid
 from kvstore.wire.fingerprint import LayerGeometry
 from kvstore.wire.kv_layout import LayoutKind
+from kvstore.wire.principal import LOCAL, Principal
 
 # ---------------------------------------------------------------- requests
 
 
-def decode_registration(req: pb.RegisterLayersRequest) -> Registration:
+def decode_registration(
+    req: pb.RegisterLayersRequest, principal: Principal = LOCAL
+) -> Registration:
+    """The registration ``principal`` sent."""
     return Registration(
+        principal=principal,
         instance_id=req.instance_id,
         client_namespace=req.client_namespace,
         rank=req.rank,

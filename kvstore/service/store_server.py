@@ -27,6 +27,7 @@ from kvstore.service.router_link import (
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
+from kvstore.service.tls import Security
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -37,6 +38,7 @@ from kvstore.transfer import PeerServer
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "kvstore.v1.KVStore"
@@ -72,6 +74,15 @@ class ServerConfig:
     peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
     fetch_timeout_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = free
+    # Mutual TLS for gRPC, served and to the routers; None = plaintext (loopback only
+    # unless insecure). admins: certificate CNs trusted with everything.
+    tls: TlsFiles | None = None
+    admins: tuple[str, ...] = ()
+    insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
+
+    @property
+    def security(self) -> Security:
+        return Security(self.tls, self.admins)
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -113,7 +124,7 @@ class StoreServer:
             fetcher = Fetcher(self.index, sink, self._find_peers, config.fetch_timeout_s)
         copiers = {d: copier_for(d) for d in self.devices}
         self.node = StoreNode(self.registry, self.index, copiers, fetcher, source)
-        self.service = KVStoreService(self.node, self.peer_server)
+        self.service = KVStoreService(self.node, self.peer_server, config.security)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -143,6 +154,8 @@ class StoreServer:
             sink(event)
 
     async def start(self) -> int:
+        security = self.config.security
+        security.check_exposure(self.config.host, self.config.insecure)
         if self.peer_server is not None:  # first: Stats reports its address
             await self.peer_server.start()
             log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
@@ -150,8 +163,8 @@ class StoreServer:
         add_to_server(self.service, self.server)  # a request that does not parse: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.embedded_router is not None:
-            self.embedded_router.start(self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            self.embedded_router.start(self.server, security)
+        self.port = security.bind(self.server, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         if not self.config.node_id:
@@ -193,11 +206,13 @@ class StoreServer:
 
     async def _link_router(self) -> None:
         if self.config.etcd is not None:
-            self.link = ClusterRouterLink(self.config.etcd, self.node_id, self.router)
+            self.link = ClusterRouterLink(
+                self.config.etcd, self.node_id, self.router, self.config.tls
+            )
         elif self.router is not None:
             self.link = LocalRouterLink(self.router, self.node_id)
         elif self.config.router_address:
-            self.link = RemoteRouterLink(self.config.router_address, self.node_id)
+            self.link = RemoteRouterLink(self.config.router_address, self.node_id, self.config.tls)
         if self.link is None:
             return
         await self.link.start(

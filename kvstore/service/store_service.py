@@ -19,23 +19,33 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.service import malformed, status
 from kvstore.service import store_codec as codec
+from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
 from kvstore.wire.errors import KVError, exhausted
 from kvstore.wire.events import StoreEvent
+from kvstore.wire.principal import Principal
 
 log = logging.getLogger(__name__)
 EVENT_QUEUE_MAX = 65536
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, node: StoreNode, peer_server: PeerServer | None = None):
-        """``peer_server``: the node's peer-transfer listener, None when transfer is off."""
+    def __init__(
+        self,
+        node: StoreNode,
+        peer_server: PeerServer | None = None,
+        security: Security = PLAINTEXT,
+    ):
+        """``peer_server``: the node's peer-transfer listener, None when transfer is off.
+        ``security``: who callers are (their certificate CN with TLS); the node
+        decides what each may see and do (tenant scoping)."""
         self.node = node
         self.peer_server = peer_server
+        self.security = security
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
-        self._subscribers: set[asyncio.Queue] = set()
+        self._subscribers: dict[asyncio.Queue, Principal] = {}  # queue -> who watches
         self._seal_waiters: set[asyncio.Event] = set()  # GetInstance calls waiting
         node.watch(self._instance_changed)
 
@@ -47,10 +57,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except KVError as err:
             await status.abort(context, err)
 
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        return await self._call(context, self.security.principal, context)
+
     # -------------------------------------------------------- registration
 
     async def RegisterLayers(self, request, context) -> AsyncIterator[pb.RegistrationUpdate]:
-        reg = await self._call(context, codec.decode_registration, request)
+        caller = await self._caller(context)
+        reg = await self._call(context, codec.decode_registration, request, caller)
         inst = await self._call(context, self.node.register, reg)
         queue: asyncio.Queue = asyncio.Queue()
         self._watchers[reg.session] = queue
@@ -108,12 +122,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return codec.load_response(await self._call(context, self.node.load, who, refs))
 
     async def Prefetch(self, request, context):
+        caller = await self._caller(context)
         result = await self._call(
-            context, self.node.prefetch, request.namespace, list(request.block_hashes)
+            context, self.node.prefetch, request.namespace, list(request.block_hashes), caller
         )
         return codec.prefetch_response(result)
 
     async def Query(self, request, context):
+        caller = await self._caller(context)
         result = await self._call(
             context,
             self.node.query,
@@ -121,6 +137,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             list(request.block_hashes),
             request.lease,
             request.lease_ms,
+            caller,
         )
         return codec.query_response(result)
 
@@ -129,7 +146,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.ReleaseResponse(released_blocks=n)
 
     async def Clear(self, request, context):
-        n = await self._call(context, self.node.clear, request.namespace)
+        caller = await self._caller(context)
+        n = await self._call(context, self.node.clear, request.namespace, caller)
         return pb.ClearResponse(cleared_blocks=n)
 
     async def Stats(self, request, context):  # noqa: ARG002 -- the servicer's signature
@@ -139,20 +157,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -------------------------------------------------------------- events
 
     def publish(self, event: StoreEvent) -> None:
-        """Fan an event out to every subscriber; a stalled one is cut off."""
-        payload = event.encode()
-        for queue in list(self._subscribers):
+        """Fan an event out to every subscriber that may see its namespace;
+        a stalled one is cut off."""
+        payload = b""
+        for queue, watcher in list(self._subscribers.items()):
+            if not self.node.may_see(event.namespace, watcher):
+                continue
+            payload = payload or event.encode()
             if queue.full():
                 log.warning(
                     "event subscriber fell %d events behind; disconnecting it", queue.qsize()
                 )
-                self._subscribers.discard(queue)  # its handler aborts on its next event
+                del self._subscribers[queue]  # its handler aborts on its next event
                 continue
             queue.put_nowait(payload)
 
     async def Events(self, request, context):  # noqa: ARG002 -- the servicer's signature
+        """Store events as they happen; a non-admin sees only its own namespaces'."""
+        caller = await self._caller(context)
         queue: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE_MAX)
-        self._subscribers.add(queue)
+        self._subscribers[queue] = caller
         try:
             while True:
                 payload = await queue.get()
@@ -160,7 +184,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     await status.abort(context, exhausted("event subscriber too slow; resubscribe"))
                 yield pb.Event(payload=payload)
         finally:
-            self._subscribers.discard(queue)
+            self._subscribers.pop(queue, None)
 
 
 # ------------------------------------------------------------ registration on a server

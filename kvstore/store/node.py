@@ -32,10 +32,12 @@ from kvstore.store.registry import (
     Registry,
     RegistryStats,
 )
+from kvstore.store.tenants import Tenants
 from kvstore.store.validation import check_instance_id
 from kvstore.wire.errors import KVError, invalid, not_found, precondition
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
+from kvstore.wire.principal import LOCAL, Principal
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +106,24 @@ class StoreNode:
         self.fetcher = fetcher
         self.source = source
         self.counters = Counters()
+        self.tenants = Tenants()
 
     # ---------------------------------------------------------- registration
 
     def register(self, reg: Registration) -> Instance:
+        """Register a rank for ``reg.principal``, who then owns its client namespace."""
         try:
-            return self.registry.register(reg)
+            self.tenants.check_register(reg.client_namespace, reg.principal)
+            inst = self.registry.register(reg)
         except KVError as err:
             log.warning("registration of %s refused: %s", reg.where(), err)
             raise
+        self.tenants.claim(reg.client_namespace, reg.principal)
+        return inst
+
+    def may_see(self, final_namespace: str, caller: Principal) -> bool:
+        """May ``caller`` see events and blocks of ``final_namespace``? (tenant scoping)"""
+        return self.tenants.may_see(final_namespace, caller)
 
     def leave(self, session: str) -> None:
         """A rank's session ended: unregister it, drop what it left inflight."""
@@ -214,11 +225,14 @@ class StoreNode:
         finally:
             reg.unhold()
 
-    async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
+    async def prefetch(
+        self, namespace: str, hashes: list[int], caller: Principal = LOCAL
+    ) -> FetchResult:
         """Make the longest prefix of ``hashes`` that a peer holds local."""
         check_count("block_hashes", len(hashes))
         check_distinct("block_hashes", hashes)  # a peer would serve, and we store, each copy
         check_final_namespace("namespace", namespace)
+        self.tenants.check_see("namespace", namespace, caller)
         if self.fetcher is None:
             raise precondition("peer transfer is off on this server (--no-transfer)")
         if self.registry.sealed(namespace) is None:  # else peers are asked, then nothing kept
@@ -229,12 +243,19 @@ class StoreNode:
         return await self.fetcher.prefetch(namespace, hashes)
 
     def query(
-        self, namespace: str, hashes: list[int], lease: bool = False, lease_ms: int = 0
+        self,
+        namespace: str,
+        hashes: list[int],
+        lease: bool = False,
+        lease_ms: int = 0,
+        caller: Principal = LOCAL,
     ) -> QueryResult:
         """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned for
-        ``lease_ms`` (DEFAULT_LEASE_MS when 0) or until released."""
+        ``lease_ms`` (DEFAULT_LEASE_MS when 0) or until released. Only a caller
+        that owns the namespace (or an admin) may ask: PERMISSION_DENIED."""
         check_count("block_hashes", len(hashes))
         check_final_namespace("namespace", namespace)  # a client namespace never holds blocks
+        self.tenants.check_see("namespace", namespace, caller)
         if lease_ms > MAX_LEASE_MS:
             raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
         blocks = self.index.sealed_prefix(namespace, hashes)
@@ -249,12 +270,14 @@ class StoreNode:
         """Release a query lease; the number of blocks it held."""
         return self.index.release(lease_id)
 
-    def clear(self, namespace: str = "") -> int:
-        """Drop every unpinned sealed block of final namespace ``namespace`` ("" = all)."""
+    def clear(self, namespace: str = "", caller: Principal = LOCAL) -> int:
+        """Drop every unpinned sealed block of final namespace ``namespace`` ("" = all).
+        The namespace's owner or an admin may; every namespace, an admin only."""
         if len(namespace) > MAX_FINAL_NAMESPACE_LEN:
             raise invalid("namespace is too long")
         if namespace:
             check_final_namespace("namespace", namespace)  # "llama" alone would clear nothing
+        self.tenants.check_see("namespace", namespace, caller)
         n = self.index.clear(namespace or None)
         log.warning("cleared %d blocks of %s on request", n, namespace or "every namespace")
         return n

@@ -27,6 +27,7 @@ from kvstore.wire.errors import KVError, exists, invalid, not_found, preconditio
 from kvstore.wire.fingerprint import LayerGeometry, fingerprint
 from kvstore.wire.kv_layout import LayoutKind
 from kvstore.wire.names import final_namespace
+from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 if TYPE_CHECKING:
     from kvstore.copy import LayerRegion
@@ -86,6 +87,7 @@ class Registration:
     regions: dict[str, LayerRegion] = field(default_factory=dict)  # set on map
     device: str = "cpu"
     mapped: list[MappedRegion] = field(default_factory=list)
+    principal: Principal = LOCAL  # who sent it (its certificate CN with TLS)
 
     _holds: int = 0
     retired: bool = False
@@ -212,7 +214,8 @@ class Registry:
         """Validate, map memory, record; seal when complete. Atomic."""
         check_fields(reg)
         inst = self.instances.get(reg.instance_id)
-        if inst is not None:
+        if inst is not None:  # every rank of an instance comes from its first rank's principal
+            check_owner(f"instance {reg.instance_id!r}", inst.first.principal.name, reg.principal)
             check_against(inst, reg)
         check_seal_would_succeed(list(inst.ranks.values()) if inst else [], reg)
         if self._mapper is not None:

@@ -29,6 +29,11 @@ def final_namespace(client_namespace: str, fingerprint: str) -> str:
     return f"{client_namespace}.{fingerprint}"
 
 
+def client_namespace_of(final: str) -> str:
+    """The client namespace a final namespace ``"<client>.<fingerprint>"`` belongs to."""
+    return final.rpartition(".")[0]
+
+
 def is_client_namespace(ns: str) -> bool:
     return NAMESPACE_RE.fullmatch(ns) is not None
 

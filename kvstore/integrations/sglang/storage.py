@@ -31,6 +31,8 @@ Extra config keys read here (all optional but ``allocator``):
     retry_s          how often an unreachable store is retried (5)
     timeout_s        deadline of a prefix query (5)
     io_timeout_s     deadline of a Save or Load (60)
+    tls_ca, tls_cert, tls_key   PEM files for mutual TLS to the store server (all
+                     three or none; the certificate's CN is this engine's tenant)
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from kvstore.integrations.sglang.identity import (
 )
 from kvstore.integrations.sglang.layers import pool_layers
 from kvstore.integrations.sglang.link import RankLink
+from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.retry_s = float(extra.get("retry_s", 5))
         self.seal_timeout_s = float(extra.get("seal_timeout_s", 60))
         self.io_timeout_s = float(extra.get("io_timeout_s", 60))
-        self.client = StoreClient(self.address, timeout=float(extra.get("timeout_s", 5)))
+        tls = TlsFiles.of(
+            extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
+        )
+        self.client = StoreClient(self.address, timeout=float(extra.get("timeout_s", 5)), tls=tls)
         self.replica = _replica()
         self.instance_id = ""  # known once the pool is
         self.identity: RankIdentity | None = None

@@ -24,6 +24,8 @@ supported: the hybrid KV cache manager (HMA), layer-wise loading.
     seal_timeout_s   how long a rank waits for every rank to register (120)
     retry_s          how often an unreachable store is retried (5)
     timeout_s        scheduler-side RPC deadline (2)
+    tls_ca, tls_cert, tls_key   PEM files for mutual TLS to the store server (all
+                     three or none; the certificate's CN is this engine's tenant)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
+from kvstore.wire.tls import TlsFiles
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +74,7 @@ class Settings:
     seal_timeout_s: float
     retry_s: float
     timeout_s: float
+    tls: TlsFiles | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
@@ -98,6 +102,9 @@ class Settings:
             seal_timeout_s=float(extra.get("seal_timeout_s", 120)),
             retry_s=float(extra.get("retry_s", 5)),
             timeout_s=float(extra.get("timeout_s", 2)),
+            tls=TlsFiles.of(
+                extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
+            ),
         )
 
 
@@ -119,7 +126,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         self.settings = s = Settings.from_vllm(vllm_config)
-        self.client = StoreClient(s.address, timeout=s.timeout_s)
+        self.client = StoreClient(s.address, timeout=s.timeout_s, tls=s.tls)
         self._requests: dict[str, Any] = {}
         self._pool: SharedMemoryKVPool | None = None
         self._scheduler: SchedulerSide | None = None

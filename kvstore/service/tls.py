@@ -1,0 +1,92 @@
+"""A server's transport security: how it binds, and who each caller is.
+
+    security = Security(TlsFiles.of(ca, cert, key), admins=("ops",))
+    security.check_exposure(host, insecure=False)  # ValueError: public and plaintext
+    port = security.bind(server, f"{host}:{port}")
+    caller = security.principal(context)           # in a handler
+
+With TLS the server demands a client certificate signed by the CA (mutual
+TLS): a caller without one never gets a call through (the handshake fails,
+UNAVAILABLE at the client). A caller's :class:`Principal` is its certificate's
+subject CN, an admin when the CN is in ``admins``. Without TLS every caller is
+``LOCAL`` (anonymous, trusted), which is only allowed on a loopback address
+unless the operator says ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.wire.errors import Code, KVError
+from kvstore.wire.principal import LOCAL, Principal
+from kvstore.wire.tls import TlsFiles
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Does ``host`` (an address or a name) resolve to loopback addresses only?"""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS files (None = plaintext) and the CNs trusted as admin."""
+
+    tls: TlsFiles | None = None
+    admins: tuple[str, ...] = ()
+
+    def check_exposure(self, host: str, insecure: bool) -> None:
+        """Plaintext on a non-loopback address: ValueError unless ``insecure``,
+        then a warning (anyone who reaches the port is trusted with everything)."""
+        if self.tls is not None or is_loopback(host):
+            return
+        if not insecure:
+            raise ValueError(
+                f"--host {host} is not loopback and no TLS is configured: anyone who can "
+                "reach it could register, remove and clear anything. Give --tls-ca, "
+                "--tls-cert and --tls-key, or --insecure on a network you trust"
+            )
+        log.warning(
+            "serving plaintext gRPC on %s (--insecure): every caller that reaches it is "
+            "trusted with everything",
+            host,
+        )
+
+    def bind(self, server: grpc.aio.Server, address: str) -> int:
+        """Add ``address`` to ``server`` (TLS when configured); the bound port, 0 on failure."""
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        ca, cert, key = self.tls.read()
+        credentials = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=True
+        )
+        return server.add_secure_port(address, credentials)
+
+    def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Who is calling: its certificate CN with TLS, else LOCAL.
+        UNAUTHENTICATED when a TLS caller's certificate names no CN."""
+        if self.tls is None:
+            return LOCAL
+        names = context.auth_context().get("x509_common_name") or []
+        name = names[0].decode() if names else ""
+        if not name:
+            raise KVError(Code.UNAUTHENTICATED, "client certificate has no subject CN")
+        return Principal(name, admin=name in self.admins)
+
+
+PLAINTEXT = Security()

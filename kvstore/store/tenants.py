@@ -1,0 +1,46 @@
+"""Which principal owns each client namespace: the store's tenant scoping.
+
+The first principal to register an instance in a client namespace owns it,
+for the life of the server. Another principal (not admin) may not register
+there (it would read and overwrite the owner's blocks), nor query, prefetch,
+clear or watch events of its final namespaces. The anonymous local caller
+(no TLS) is an admin: without TLS nothing is scoped, as before.
+"""
+
+from __future__ import annotations
+
+from kvstore.wire.names import client_namespace_of
+from kvstore.wire.principal import Principal, check_owner, denied
+
+
+class Tenants:
+    def __init__(self):
+        self._owners: dict[str, str] = {}  # client namespace -> principal name
+
+    def check_register(self, client_namespace: str, caller: Principal) -> None:
+        """PERMISSION_DENIED when ``client_namespace`` belongs to another principal."""
+        owner = self._owners.get(client_namespace)
+        if owner is not None:
+            check_owner(f"client_namespace {client_namespace!r}", owner, caller)
+
+    def claim(self, client_namespace: str, caller: Principal) -> None:
+        """``caller`` registered in ``client_namespace``: it owns it if nobody did."""
+        if caller.name:  # the anonymous local caller claims nothing (it may do anything)
+            self._owners.setdefault(client_namespace, caller.name)
+
+    def may_see(self, final_namespace: str, caller: Principal) -> bool:
+        """May ``caller`` see (query, clear, watch) final namespace ``final_namespace``?"""
+        return caller.admin or self._owners.get(client_namespace_of(final_namespace)) == (
+            caller.name
+        )
+
+    def check_see(self, field_name: str, final_namespace: str, caller: Principal) -> None:
+        if not final_namespace:
+            if not caller.admin:
+                raise denied(f"{field_name}: every namespace is for an admin only, not {caller}")
+            return
+        if not self.may_see(final_namespace, caller):
+            raise denied(
+                f"{field_name} {final_namespace!r}: {caller} has registered no instance "
+                "in its client namespace"
+            )

@@ -1,0 +1,48 @@
+"""Who a call comes from, as the cores see it.
+
+With mutual TLS a caller is the subject CN of its client certificate (a
+tenant, a store node, a router: whatever the certificate authority named),
+and an admin when that CN is one the server was told to trust as admin
+(``--admin CN``). Without TLS (the loopback default) every caller is
+:data:`LOCAL`: anonymous and trusted with everything, exactly as before
+authentication existed, so a single-node deployment needs no configuration.
+That default trusts every local process; multi-tenant deployments use TLS.
+
+Ownership rules (docs/design.md, "Authentication and ownership"): a worker
+name, a peer node id and a client namespace belong to the principal that
+first claimed them; another non-admin principal is PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.wire.errors import Code, KVError
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: ``name`` is its certificate CN ("" = anonymous local)."""
+
+    name: str
+    admin: bool = False
+
+    def may_act_for(self, owner: str) -> bool:
+        """May this caller act on something ``owner`` claimed?"""
+        return self.admin or self.name == owner
+
+    def __str__(self) -> str:
+        return repr(self.name) if self.name else "the anonymous local caller"
+
+
+LOCAL = Principal("", admin=True)  # no TLS: every caller, as trusted as before
+
+
+def denied(message: str) -> KVError:
+    return KVError(Code.PERMISSION_DENIED, message)
+
+
+def check_owner(what: str, owner: str, caller: Principal) -> None:
+    """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
+    if not caller.may_act_for(owner):
+        raise denied(f"{what} belongs to {Principal(owner)}, not to {caller}")

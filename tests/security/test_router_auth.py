@@ -1,0 +1,99 @@
+"""Issue 12, the router over mutual TLS: a worker name and a store node id belong
+to the certificate CN that claimed them; every attack is refused with its status."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstore._proto import router_pb2, router_pb2_grpc
+from kvstore.client.router_client import RouterClient
+from kvstore.wire.errors import Code, KVError
+from kvstore.wire.events import StoreEvent
+from tests.router.conftest import card
+from tests.security.conftest import ADMIN
+
+NS = "llama.0123456789abcdef"
+
+
+def refused(fn, *args, **kwargs) -> KVError:
+    with pytest.raises(KVError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_worker_name_hijack_is_permission_denied(pki, tls_router):
+    """Before: a second RegisterWorker of "w0" replaced its address and Route sent
+    the victim's traffic to the attacker. Now: PERMISSION_DENIED, nothing changes."""
+    victim = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    attacker = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    gen = victim.register_worker("w0", card(address="10.0.0.1:8000")).generation
+    err = refused(attacker.register_worker, "w0", card(address="10.6.6.6:8000"))
+    assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+    routed = victim.route("llama-8b", token_ids=list(range(64)))
+    assert (routed.worker, routed.address, routed.generation) == ("w0", "10.0.0.1:8000", gen)
+    # the owner may re-register it (a restart), under a new generation
+    again = victim.register_worker("w0", card(address="10.0.0.1:8001")).generation
+    assert again > gen
+
+
+def test_foreign_remove_worker_is_permission_denied_but_admin_may(pki, tls_router):
+    owner = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    stranger = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    admin = RouterClient(tls_router.address, tls=pki.issue(ADMIN))
+    owner.register_worker("w0", card())
+    owner.register_worker("w1", card())
+    assert refused(stranger.remove_worker, "w0").code is Code.PERMISSION_DENIED
+    assert owner.route("llama-8b", token_ids=[1, 2, 3]).worker in ("w0", "w1")
+    assert owner.remove_worker("w0") is True
+    assert admin.remove_worker("w1") is True
+    assert refused(owner.route, "llama-8b", token_ids=[1]).code is Code.NOT_FOUND
+
+
+def test_node_id_spoofing_on_advertise_and_publish_is_permission_denied(pki, tls_router):
+    """Before: anyone could advertise or publish as any store node and poison
+    QueryPrefix (issue 12, item 1). Now a node id is its first advertiser's."""
+    node_a = RouterClient(tls_router.address, tls=pki.issue("node-a"))
+    rogue = RouterClient(tls_router.address, tls=pki.issue("node-b"))
+    gen = node_a.advertise_peer("node-a", "127.0.0.1:1", "127.0.0.1:2", [NS])
+    node_a.publish([StoreEvent("stored", NS, [1, 2], "node-a")], "node-a", gen)
+
+    err = refused(rogue.advertise_peer, "node-a", "127.0.0.1:9", "127.0.0.1:9", [NS])
+    assert err.code is Code.PERMISSION_DENIED and "node-a" in err.message
+    poison = [StoreEvent("stored", NS, [1, 2, 3, 4], "node-a")]
+    assert refused(rogue.publish, poison, "node-a", gen).code is Code.PERMISSION_DENIED
+    # a stale generation is no way around it either
+    assert refused(rogue.publish, poison, "node-a", gen + 7).code is Code.PERMISSION_DENIED
+
+    peers = node_a.query_prefix(NS, [1, 2, 3, 4])
+    assert [(p.node_id, p.ucx_address, p.prefix_blocks) for p in peers] == [
+        ("node-a", "127.0.0.1:2", 2)
+    ]
+    # the rogue may advertise itself under its own id, and nothing of node-a's changes
+    rogue.advertise_peer("node-b", "127.0.0.1:9", "127.0.0.1:9", [NS])
+    assert node_a.query_prefix(NS, [1, 2])[0].node_id == "node-a"
+
+
+def test_client_without_a_certificate_is_refused(pki, tls_router):
+    channel = grpc.insecure_channel(tls_router.address)  # plaintext to a TLS port
+    stub = router_pb2_grpc.RouterStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RouterStats(router_pb2.RouterStatsRequest(), timeout=5)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    # TLS that trusts the server but presents no client certificate
+    with open(pki.ca, "rb") as f:
+        server_only = grpc.ssl_channel_credentials(root_certificates=f.read())
+    stub = router_pb2_grpc.RouterStub(grpc.secure_channel(tls_router.address, server_only))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RouterStats(router_pb2.RouterStatsRequest(), timeout=5)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert tls_router.router.stats().workers == 0
+
+
+def test_certificate_of_another_ca_is_refused(tmp_path, tls_router):
+    from kvstore.testing.pki import Pki
+
+    rogue = Pki(tmp_path, name="rogue-ca").issue("tenant-a")  # the right CN, the wrong CA
+    client = RouterClient(tls_router.address, timeout_s=5, tls=rogue)
+    assert refused(client.register_worker, "w0", card()).code is Code.UNAVAILABLE
+    assert tls_router.router.stats().workers == 0
