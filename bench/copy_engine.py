@@ -415,7 +415,7 @@ def plot(json_path: Path, png_path: Path) -> None:
     for axrow, device in zip(axes, devices, strict=True):
         for ax, op in zip(axrow, ("save", "load"), strict=True):
             sel = [r for r in rows if r["device"] == device and r["op"] == op]
-            for color, layout in zip(("C0", "C1", "C2"), LAYOUTS, strict=True):
+            for color, layout in zip(("C0", "C1", "C2", "C3"), LAYOUTS, strict=True):
                 for style, blocks in zip(
                     STYLES, sorted({r["num_blocks"] for r in sel}), strict=False
                 ):

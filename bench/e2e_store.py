@@ -2,8 +2,8 @@
 
 One rank (TP 1) of a 32-layer model with 8 KV heads x 128, 16 tokens a block,
 fp16 (64 KiB per layer per block) registers KV caches in shared memory (or
-on the GPU) with a `kvstore serve` subprocess whose pool holds two requests:
-from the third Save on, every Save of 256 new blocks evicts 256 old ones, as
+on the GPU) with a `kvstore serve` subprocess whose pool holds three requests:
+from the fourth Save on, every Save of 256 new blocks evicts 256 old ones, as
 a cache in steady state does. Per repeat, in a fresh random order: a Save of
 new blocks, a Load of the previous repeat's blocks into other block ids, a
 Save whose one block is already sealed (the fixed cost of a call), the copier
@@ -65,7 +65,7 @@ def interleaved(ops: dict, repeats: int, seed: int = 0) -> dict[str, list[float]
 
 
 def _key(r: int, b: int) -> int:
-    return (r + 2) << 32 | b  # repeat r's block b (r = -2, -1 fill the pool first)
+    return (r + 3) << 32 | b  # repeat r's block b (r = -3 .. -1 fill the pool first)
 
 
 def bench_e2e(args) -> tuple[list[dict], dict]:
@@ -74,7 +74,9 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     slot = 2 * BLOCK * HEADS * HEAD_DIM * 2
     nbytes = SAVE_BLOCKS * LAYERS * slot
     port = free_port()
-    proc = start_server(port, device.split(":")[0], 2 * nbytes)  # two requests: evicts
+    # three requests: every Save evicts the oldest (two would let an interleaved Load of
+    # the older one make it newer than the last Save, which LRU then rightly evicts)
+    proc = start_server(port, device.split(":")[0], 3 * nbytes)
     layers = make_layers(device, 2 * SAVE_BLOCKS)
     client = StoreClient(f"127.0.0.1:{port}", timeout=120)
     sess = None
@@ -82,7 +84,7 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
         sess = client.register("bench", "bench", layers, block_size=BLOCK)
         sess.wait_sealed(30)
         ids = list(range(SAVE_BLOCKS))
-        for r in (-2, -1):
+        for r in (-3, -2, -1):
             sess.save([(_key(r, b), b) for b in ids], timeout=300)
         local = _local_copies(layers, device, nbytes)
         ops = {

@@ -1,26 +1,90 @@
-"""Peer-transfer benchmark: PeerServer/fetch against raw ucxx between two processes.
+"""Peer-fetch benchmark: a store node pulls sealed blocks from another over UCX, against
+raw ucxx moving the same bytes between the same two processes.
 
-    python bench/transfer.py --quick             # < 1 min on a 2-core host
-    python bench/transfer.py                     # full sweep
-    python bench/transfer.py --tls all --tls tcp,self   # one sweep per UCX_TLS
-    python bench/transfer.py --mem cuda          # GPU to GPU (cupy pools), GPU host only
+    python bench/transfer.py --quick                   # about a minute on a 2-core host
+    python bench/transfer.py                           # full sweep
+    python bench/transfer.py --tls all --tls tcp,self  # one sweep per UCX_TLS
+    python bench/transfer.py --transport-only          # the transfer engine alone (stubs)
+    python bench/transfer.py --mem cuda                # GPU pools, GPU host only
+    UCX_MM_ERROR_HANDLING=y python bench/transfer.py   # same-host peers over shared memory
 
-A serving process holds a slot pool and runs a PeerServer plus a raw ucxx
-listener; a fetching process pulls N blocks (slot sizes 16 KiB .. 4 MiB)
-through fetch() into a reserved pool, and, interleaved in the same run between
-the same two processes, receives the same total bytes as ONE buffer from the
-raw listener (the baseline: what UCX alone does on this path). Then the
-latency of fetching a 32-block prefix of a 32-layer TP2 model (64 slots per
-block, see LATENCY_SLOT) is sampled.
+With the project's UCX defaults (kvstore/transfer/ucx.py) same-host peers talk
+over tcp; UCX_MM_ERROR_HANDLING=y lets them use shared memory (and its risk).
 
-Both pools place slots the way the block store does: a tp_rank's slots of
-consecutive blocks follow each other (slot s of a block belongs to rank
-s % tp_size), so the transfer layer coalesces them into a few large messages.
-Throughput rows model TP1 (a block's 16 slots back to back, block after
-block); the latency case TP2 (each rank's slots in its own region of the pool
-on the serving side, rank after rank on the fetching side, as
-BlockStore.reserve_detached allocates). Rows go to bench/results/transfer.json
-(rows of another mem kind already there are kept) and transfer.png.
+Two spawned processes, each with its own UCX context. The serving one holds a real
+StoreNode (kvstore.testing.store.make_store: registry, BlockIndex, one slot pool of
+8 MiB slabs like a server's, host copier) whose StoreSource a PeerServer serves. The
+fetching one holds another StoreNode with a Fetcher on a StoreSink; a fetch is
+``StoreNode.prefetch``, the core of the Prefetch RPC and of a Load's missing prefix
+(gRPC aside): REQUEST, lease (pin) on the peer, offer, reserve detached blocks
+(evicting), GO, every slot, commit (adopt into the index), release.
+
+Configurations: throughput rows with slots of 16 KiB .. 4 MiB, 16 slots a block, TP1,
+as many blocks as --total-mib holds; then the latency case, a 32-block prefix of a
+32-layer TP2 model (8 KV heads x 128, fp16, 16-token blocks: 64 slots of 32 KiB a
+block, 64 MiB). Per configuration the serving node registers an instance of that
+layout and SAVES two sets of blocks, A and B, through StoreNode.save from the ranks'
+paged caches: int32 word j of slot s of block i of set k holds
+``k * words_per_set + (i * slots_per_block + s) * words_per_slot + j``, so every
+word of every block is distinct (checked in the serving pool after the saves). The
+fetching node's pool holds exactly one set, so fetches alternate A, B, A, ... and
+each one evicts the whole previous set, as a full cache does in steady state.
+
+After a warm-up (fetch A, fetch B, both raw ops), each repeat runs these ops in a
+fresh random order, the fetching pool's first total_bytes poisoned (0xFF,
+untimed) before each op:
+
+  fetch        StoreNode.prefetch of the next set's hashes (TIMED: the measured work)
+  raw_one      the same total bytes as ONE ucxx message, serving pool to fetching
+               pool, request round trip included (the old bench's baseline)
+  raw_seg      the same bytes as the same number of messages of the same sizes as
+               the last fetch sent (recorded by the serving PeerServer), all posted
+               at once, request round trip included
+  device_copy  (--mem cuda) one device-to-device copy of the same bytes, in-process
+
+After every timed fetch every fetched byte is compared with the pattern: each block's
+slots are read out of the fetching pool at the offsets the index gave them (a fetch
+that moved nothing reads 0xFF). The ceiling of a repeat is the faster of raw_one and
+raw_seg; the ratio is taken per repeat (ceiling time / fetch time) and reported as its
+median, min-max and interquartile range.
+
+--transport-only swaps both store nodes for the stubs the transfer layer was first
+measured with (a lease that only computes where a block lies, a reservation from the
+start of a plain pool, no index, no pins, no eviction): the transfer engine alone.
+
+JSON (``--out``, default bench/results/transfer.json; rows of another (mem, source)
+already there are kept, rows written before this field existed count as
+source "stub"; a PNG of the same name is drawn beside it):
+
+  benchmark, note, generated, quick   what, one-line definitions, UTC time, --quick
+  ucx[]        per sweep: transport, mem, source, quick, env (every UCX_* / UCXPY_*
+               variable both processes ran with), active_transports,
+               server_active_transports, host
+  rows[]       one per (transport, mem, source, slot size):
+    transport, mem, source      UCX_TLS ("default": UCX chose), host/cuda, store/stub
+    slot_bytes, slots_per_block, tp_size, num_blocks, total_bytes   one fetch's shape
+    repeats                     interleaved repeats timed
+    gbps                        total_bytes / median fetch time (1 GB = 1e9 bytes)
+    baseline_gbps               the same for raw_one (the old baseline)
+    ratio                       gbps / baseline_gbps (the old definition)
+    ratio_p10_p50_p90           per repeat raw_one time / fetch time
+    segments_gbps               the same for raw_seg
+    ceiling_gbps                the same for the per-repeat faster of raw_one, raw_seg
+    ratio_ceiling               median over repeats of ceiling time / fetch time
+    ratio_ceiling_min_max, ratio_ceiling_iqr   its spread: [min, max], [p25, p75]
+    fetch_ms_min_med_max        fetch wall time, ms
+    messages                    data messages per fetch (median over repeats)
+    evictions                   blocks the fetching node evicted during timed fetches
+    layers_by_name              --layers-by-name: the serving ranks registered their
+                                layers in name order (see --help)
+    device_copy_gbps, ratio_device_copy   --mem cuda: one in-process device copy of
+                                the same bytes, and gbps / that
+    verified, verified_fetches  every byte of every fetch (warm-up included) compared
+  latency[]    per sweep, the TP2 prefix: transport, mem, source, model, block_tokens,
+               slot_bytes, slots_per_block, num_blocks, total_bytes, iters,
+               p50_ms, p99_ms, min_ms (fetch), ceiling_p50_ms, ratio_ceiling
+               (+ _min_max, _iqr), messages, evictions, layers_by_name, verified,
+               verified_fetches
 """
 
 from __future__ import annotations
@@ -34,70 +98,259 @@ import os
 import platform
 import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from kvstore.transfer import SlotTable
+from kvstore.copy import copier_for, region_from_tensor
+from kvstore.store.blocks import BlockIndex
+from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
+from kvstore.store.node import StoreNode
+from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
+from kvstore.store.registry import Registry
+from kvstore.testing.store import Rank, make_rank, make_store
+from kvstore.transfer import PeerServer, SlotTable
+from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
+from kvstore.wire.peers import PeerPrefix
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NS = "bench.0000000000000000"
+STUB_NS = "bench.0000000000000000"
 SLOT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
-SLOTS_PER_BLOCK = 16  # throughput rows; the latency case uses 64
+SLOTS_PER_BLOCK = 16  # throughput rows (TP1); the latency case uses 64 (32 layers x TP2)
 # Latency case: Llama-3-8B-like, 32 layers, 8 KV heads x 128 dim, fp16,
 # 16-token blocks, TP2: each rank holds 4 heads of K and V of one layer:
 # 16 tokens * 4 heads * 128 dim * 2 bytes * 2 (K+V) = 32 KiB per slot,
 # 32 layers * 2 ranks = 64 slots per block, 2 MiB per block, 64 MiB per prefix.
 LATENCY_LAYERS, LATENCY_TP, LATENCY_BLOCKS = 32, 2, 32
 LATENCY_SLOT = 16 * (8 // LATENCY_TP) * 128 * 2 * 2
-GBPS_NOTE = (
-    "gbps = slot payload bytes / median wall time of one fetch (request, offer, "
-    "reserve, GO, all slots), 1 GB = 1e9 bytes; baseline_gbps = the same total bytes "
-    "as one ucxx message between the same two processes, request round trip "
-    "included, timed interleaved; ratio = gbps / baseline_gbps; for mem=cuda also "
-    "device_copy_gbps = one device-to-device cudaMemcpy of the same bytes in the "
-    "fetching process (bytes counted once) and ratio_device_copy = gbps / that; "
-    "ratio_p10_p50_p90 = raw time / fetch time per interleaved repeat; verified = a fetch "
-    "and a raw receive into a zeroed pool matched the serving pool's byte pattern"
+SLAB_BYTES = DEFAULT_SLAB_BYTES  # a store server's default slab
+CACHE_BYTES = 64 << 20  # a serving rank's paged cache (blocks are saved through it in batches)
+POISON = 0xFF  # int32 -1: never a pattern word
+RAW_ONE, RAW_SEG = 0, 1
+RAW_REQUEST_TAG, RAW_DATA_TAG = 1, 2
+NOTE = (
+    "gbps = total_bytes / median wall time of one fetch; baseline_gbps = the same bytes as "
+    "ONE raw ucxx message, segments_gbps = as the same messages the fetch sent, "
+    "ceiling = per repeat the faster of the two; ratio = gbps / baseline_gbps (old "
+    "definition), ratio_ceiling = median over interleaved repeats of ceiling time / fetch "
+    "time; every fetched byte verified; fields: bench/transfer.py docstring"
 )
 
 
-# ---- the two processes' pools: slot views carved from one array -------------------------
+# ---- shapes and the byte pattern --------------------------------------------------------
 
 
-PATTERN = 251  # the serving pool holds byte i % 251 at offset i: a fetch is checkable
+@dataclass(frozen=True)
+class Shape:
+    """One fetch: ``blocks`` blocks of ``per_block`` slots of ``slot`` bytes, TP ``tp``."""
+
+    slot: int
+    per_block: int
+    tp: int
+    blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.per_block * self.slot
+
+    @property
+    def words(self) -> int:
+        return self.slot // 4  # int32 words per slot
+
+    def base(self, k: int) -> int:
+        """The first pattern word of set ``k``."""
+        return k * self.blocks * self.per_block * self.words
 
 
-def make_pool(nbytes: int, mem: str, device: int, pattern: bool = False) -> Any:
-    """A pool with every page touched; ``pattern``: byte i is i % PATTERN, else zeros."""
-    if mem == "cuda":
-        import cupy
-
-        with cupy.cuda.Device(device):
-            if pattern:
-                return (cupy.arange(nbytes, dtype=cupy.int64) % PATTERN).astype(cupy.uint8)
-            return cupy.zeros(nbytes, dtype=cupy.uint8)
-    if pattern:
-        return np.resize(np.arange(PATTERN, dtype=np.uint8), nbytes)
-    pool = np.empty(nbytes, dtype=np.uint8)
-    pool.fill(0)  # touch every page before timing
-    return pool
+def set_words(shape: Shape, k: int, device: str) -> torch.Tensor:
+    """Set ``k``'s pattern, one row of int32 words per slot, block after block."""
+    n = shape.blocks * shape.per_block * shape.words
+    start = shape.base(k)
+    return torch.arange(start, start + n, dtype=torch.int32, device=device).view(-1, shape.words)
 
 
-def check_pattern(pool: Any, nbytes: int, what: str) -> None:
-    """The first ``nbytes`` of ``pool`` are the serving pool's bytes, as placed there."""
-    head = pool[:nbytes]
-    head = head.get() if hasattr(head, "get") else head  # cupy -> numpy
-    want = np.resize(np.arange(PATTERN, dtype=np.uint8), nbytes)
-    if not np.array_equal(head, want):
-        bad = int(np.argmax(head != want))
-        raise AssertionError(f"{what}: byte {bad} is {head[bad]}, expected {want[bad]}")
+def slot_words(shape: Shape, k: int, first: int, count: int, s: int, device: str) -> torch.Tensor:
+    """Slot ``s`` of blocks ``first .. first + count - 1`` of set ``k``: (count, words)."""
+    i = torch.arange(first, first + count, dtype=torch.int32, device=device)
+    j = torch.arange(shape.words, dtype=torch.int32, device=device)
+    return shape.base(k) + ((i * shape.per_block + s) * shape.words)[:, None] + j[None, :]
+
+
+def slot_rows(buffer: torch.Tensor, slot: int) -> torch.Tensor:
+    """``buffer`` as rows of ``slot`` bytes (every slot offset here is a multiple of it)."""
+    return buffer[: len(buffer) // slot * slot].view(-1, slot)
+
+
+def check_slots(buffer: torch.Tensor, shape: Shape, offsets: np.ndarray, k: int, what: str) -> None:
+    """The slots at ``offsets`` (blocks x slots, bytes into ``buffer``) hold set ``k``."""
+    if (offsets % shape.slot).any() or offsets.shape != (shape.blocks, shape.per_block):
+        raise AssertionError(f"{what}: slot offsets of shape {offsets.shape} are not whole rows")
+    rows = torch.from_numpy(offsets.reshape(-1) // shape.slot).to(buffer.device)
+    got = slot_rows(buffer, shape.slot).index_select(0, rows).view(torch.int32)
+    want = set_words(shape, k, buffer.device)
+    if not torch.equal(got, want):
+        bad = int((got != want).any(dim=1).nonzero()[0])
+        block, slot = divmod(bad, shape.per_block)
+        word = int((got[bad] != want[bad]).nonzero()[0])
+        raise AssertionError(
+            f"{what}: block {block} slot {slot} word {word} is {int(got[bad, word])}, "
+            f"expected {int(want[bad, word])}"
+        )
+
+
+def round_up(nbytes: int, to: int) -> int:
+    return -(-nbytes // to) * to
+
+
+def ucx_view(buffer: torch.Tensor, start: int, nbytes: int) -> Any:
+    """Bytes ``start .. start + nbytes`` of a pool as ucxx takes them (numpy on the host)."""
+    view = buffer[start : start + nbytes]
+    return view.numpy() if view.device.type == "cpu" else view
+
+
+def settle_torch(device: str) -> None:
+    """One torch thread: its pool's threads spin on after every op (poison, check) and
+    would take the cores UCX's copies run on; the store's copier has threads of its own."""
+    torch.set_num_threads(1)
+    if device != "cpu":
+        torch.cuda.set_device(device)
+
+
+def synchronizer(device: str) -> Any:
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+# ---- the real store: both ends ----------------------------------------------------------
+
+
+def new_node(device: str, pool_bytes: int) -> StoreNode:
+    """A store node with one pool of ``pool_bytes`` (8 MiB slabs) on ``device``."""
+    pool_bytes = round_up(pool_bytes, SLAB_BYTES)
+    if device == "cpu":
+        return make_store(pool_bytes=pool_bytes, slab_bytes=SLAB_BYTES)
+    index = BlockIndex({device: SlotPool(pool_bytes, device, SLAB_BYTES)})
+    return StoreNode(Registry(), index, {device: copier_for(device)})
+
+
+def register(
+    node: StoreNode, instance: str, shape: Shape, device: str, cache: int, by_name: bool = False
+) -> list[Rank]:
+    """Register (and so seal) ``shape.tp`` ranks of kv_first uint8 layers l0, l1, ...,
+    one slot per layer per rank per block, whose paged caches hold ``cache`` blocks on
+    ``device``. The seal numbers layers by sorted name (l0, l1, l10, l11, ..., l2, ...,
+    as vLLM's model.layers.N sort); ``by_name`` registers them in that order too."""
+    ranks = []
+    for r in range(shape.tp):
+        rank = make_rank(
+            instance, r, shape.tp, shape.per_block // shape.tp, cache, shape.slot, "bench"
+        )
+        if by_name:
+            order = sorted(range(len(rank.tensors)), key=lambda i: rank.reg.layers[i].geometry.name)
+            rank.reg.layers = [rank.reg.layers[i] for i in order]
+            rank.tensors = [rank.tensors[i] for i in order]
+        if device != "cpu":  # the same layers, on the GPU
+            rank.tensors = [t.to(device) for t in rank.tensors]
+            for layer, t in zip(rank.reg.layers, rank.tensors):
+                region = region_from_tensor(t.view(2, cache, 1, 1, -1), "kv_first")
+                rank.reg.regions[layer.geometry.name] = region
+            rank.reg.device = device
+        node.register(rank.reg)
+        ranks.append(rank)
+    return ranks
+
+
+def block_offsets(node: StoreNode, namespace: str, hashes: list[int]) -> np.ndarray:
+    """Slot offsets (blocks x slots) of sealed ``hashes`` in the node's one pool."""
+    blocks = node.index.sealed_prefix(namespace, hashes)
+    if len(blocks) != len(hashes):
+        raise AssertionError(f"{len(blocks)} of {len(hashes)} blocks are sealed")
+    return np.stack([b.offsets for b in blocks])
+
+
+class StoreServing:
+    """The serving node: blocks saved through StoreNode.save, served by a StoreSource."""
+
+    def __init__(self, device: str, pool_bytes: int, by_name: bool):
+        self.device, self.by_name = device, by_name
+        self.node = new_node(device, pool_bytes)
+        self.source = StoreSource(self.node.index)
+        self.buffer = self.node.index.pool(device).buffer
+        self.ranks: list[Rank] = []  # every registered rank's cache stays alive
+
+    async def prepare(self, shape: Shape) -> tuple[str, list[list[int]]]:
+        """Drop the last configuration's blocks; save sets A and B of ``shape``."""
+        self.node.index.clear()
+        cache = max(1, min(shape.blocks, 64, CACHE_BYTES // (shape.per_block * shape.slot)))
+        name = f"serve{len(self.node.registry.instances)}"
+        ranks = register(self.node, name, shape, self.device, cache, self.by_name)
+        self.ranks += ranks
+        seal = self.node.registry.instances[name].seal
+        namespace = seal.final_namespace
+        sets = [[(k + 1) << 40 | i for i in range(shape.blocks)] for k in (0, 1)]
+        for k, hashes in enumerate(sets):
+            for first in range(0, shape.blocks, cache):
+                count = min(cache, shape.blocks - first)
+                refs = [(h, i) for i, h in enumerate(hashes[first : first + count])]
+                for rank in ranks:
+                    self._fill(rank, seal.slots_of(rank.reg).tolist(), shape, k, first, count)
+                    await self.node.save(rank.reg.caller_id, refs)
+            offsets = block_offsets(self.node, namespace, hashes)
+            check_slots(self.buffer, shape, offsets, k, f"serving pool, set {k} after save")
+        return namespace, sets
+
+    def _fill(
+        self, rank: Rank, slots: list[int], shape: Shape, k: int, first: int, count: int
+    ) -> None:
+        """Put the pattern of blocks first.. of set k into the rank's cache blocks 0..
+        (``slots``: the slot of each of its layers, as the seal numbers them); a kv_first
+        slot is the layer's K segment, then its V segment."""
+        half = shape.words // 2
+        for s, t in zip(slots, rank.tensors):
+            words = slot_words(shape, k, first, count, s, self.device)
+            t32 = t.view(torch.int32)
+            t32[0, :count] = words[:, :half]
+            t32[1, :count] = words[:, half:]
+
+
+class StoreFetching:
+    """The fetching node: a registered instance of the same layout, a Fetcher whose one
+    peer is the serving node, and a pool that holds exactly one set."""
+
+    def __init__(self, device: str, shape: Shape, address: str):
+        self.node = new_node(device, shape.nbytes)
+        self.ranks = register(self.node, "fetch", shape, device, cache=1)
+        self.namespace = self.node.registry.instances["fetch"].seal.final_namespace
+        self.buffer = self.node.index.pool(device).buffer
+        peer = PeerPrefix("serving", "", address, 0)
+
+        async def find_peers(namespace: str, hashes: list[int]) -> list[PeerPrefix]:
+            return [peer]
+
+        index = self.node.index
+        sink = StoreSink(index, self.node.registry)
+        self.node.fetcher = Fetcher(index, sink, find_peers, timeout_s=60)
+
+    async def fetch(self, namespace: str, hashes: list[int]) -> int:
+        return (await self.node.prefetch(namespace, hashes)).fetched_blocks
+
+    def offsets(self, namespace: str, hashes: list[int]) -> np.ndarray:
+        return block_offsets(self.node, namespace, hashes)
+
+    def evictions(self) -> int:
+        return self.node.index.stats().evictions
+
+
+# ---- --transport-only: stub lease / reserve over plain pools -----------------------------
 
 
 def encode_hash(slot_bytes: int, slots_per_block: int, index: int, tp: int = 1) -> int:
-    """The bench source needs no index: a hash says where its block lives."""
+    """The stub source needs no index: a hash says where its block lives."""
     return (tp << 56) | (slot_bytes << 32) | (slots_per_block << 20) | index
 
 
@@ -106,33 +359,28 @@ def decode_hash(h: int) -> tuple[int, int, int, int]:
     return (h >> 32) & 0xFFFFFF, (h >> 20) & 0xFFF, h & 0xFFFFF, h >> 56
 
 
-def pool_memory(pool: Any) -> tuple[int, int]:
-    """(base address, memory key: 0 for host, else the CUDA allocation)."""
-    if isinstance(pool, np.ndarray):
-        return pool.__array_interface__["data"][0], 0
-    return int(pool.data.ptr), int(pool.data.mem.ptr)
-
-
-def tp_slots(
-    pool: Any, region: int, slot: int, per_block: int, tp: int, index: np.ndarray
-) -> SlotTable:
-    """Slots of blocks ``index`` where rank r owns the r-th ``region`` bytes of the
-    pool and, there, block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
-    base, key = pool_memory(pool)
+def tp_offsets(region: int, slot: int, per_block: int, tp: int, index: np.ndarray) -> np.ndarray:
+    """Offsets (blocks x slots) where rank r owns the r-th ``region`` bytes of a pool and,
+    there, block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
     s = np.arange(per_block, dtype=np.int64)
-    at = (s % tp) * region + (index[:, None] * (per_block // tp) + s // tp) * slot
-    n = at.size
+    return (s % tp) * region + (index[:, None] * (per_block // tp) + s // tp) * slot
+
+
+def tp_slots(pool: torch.Tensor, offsets: np.ndarray, slot: int) -> SlotTable:
+    base = pool.data_ptr()
+    key = 0 if pool.device.type == "cpu" else base
+    n = offsets.size
     return SlotTable(
-        (np.uint64(base) + at.ravel().astype(np.uint64)),
+        np.uint64(base) + offsets.ravel().astype(np.uint64),
         np.full(n, slot, dtype=np.int64),
         np.full(n, key, dtype=np.int64),
-        np.full(len(index), per_block, dtype=np.int64),
+        np.full(len(offsets), offsets.shape[1], dtype=np.int64),
         owner=pool,
     )
 
 
 @dataclass
-class BenchLease:
+class StubLease:
     hashes: list[int]
     slots: SlotTable
 
@@ -140,24 +388,24 @@ class BenchLease:
         pass
 
 
-class BenchSource:
-    """Every hash is sealed. Rank r of tp owns the r-th 1/tp of the pool; there,
-    block i's slots of that rank (r, r + tp, ...) follow block i - 1's."""
+class StubSource:
+    """Every hash is sealed; its place follows from the hash (tp_offsets over the pool)."""
 
-    def __init__(self, pool: Any):
+    def __init__(self, pool: torch.Tensor):
         self.pool = pool
 
-    def lease(self, namespace: str, hashes: list[int]) -> BenchLease:
+    def lease(self, namespace: str, hashes: list[int]) -> StubLease:
         slot, per_block, _, tp = decode_hash(hashes[0])
         index = np.array([decode_hash(h)[2] for h in hashes], dtype=np.int64)
         region = len(self.pool) // tp
         fits = (index + 1) * (per_block // tp) * slot <= region
         n = len(index) if fits.all() else int(np.argmin(fits))
-        return BenchLease(hashes[:n], tp_slots(self.pool, region, slot, per_block, tp, index[:n]))
+        offsets = tp_offsets(region, slot, per_block, tp, index[:n])
+        return StubLease(hashes[:n], tp_slots(self.pool, offsets, slot))
 
 
 @dataclass
-class BenchReservation:
+class StubReservation:
     slots: SlotTable
 
     def commit(self) -> None:
@@ -167,55 +415,133 @@ class BenchReservation:
         pass
 
 
-class BenchSink:
-    """Reserves from the start of the pool every time, as a warm slab allocator would,
-    and in BlockStore.reserve_detached's order: rank 0's slots of every block, then
-    rank 1's, ... (every block of one layout, as a bench fetch is)."""
+class StubSink:
+    """Reserves from the start of the pool every time, in BlockStore.reserve_detached's
+    order: rank 0's slots of every block, then rank 1's, ..."""
 
-    def __init__(self, pool: Any):
+    def __init__(self, pool: torch.Tensor):
         self.pool = pool
 
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
-    ) -> BenchReservation:
-        tp = decode_hash(hashes[0])[3]
-        per_block, slot = len(slot_sizes[0]), slot_sizes[0][0]
+    ) -> StubReservation:
+        return StubReservation(tp_slots(self.pool, self.offsets(hashes), slot_sizes[0][0]))
+
+    def offsets(self, hashes: list[int]) -> np.ndarray:
+        slot, per_block, _, tp = decode_hash(hashes[0])
         region = len(hashes) * (per_block // tp) * slot
         index = np.arange(len(hashes), dtype=np.int64)
-        return BenchReservation(tp_slots(self.pool, region, slot, per_block, tp, index))
+        return tp_offsets(region, slot, per_block, tp, index)
+
+
+class StubServing:
+    def __init__(self, device: str, pool_bytes: int, by_name: bool):
+        self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8, device=device)
+        self.source = StubSource(self.buffer)
+
+    async def prepare(self, shape: Shape) -> tuple[str, list[list[int]]]:
+        """Write sets A and B where the stub source says they lie."""
+        n, region = shape.blocks, len(self.buffer) // shape.tp
+        sets = []
+        for k in (0, 1):
+            index = np.arange(k * n, (k + 1) * n, dtype=np.int64)
+            offsets = tp_offsets(region, shape.slot, shape.per_block, shape.tp, index)
+            rows = torch.from_numpy(offsets.reshape(-1) // shape.slot).to(self.buffer.device)
+            words = set_words(shape, k, self.buffer.device)
+            slot_rows(self.buffer, shape.slot)[rows] = words.view(torch.uint8)
+            sets.append([encode_hash(shape.slot, shape.per_block, int(i), shape.tp) for i in index])
+        return STUB_NS, sets
+
+
+class StubFetching:
+    def __init__(self, device: str, shape: Shape, address: str):
+        self.buffer = torch.zeros(shape.nbytes, dtype=torch.uint8, device=device)
+        self.sink = StubSink(self.buffer)
+        self.namespace = STUB_NS
+        self.address = address
+
+    async def fetch(self, namespace: str, hashes: list[int]) -> int:
+        from kvstore.transfer import fetch
+
+        return await fetch(self.address, namespace, hashes, self.sink, timeout_s=60)
+
+    def offsets(self, namespace: str, hashes: list[int]) -> np.ndarray:
+        return self.sink.offsets(hashes)
+
+    def evictions(self) -> int:
+        return 0
 
 
 # ---- serving process ------------------------------------------------------------------------
 
 
-def serve_main(pipe: Any, env: dict, mem: str, pool_bytes: int) -> None:
+class RecordingPeerServer(PeerServer):
+    """A PeerServer that keeps the segment views of its last fetch (raw_seg sends the same
+    sizes). Keeping a reference costs nothing inside the timed fetch."""
+
+    last_views: list[Any] = []
+
+    async def _send_slots(
+        self, conn: Any, views: list[Any], deadline: float, first: int = 0
+    ) -> None:
+        if first == 0:
+            self.last_views = views
+        await super()._send_slots(conn, views, deadline, first)
+
+
+def serve_main(ctrl: Any, env: dict, opts: dict) -> None:
     os.environ.update(env)
-    asyncio.run(_serve(pipe, mem, pool_bytes))
-    os._exit(0)  # skip UCX finalizers, which can stall interpreter exit
+    code = 1
+    try:
+        asyncio.run(_serve(ctrl, opts))
+        code = 0
+    finally:
+        os._exit(code)  # skip UCX finalizers, which can stall interpreter exit
 
 
-async def _serve(pipe: Any, mem: str, pool_bytes: int) -> None:
-    from kvstore.transfer import PeerServer
+async def _serve(ctrl: Any, opts: dict) -> None:
     from kvstore.transfer.ucx import ucxx_module
 
     ucxx = ucxx_module()
-    pool = make_pool(pool_bytes, mem, device=0, pattern=True)
-    server = PeerServer(BenchSource(pool), timeout_s=60)
+    device = opts["serve_device"]
+    settle_torch(device)
+    side_class = StoreServing if opts["source"] == "store" else StubServing
+    side = side_class(device, opts["serve_bytes"], opts["layers_by_name"])
+    server = RecordingPeerServer(side.source, timeout_s=60)
     await server.start()
+    raw_views: list[Any] = []  # raw_seg: the last fetch's message sizes, from the pool start
 
     async def raw_handler(ep: Any) -> None:
-        """Baseline: on an 8-byte request for n bytes, send pool[:n] as one message."""
-        request = np.zeros(1, dtype=np.uint64)
+        request = np.zeros(2, dtype=np.uint64)
         try:
             while True:
-                await ep.recv(request)
-                await ep.send(pool[: int(request[0])])
+                await ep.recv(request, tag=RAW_REQUEST_TAG)
+                mode, nbytes = int(request[0]), int(request[1])
+                if mode == RAW_ONE:
+                    await ep.send(ucx_view(side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
+                else:
+                    sends = [ep.send(v, tag=RAW_DATA_TAG + i) for i, v in enumerate(raw_views)]
+                    await asyncio.gather(*sends)
         except Exception:
             ep.abort()
 
     raw = ucxx.create_listener(raw_handler, port=0)
-    pipe.send((server.address, raw.port, sorted(ucxx.get_active_transports())))
-    await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # until told to stop
+    ctrl.send((server.address, raw.port, sorted(ucxx.get_active_transports())))
+    loop = asyncio.get_running_loop()
+    while True:
+        command, arg = await loop.run_in_executor(None, ctrl.recv)
+        if command == "stop":
+            break
+        try:
+            if command == "prepare":
+                reply: Any = await side.prepare(Shape(**arg))
+            else:  # "segments": sizes of the last fetch's messages; raw_seg will send them
+                reply = [int(v.nbytes) for v in server.last_views]
+                starts = np.concatenate(([0], np.cumsum(reply)[:-1])).tolist()
+                raw_views[:] = [ucx_view(side.buffer, a, n) for a, n in zip(starts, reply)]
+            ctrl.send((True, reply))
+        except Exception:
+            ctrl.send((False, traceback.format_exc()))
     raw.close()
     await server.stop()
 
@@ -227,130 +553,258 @@ async def _serve(pipe: Any, mem: str, pool_bytes: int) -> None:
 class Row:
     transport: str
     mem: str
+    source: str
     slot_bytes: int
     slots_per_block: int
+    tp_size: int
     num_blocks: int
     total_bytes: int
+    repeats: int
     gbps: float
     baseline_gbps: float
     ratio: float
-    repeats: int
-    device_copy_gbps: float | None = None  # cuda: one cudaMemcpy of the same bytes, in-process
+    ratio_p10_p50_p90: list[float]
+    segments_gbps: float
+    ceiling_gbps: float
+    ratio_ceiling: float
+    ratio_ceiling_min_max: list[float]
+    ratio_ceiling_iqr: list[float]
+    fetch_ms_min_med_max: list[float]
+    messages: int
+    evictions: int
+    layers_by_name: bool
+    device_copy_gbps: float | None = None
     ratio_device_copy: float | None = None
-    ratio_p10_p50_p90: list[float] | None = None  # per interleaved repeat: raw time / fetch time
-    verified: bool = False  # a fetch and a raw receive into a zeroed pool matched the peer
+    verified: bool = False
+    verified_fetches: int = 0
 
 
-def fetch_main(pipe: Any, env: dict, opts: dict) -> None:
+def fetch_main(result: Any, ctrl: Any, env: dict, opts: dict) -> None:
     os.environ.update(env)
-    pipe.send(asyncio.run(_measure(opts)))
-    pipe.close()
+    try:
+        out = (True, asyncio.run(_measure(ctrl, opts)))
+    except BaseException:
+        out = (False, traceback.format_exc())
+    try:
+        ctrl.send(("stop", None))
+    except OSError:
+        pass  # the serving process is gone already
+    result.send(out)
+    result.close()
     os._exit(0)  # skip UCX finalizers, which can stall interpreter exit
 
 
-async def _measure(opts: dict) -> dict:
-    from kvstore.transfer import close_endpoints, fetch
+def ask(ctrl: Any, command: str, arg: Any = None) -> Any:
+    ctrl.send((command, arg))
+    ok, reply = ctrl.recv()
+    if not ok:
+        raise RuntimeError(f"serving process, {command}:\n{reply}")
+    return reply
+
+
+class Bench:
+    """The fetching process's side of one sweep: the timed ops of one configuration."""
+
+    def __init__(self, ctrl: Any, raw_ep: Any, opts: dict):
+        self.ctrl, self.raw_ep, self.opts = ctrl, raw_ep, opts
+        self.device = opts["fetch_device"]
+        self.sync = synchronizer(self.device)
+        self.request = np.zeros(2, dtype=np.uint64)
+
+    async def run(self, shape: Shape, repeats: int, seed: int) -> dict:
+        """Prepare ``shape`` on both nodes, warm up, time ``repeats`` interleaved repeats."""
+        namespace, self.sets = ask(self.ctrl, "prepare", asdict(shape))
+        side_class = StoreFetching if self.opts["source"] == "store" else StubFetching
+        self.side = side_class(self.device, shape, self.opts["address"])
+        if self.side.namespace != namespace:
+            raise AssertionError(f"namespaces differ: {self.side.namespace} vs {namespace}")
+        self.shape, self.namespace, self.verified, self.messages = shape, namespace, 0, []
+        buffer = self.side.buffer
+        scratch = torch.empty_like(buffer) if self.device != "cpu" else None
+        for k in (0, 1):  # warm-up; from here on the fetching pool is full
+            self.poison()
+            await self.fetch(k)
+        await self.raw_one()
+        await self.raw_seg()
+        evictions = self.side.evictions()
+        ops = {
+            "fetch": lambda r: self.fetch(r % 2),
+            "raw_one": lambda r: self.raw_one(),
+            "raw_seg": lambda r: self.raw_seg(),
+        }
+        if scratch is not None:
+            ops["device_copy"] = lambda r: self.device_copy(scratch)
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        rng = np.random.default_rng(seed)
+        for r in range(repeats):
+            for name in rng.permutation(list(ops)):
+                self.poison()
+                times[name].append(await ops[name](r))
+        return {
+            "times": times,
+            "messages": int(statistics.median(self.messages[2:])),
+            "evictions": self.side.evictions() - evictions,
+            "verified_fetches": self.verified,
+        }
+
+    def poison(self) -> None:
+        self.side.buffer[: self.shape.nbytes].fill_(POISON)
+        self.sync()
+
+    async def fetch(self, k: int) -> float:
+        """Timed: fetch set ``k``. Then, untimed: compare every byte, learn the messages."""
+        hashes = self.sets[k]
+        start = time.perf_counter()
+        n = await self.side.fetch(self.namespace, hashes)
+        self.sync()
+        elapsed = time.perf_counter() - start
+        if n != len(hashes):
+            raise AssertionError(f"fetched {n} of {len(hashes)} blocks")
+        offsets = self.side.offsets(self.namespace, hashes)
+        check_slots(self.side.buffer, self.shape, offsets, k, f"fetched set {k}")
+        self.verified += 1
+        self.messages.append(len(ask(self.ctrl, "segments")))
+        return elapsed
+
+    async def raw_one(self) -> float:
+        nbytes = self.shape.nbytes
+        self.request[:] = (RAW_ONE, nbytes)
+        start = time.perf_counter()
+        recv = asyncio.ensure_future(
+            self.raw_ep.recv(ucx_view(self.side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
+        )
+        await asyncio.sleep(0)  # the receive is posted before the request goes, as in a fetch
+        await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
+        await recv
+        self.sync()
+        return time.perf_counter() - start
+
+    async def raw_seg(self) -> float:
+        """The last fetch's message sizes, back to back from the start of the pool."""
+        sizes = ask(self.ctrl, "segments")
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        views = [ucx_view(self.side.buffer, a, n) for a, n in zip(starts, sizes)]
+        self.request[:] = (RAW_SEG, sum(sizes))
+        start = time.perf_counter()
+        recvs = [
+            asyncio.ensure_future(self.raw_ep.recv(v, tag=RAW_DATA_TAG + i))
+            for i, v in enumerate(views)
+        ]
+        await asyncio.sleep(0)
+        await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
+        await asyncio.gather(*recvs)
+        self.sync()
+        return time.perf_counter() - start
+
+    async def device_copy(self, scratch: torch.Tensor) -> float:
+        """The GPU's own ceiling for these bytes: one device-to-device copy."""
+        nbytes = self.shape.nbytes
+        self.sync()
+        start = time.perf_counter()
+        scratch[:nbytes].copy_(self.side.buffer[:nbytes])
+        self.sync()
+        return time.perf_counter() - start
+
+
+def ratios(times: dict[str, list[float]]) -> dict[str, np.ndarray]:
+    fetch = np.asarray(times["fetch"])
+    one, seg = np.asarray(times["raw_one"]), np.asarray(times["raw_seg"])
+    ceiling = np.minimum(one, seg)
+    return {"fetch": fetch, "one": one, "seg": seg, "ceiling": ceiling, "r": ceiling / fetch}
+
+
+def spread(r: np.ndarray) -> dict:
+    q = np.quantile(r, [0.25, 0.5, 0.75])
+    return {
+        "ratio_ceiling": round(float(q[1]), 3),
+        "ratio_ceiling_min_max": [round(float(r.min()), 3), round(float(r.max()), 3)],
+        "ratio_ceiling_iqr": [round(float(q[0]), 3), round(float(q[2]), 3)],
+    }
+
+
+def make_row(opts: dict, shape: Shape, out: dict) -> Row:
+    t, nbytes = ratios(out["times"]), shape.nbytes
+    gbps = {k: nbytes / float(np.median(t[k])) / 1e9 for k in ("fetch", "one", "seg", "ceiling")}
+    vs_one = np.quantile(t["one"] / t["fetch"], [0.1, 0.5, 0.9])
+    fetch_ms = [np.min(t["fetch"]), np.median(t["fetch"]), np.max(t["fetch"])]
+    row = Row(
+        transport=opts["tls"],
+        mem=opts["mem"],
+        source=opts["source"],
+        slot_bytes=shape.slot,
+        slots_per_block=shape.per_block,
+        tp_size=shape.tp,
+        num_blocks=shape.blocks,
+        total_bytes=nbytes,
+        repeats=len(t["fetch"]),
+        gbps=round(gbps["fetch"], 3),
+        baseline_gbps=round(gbps["one"], 3),
+        ratio=round(gbps["fetch"] / gbps["one"], 3),
+        ratio_p10_p50_p90=[round(float(q), 3) for q in vs_one],
+        segments_gbps=round(gbps["seg"], 3),
+        ceiling_gbps=round(gbps["ceiling"], 3),
+        fetch_ms_min_med_max=[round(1e3 * float(x), 3) for x in fetch_ms],
+        messages=out["messages"],
+        evictions=out["evictions"],
+        layers_by_name=opts["layers_by_name"],
+        verified=True,
+        verified_fetches=out["verified_fetches"],
+        **spread(t["r"]),
+    )
+    if "device_copy" in out["times"]:
+        dc = nbytes / statistics.median(out["times"]["device_copy"]) / 1e9
+        row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps["fetch"] / dc, 3)
+    return row
+
+
+def make_latency(opts: dict, shape: Shape, out: dict) -> dict:
+    t = ratios(out["times"])
+    fetch = sorted(t["fetch"].tolist())
+    return {
+        "transport": opts["tls"],
+        "mem": opts["mem"],
+        "source": opts["source"],
+        "model": "32 layers, TP2, 8 KV heads x 128, fp16",
+        "block_tokens": 16,
+        "slot_bytes": shape.slot,
+        "slots_per_block": shape.per_block,
+        "num_blocks": shape.blocks,
+        "total_bytes": shape.nbytes,
+        "iters": len(fetch),
+        "p50_ms": round(1e3 * _quantile(fetch, 0.5), 3),
+        "p99_ms": round(1e3 * _quantile(fetch, 0.99), 3),
+        "min_ms": round(1e3 * fetch[0], 3),
+        "ceiling_p50_ms": round(1e3 * float(np.median(t["ceiling"])), 3),
+        **spread(t["r"]),
+        "messages": out["messages"],
+        "evictions": out["evictions"],
+        "layers_by_name": opts["layers_by_name"],
+        "verified": True,
+        "verified_fetches": out["verified_fetches"],
+    }
+
+
+async def _measure(ctrl: Any, opts: dict) -> dict:
+    from kvstore.transfer import close_endpoints
     from kvstore.transfer.ucx import ucxx_module
 
     ucxx = ucxx_module()
-    mem, total = opts["mem"], opts["total_bytes"]
-    pool = make_pool(total, mem, device=opts["fetch_device"])
-    sink = BenchSink(pool)
-    raw_ep = await ucxx.create_endpoint("127.0.0.1", opts["raw_port"])
-    request = np.zeros(1, dtype=np.uint64)
-    sync = _synchronize(mem)
-    scratch = make_pool(total, mem, device=opts["fetch_device"]) if mem == "cuda" else None
-
-    def device_copy_once(nbytes: int) -> float:
-        """The GPU's own ceiling for these bytes: one device-to-device memcpy."""
-        sync()
-        start = time.perf_counter()
-        scratch.data.copy_from_device(pool.data, nbytes)
-        sync()
-        return time.perf_counter() - start
-
-    async def raw_once(nbytes: int) -> float:
-        request[0] = nbytes
-        start = time.perf_counter()
-        await raw_ep.send(request)
-        await raw_ep.recv(pool[:nbytes])
-        sync()
-        return time.perf_counter() - start
-
-    async def fetch_once(hashes: list[int]) -> float:
-        start = time.perf_counter()
-        n = await fetch(opts["address"], NS, hashes, sink, timeout_s=60)
-        sync()
-        assert n == len(hashes), (n, len(hashes))
-        return time.perf_counter() - start
-
+    settle_torch(opts["fetch_device"])
+    opts["address"], raw_port, server_tls = ctrl.recv()
+    raw_ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
+    bench = Bench(ctrl, raw_ep, opts)
     rows = []
-    for slot in opts["slot_sizes"]:
-        num_blocks = total // (slot * SLOTS_PER_BLOCK)
-        hashes = [encode_hash(slot, SLOTS_PER_BLOCK, i) for i in range(num_blocks)]
-        nbytes = num_blocks * SLOTS_PER_BLOCK * slot
-        await raw_once(nbytes)  # warm up: registration caches, rendezvous paths
-        await fetch_once(hashes)
-        fetched, raw, dcopy = [], [], []
-        for _ in range(opts["repeats"]):
-            raw.append(await raw_once(nbytes))
-            fetched.append(await fetch_once(hashes))
-            if scratch is not None:
-                dcopy.append(device_copy_once(nbytes))
-        gbps = nbytes / statistics.median(fetched) / 1e9
-        base = nbytes / statistics.median(raw) / 1e9
-        row = Row(
-            opts["tls"],
-            mem,
-            slot,
-            SLOTS_PER_BLOCK,
-            num_blocks,
-            nbytes,
-            round(gbps, 3),
-            round(base, 3),
-            round(gbps / base, 3),
-            opts["repeats"],
-        )
-        if dcopy:
-            dc = nbytes / statistics.median(dcopy) / 1e9
-            row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps / dc, 3)
-        ratios = np.asarray(raw) / np.asarray(fetched)
-        row.ratio_p10_p50_p90 = [round(float(q), 3) for q in np.quantile(ratios, [0.1, 0.5, 0.9])]
-        for what in ("fetch", "raw"):
-            pool[:nbytes] = 0
-            await (fetch_once(hashes) if what == "fetch" else raw_once(nbytes))
-            check_pattern(pool, nbytes, f"{what} of {nbytes} bytes in {slot}-byte slots")
-        row.verified = True
+    for i, shape in enumerate(Shape(**s) for s in opts["shapes"]):
+        row = make_row(opts, shape, await bench.run(shape, opts["repeats"], seed=i))
         rows.append(row)
-        extra = f"  memcpy {row.device_copy_gbps} GB/s" if dcopy else ""
-        print(
-            f"  {opts['tls']:>10} {mem} slot {slot >> 10:>5} KiB"
-            f" x {num_blocks * SLOTS_PER_BLOCK:>5}"
-            f": fetch {gbps:6.2f} GB/s  raw {base:6.2f} GB/s  ratio {gbps / base:5.2f}{extra}",
-            flush=True,
-        )
-
-    per_block = LATENCY_LAYERS * LATENCY_TP
-    hashes = [encode_hash(LATENCY_SLOT, per_block, i, LATENCY_TP) for i in range(LATENCY_BLOCKS)]
-    await fetch_once(hashes)
-    samples = sorted([await fetch_once(hashes) for _ in range(opts["latency_iters"])])
-    latency = {
-        "transport": opts["tls"],
-        "mem": mem,
-        "model": "32 layers, TP2, 8 KV heads x 128, fp16",
-        "block_tokens": 16,
-        "slot_bytes": LATENCY_SLOT,
-        "slots_per_block": per_block,
-        "num_blocks": LATENCY_BLOCKS,
-        "total_bytes": LATENCY_SLOT * per_block * LATENCY_BLOCKS,
-        "iters": len(samples),
-        "p50_ms": round(1e3 * _quantile(samples, 0.5), 3),
-        "p99_ms": round(1e3 * _quantile(samples, 0.99), 3),
-        "min_ms": round(1e3 * samples[0], 3),
-    }
+        print_row(row)
+    shape = Shape(**opts["latency_shape"])
+    latency = make_latency(opts, shape, await bench.run(shape, opts["latency_iters"], seed=99))
     print(
-        f"  latency {LATENCY_BLOCKS}-block prefix ({latency['total_bytes'] >> 20} MiB): "
-        f"p50 {latency['p50_ms']} ms  p99 {latency['p99_ms']} ms",
+        f"  latency {shape.blocks}-block TP2 prefix ({shape.nbytes >> 20} MiB, "
+        f"{latency['messages']} msgs): p50 {latency['p50_ms']} ms  p99 {latency['p99_ms']} ms"
+        f"  (ceiling p50 {latency['ceiling_p50_ms']} ms, ratio {latency['ratio_ceiling']}"
+        f" [{latency['ratio_ceiling_min_max'][0]}-{latency['ratio_ceiling_min_max'][1]}])",
         flush=True,
     )
     raw_ep.abort()
@@ -359,15 +813,22 @@ async def _measure(opts: dict) -> dict:
         "rows": [asdict(r) for r in rows],
         "latency": latency,
         "active_transports": sorted(ucxx.get_active_transports()),
+        "server_active_transports": server_tls,
     }
 
 
-def _synchronize(mem: str) -> Any:
-    if mem == "cuda":
-        import cupy
-
-        return cupy.cuda.runtime.deviceSynchronize
-    return lambda: None
+def print_row(row: Row) -> None:
+    lo, hi = row.ratio_ceiling_min_max
+    extra = f"  memcpy {row.device_copy_gbps}" if row.device_copy_gbps else ""
+    print(
+        f"  {row.transport:>8} {row.mem} {row.source} slot {row.slot_bytes >> 10:>4} KiB"
+        f" x {row.num_blocks * row.slots_per_block:>5} ({row.messages:>3} msgs):"
+        f" fetch {row.gbps:6.2f}  raw 1 msg {row.baseline_gbps:6.2f}"
+        f"  raw same msgs {row.segments_gbps:6.2f} GB/s{extra};"
+        f" fetch/ceiling {row.ratio_ceiling:.2f} [{lo:.2f}-{hi:.2f}],"
+        f" fetch/1 msg {row.ratio:.2f}",
+        flush=True,
+    )
 
 
 def _quantile(sorted_samples: list[float], q: float) -> float:
@@ -378,98 +839,119 @@ def _quantile(sorted_samples: list[float], q: float) -> float:
 # ---- driver ---------------------------------------------------------------------------------
 
 
-def ucx_env(tls: str, mem: str) -> dict:
+def ucx_env(tls: str) -> dict:
+    """The project's UCX defaults, then every UCX_* / UCXPY_* variable already set here
+    (e.g. UCX_MM_ERROR_HANDLING=y for shared memory between same-host peers)."""
     from kvstore.transfer.ucx import UCX_DEFAULTS
 
-    env = {k: os.environ.get(k, v) for k, v in UCX_DEFAULTS.items()}
+    env = dict(UCX_DEFAULTS)
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))})
     if tls != "default":
         env["UCX_TLS"] = tls
     return env
 
 
+def shapes(args: argparse.Namespace) -> tuple[list[Shape], Shape]:
+    total = args.total_mib << 20
+    rows = [Shape(s, SLOTS_PER_BLOCK, 1, total // (s * SLOTS_PER_BLOCK)) for s in args.slot_sizes]
+    latency = Shape(LATENCY_SLOT, LATENCY_LAYERS * LATENCY_TP, LATENCY_TP, LATENCY_BLOCKS)
+    return rows, latency
+
+
 def run_sweep(tls: str, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
-    env = ucx_env(tls, args.mem)
-    total = args.total_mib << 20
-    latency_bytes = LATENCY_SLOT * LATENCY_LAYERS * LATENCY_TP * LATENCY_BLOCKS
-    serve_pipe, child = ctx.Pipe()
+    env = ucx_env(tls)
+    rows, latency = shapes(args)
+    serve_device = "cpu" if args.mem == "host" else "cuda:0"
+    fetch_device = "cpu" if args.mem == "host" else f"cuda:{min(1, _gpu_count() - 1)}"
+    opts = {
+        "mem": args.mem,
+        "source": args.source,
+        "layers_by_name": args.layers_by_name,
+        "tls": tls,
+        "repeats": args.repeats,
+        "latency_iters": args.latency_iters,
+        "shapes": [asdict(s) for s in rows],
+        "latency_shape": asdict(latency),
+        "fetch_device": fetch_device,
+        "serve_device": serve_device,
+        "serve_bytes": 2 * max(s.nbytes for s in [*rows, latency]),  # sets A and B
+    }
+    serve_ctrl, fetch_ctrl = ctx.Pipe()
+    result, result_child = ctx.Pipe(duplex=False)
     server = ctx.Process(
-        target=serve_main, daemon=True, args=(child, env, args.mem, max(total, latency_bytes))
+        target=serve_main,
+        args=(serve_ctrl, env, opts),
+        daemon=True,
+    )
+    fetcher = ctx.Process(
+        target=fetch_main, args=(result_child, fetch_ctrl, env, opts), daemon=True
     )
     server.start()
-    fetcher = None
+    fetcher.start()
+    for end in (serve_ctrl, fetch_ctrl, result_child):
+        end.close()  # the children hold theirs: a dead child is EOF here and there
     try:
-        address, raw_port, server_tls = serve_pipe.recv()
-        opts = {
-            "mem": args.mem,
-            "total_bytes": max(total, latency_bytes),
-            "tls": tls,
-            "address": address,
-            "raw_port": raw_port,
-            "repeats": args.repeats,
-            "latency_iters": args.latency_iters,
-            "slot_sizes": args.slot_sizes,
-            "fetch_device": 1 if args.mem == "cuda" and _gpu_count() > 1 else 0,
-        }
-        fetch_pipe, child = ctx.Pipe()
-        fetcher = ctx.Process(target=fetch_main, args=(child, env, opts), daemon=True)
-        fetcher.start()
-        result = fetch_pipe.recv()
+        ok, out = result.recv()
+        if not ok:
+            raise RuntimeError(f"fetching process failed:\n{out}")
         fetcher.join(10)
-        serve_pipe.send("stop")
         server.join(10)
     finally:
         for p in (server, fetcher):
-            if p is not None and p.is_alive():
+            if p.is_alive():
                 p.kill()
-    result["env"] = env
-    result["server_active_transports"] = server_tls
-    return result
+    out["env"] = env
+    return out
 
 
 def _gpu_count() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
     path = args.out
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
-    keep = lambda items: [r for r in items if r.get("mem") != args.mem]  # noqa: E731
+    mine = (args.mem, args.source)
+
+    def kept(items: list[dict]) -> list[dict]:
+        """Entries of another (mem, source); ones from before the field were stubs."""
+        out = [{"source": "stub", **x} for x in items]
+        return [x for x in out if (x.get("mem"), x["source"]) != mine]
+
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    rows = keep(old.get("rows", [])) + [r for s in sweeps for r in s["rows"]]
-    latency = keep(old.get("latency", [])) + [s["latency"] for s in sweeps]
+    host = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": now,
+    }
     doc = {
-        "benchmark": "peer transfer (kvstore.transfer) vs raw ucxx, two processes on loopback",
-        "note": GBPS_NOTE,
+        "benchmark": "peer fetch (store node to store node, kvstore.transfer) vs raw ucxx, "
+        "two processes on loopback",
+        "note": NOTE,
         "generated": now,
         "quick": args.quick,
         "ucx": [
             {
                 "transport": s["rows"][0]["transport"] if s["rows"] else "",
                 "mem": args.mem,
+                "source": args.source,
+                "quick": args.quick,
                 "env": s["env"],
                 "active_transports": s["active_transports"],
-                "host": {
-                    "machine": platform.machine(),
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "date": now,
-                },
+                "server_active_transports": s["server_active_transports"],
+                "host": host,
             }
             for s in sweeps
         ]
-        + [u for u in old.get("ucx", []) if u.get("mem") != args.mem],
-        "rows": rows,
-        "latency": latency,
+        + kept(old.get("ucx", [])),
+        "rows": [r for s in sweeps for r in s["rows"]] + kept(old.get("rows", [])),
+        "latency": [s["latency"] for s in sweeps] + kept(old.get("latency", [])),
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(rows, latency, path.with_suffix(".png"))
+    plot(doc["rows"], doc["latency"], path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 
@@ -479,32 +961,36 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r["transport"], r["mem"]) for r in rows})
-    for transport, mem in series:
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
+    series = sorted({(r["source"], r["mem"], r["transport"]) for r in rows})
+    for source, mem, transport in series:
         mine = sorted(
-            (r for r in rows if (r["transport"], r["mem"]) == (transport, mem)),
+            (
+                r
+                for r in rows
+                if (r["source"], r["mem"], r["transport"]) == (source, mem, transport)
+            ),
             key=lambda r: r["slot_bytes"],
         )
         x = [r["slot_bytes"] >> 10 for r in mine]
-        label = f"{mem}, UCX_TLS={transport}"
-        line = ax.plot(x, [r["gbps"] for r in mine], "o-", label=f"fetch ({label})")[0]
-        ax.plot(
-            x,
-            [r["baseline_gbps"] for r in mine],
-            "s--",
-            color=line.get_color(),
-            label=f"raw ucxx, one buffer ({label})",
-        )
+        label = f"{source}, {mem}, UCX_TLS={transport}"
+        color = ax.plot(x, [r["gbps"] for r in mine], "o-", label=f"fetch ({label})")[0].get_color()
+        ax.plot(x, [r["baseline_gbps"] for r in mine], "s--", color=color, label="raw, 1 message")
+        if all("ceiling_gbps" in r for r in mine):
+            ax.plot(x, [r["ceiling_gbps"] for r in mine], "^:", color=color, label="raw ceiling")
         if mine and mine[0].get("device_copy_gbps"):
-            ax.plot(
-                x,
-                [r["device_copy_gbps"] for r in mine],
-                "^:",
-                color=line.get_color(),
-                label=f"cudaMemcpy in one process ({label})",
+            ax.plot(x, [r["device_copy_gbps"] for r in mine], "v-.", color=color, label="memcpy")
+        if all("ratio_ceiling" in r for r in mine):
+            mid = [r["ratio_ceiling"] for r in mine]
+            err = [
+                [m - r["ratio_ceiling_iqr"][0] for m, r in zip(mid, mine)],
+                [r["ratio_ceiling_iqr"][1] - m for m, r in zip(mid, mine)],
+            ]
+            ax_ratio.errorbar(x, mid, yerr=err, fmt="o-", color=color, capsize=3, label=label)
+        else:  # rows from before the ceiling existed: their ratio is to one message
+            ax_ratio.plot(
+                x, [r["ratio"] for r in mine], "x--", color=color, label=f"{label} (vs 1 msg)"
             )
-        ax_ratio.plot(x, [r["ratio"] for r in mine], "o-", color=line.get_color(), label=label)
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
         a.set_xlabel("slot size (KiB)")
@@ -512,36 +998,63 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("GB/s")
     ax.set_title("pull throughput, two processes on loopback")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     ax_ratio.axhline(0.7, color="grey", linestyle=":", label="0.7 target")
-    ax_ratio.set_ylabel("fetch / raw")
-    ax_ratio.set_ylim(0, 1.2)
+    ax_ratio.set_ylabel("fetch / raw ceiling (median, IQR over repeats)")
+    ax_ratio.set_ylim(0, 1.3)
     lat = "\n".join(
-        f"{x['mem']}/{x['transport']}: p50 {x['p50_ms']} ms, p99 {x['p99_ms']} ms" for x in latency
+        f"{x['source']}/{x['mem']}/{x['transport']}: p50 {x['p50_ms']} ms, p99 {x['p99_ms']} ms"
+        for x in latency
     )
-    ax_ratio.set_title(f"ratio to raw ucxx; 32-block prefix (64 MiB) latency:\n{lat}", fontsize=8)
-    ax_ratio.legend(fontsize=7)
+    ax_ratio.set_title(
+        f"ratio to raw ucxx; 32-block TP2 prefix (64 MiB) latency:\n{lat}", fontsize=7
+    )
+    ax_ratio.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min)")
-    p.add_argument("--mem", choices=("host", "cuda"), default="host")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Method, ops and JSON fields: see the module docstring (bench/transfer.py).",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="64 MiB per fetch, 7 repeats, 20 latency samples"
+    )
+    p.add_argument("--mem", choices=("host", "cuda"), default="host", help="where both pools live")
+    p.add_argument(
+        "--transport-only",
+        dest="source",
+        action="store_const",
+        const="stub",
+        default="store",
+        help="stub lease/reserve over plain pools instead of two store nodes "
+        "(the transfer engine alone: no index, pins, eviction or commit)",
+    )
+    p.add_argument(
+        "--layers-by-name",
+        action="store_true",
+        help="serving ranks register layers in name order (l0, l1, l10, ..., l2, ...), as "
+        "zero-padded names would be; default: numeric order, as vLLM registers model.layers.N",
+    )
     p.add_argument(
         "--tls",
         action="append",
         help="UCX_TLS value per sweep (repeatable); 'default' leaves UCX to choose",
     )
-    p.add_argument("--total-mib", type=int, help="bytes per throughput measurement")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--latency-iters", type=int)
+    p.add_argument(
+        "--total-mib", type=int, help="bytes per throughput fetch (default 256; quick 64)"
+    )
+    p.add_argument("--repeats", type=int, help="interleaved repeats per row (default 15; quick 7)")
+    p.add_argument(
+        "--latency-iters", type=int, help="latency samples, interleaved (default 100; quick 20)"
+    )
     p.add_argument(
         "--out",
         type=Path,
         default=RESULTS / "transfer.json",
-        help="JSON to merge into (rows of the other mem kind are kept); PNG beside it",
+        help="JSON to merge into (rows of another mem or source are kept); PNG beside it",
     )
     args = p.parse_args()
     args.tls = args.tls or [os.environ.get("UCX_TLS", "default")]
@@ -549,6 +1062,13 @@ def parse_args() -> argparse.Namespace:
     args.repeats = args.repeats or (7 if args.quick else 15)
     args.latency_iters = args.latency_iters or (20 if args.quick else 100)
     args.slot_sizes = list(SLOT_SIZES)
+    if args.mem == "cuda" and not _gpu_count():
+        p.error("--mem cuda: no CUDA device is visible")
+    rows, _ = shapes(args)
+    if min(s.blocks for s in rows) < 1 or (args.total_mib << 20) % SLAB_BYTES:
+        p.error(f"--total-mib must be a multiple of {SLAB_BYTES >> 20}")
+    if max(s.blocks for s in rows) > MAX_BLOCKS_PER_REQUEST:  # also keeps pattern words < 2**31
+        p.error(f"--total-mib: at most {MAX_BLOCKS_PER_REQUEST} blocks in one fetch")
     return args
 
 
@@ -558,8 +1078,8 @@ def main() -> None:
     sweeps = []
     for tls in args.tls:
         print(
-            f"UCX_TLS={tls} mem={args.mem}: {args.total_mib} MiB per transfer, "
-            f"median of {args.repeats}",
+            f"UCX_TLS={tls} mem={args.mem} source={args.source}: {args.total_mib} MiB per "
+            f"fetch, {args.repeats} interleaved repeats",
             flush=True,
         )
         sweeps.append(run_sweep(tls, args))
