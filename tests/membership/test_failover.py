@@ -153,6 +153,7 @@ def test_a_store_moves_to_the_next_router_without_etcd(tmp_path):
     rports = [free_port(), free_port()]
     procs = [Proc(tmp_path, f"router{i}", "router", "--port", str(p)) for i, p in enumerate(rports)]
     routers = [f"127.0.0.1:{p}" for p in rports]
+    started(*zip(routers, procs[:2]))  # both up before the store picks the first one
     sport = free_port()
     store = f"127.0.0.1:{sport}"
     procs.append(
@@ -175,7 +176,7 @@ def test_a_store_moves_to_the_next_router_without_etcd(tmp_path):
     )
     blocks = None
     try:
-        started(*zip(routers, procs[:2]), (store, procs[2]))
+        started((store, procs[2]))
         blocks = Blocks(store)
         blocks.save(HASHES)
         assert wait_for(lambda: prefix_known(routers[0], blocks.namespace, HASHES, "s1") == 4, 15)
