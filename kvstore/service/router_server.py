@@ -207,15 +207,7 @@ class ClusterRouterService(RouterService):
         )
 
     async def PublishEvents(self, request, context):
-        caller = await self._caller(context)
-        result = await self._call(
-            context,
-            self.router.publish_store_events,
-            request.node_id,
-            request.generation,
-            list(request.events),
-            caller,
-        )
+        result = await self._publish(request, context)
         if result.stale:
             await status.abort(
                 context,

@@ -178,8 +178,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def PublishEvents(self, request, context):
+        result = await self._publish(request, context)
+        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
+
+    async def _publish(self, request, context):
+        """Apply a PublishEvents request as its caller; the core's result."""
         caller = await self._caller(context)
-        result = await self._call(
+        return await self._call(
             context,
             self.router.publish_store_events,
             request.node_id,
@@ -187,7 +192,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             list(request.events),
             caller,
         )
-        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
 
     async def RouterStats(self, request, context):  # noqa: ARG002 -- the servicer's signature
         return router_pb2.RouterStatsResponse(**asdict(self.router.stats()))
