@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
+from kvstore.client.kept_rank import KeptRank
 from kvstore.client.store_client import KVLayer, RankSession, StoreClient
 from kvstore.integrations.sglang.identity import RankIdentity
 from kvstore.wire.errors import Code, KVError
@@ -36,107 +36,36 @@ class RankLink:
         self.client = client
         self.identity = identity
         self.layers = layers
-        self.seal_timeout = seal_timeout
         self.retry_s = retry_s
         self.io_timeout = io_timeout
+        self._rank = KeptRank(
+            client,
+            identity.spec,
+            layers,
+            seal_timeout=seal_timeout,
+            retry_s=retry_s,
+            engine="SGLang",
+        )
         self._lock = threading.Lock()
-        self._pending: RankSession | None = None  # registered, not yet sealed
-        self._session: RankSession | None = None  # sealed at least once
-        self._namespace = ""
         self._failing = False
-        self._waiting = False  # logged that the other ranks are awaited
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # ------------------------------------------------------------ registration
 
     def start(self) -> None:
         """Register and wait for the seal once; keep trying in the background."""
-        self._attempt(self.seal_timeout)
-        self._thread = threading.Thread(
-            target=self._keep_registered, daemon=True, name="kvstore-sglang-register"
-        )
-        self._thread.start()
+        self._rank.start()
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the rank is registered and sealed, waiting at most ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self._live() is None and time.monotonic() < deadline:
-            self._stop.wait(0.05)
-        return self._live() is not None
+        return self._rank.wait_ready(timeout)
 
     @property
     def final_namespace(self) -> str:
-        return self._namespace
-
-    def _attempt(self, timeout: float) -> None:
-        i = self.identity
-        with self._lock:
-            pending = self._pending
-        if pending is None:
-            try:
-                pending = self.client.register_rank(i.spec, self.layers)
-            except KVError as err:
-                self._failed("register", err)
-                return
-            with self._lock:
-                self._pending = pending
-        try:
-            seal = pending.wait_sealed(timeout)
-        except KVError as err:
-            if pending.error is None and err.code is Code.DEADLINE_EXCEEDED:
-                (log.debug if self._waiting else log.info)(
-                    "kvstore: rank %d of %s registered, waiting for the other ranks (%d of %d in)",
-                    i.rank,
-                    i.instance_id,
-                    pending.ranks_registered,
-                    i.world_size,
-                )
-                self._waiting = True
-                return
-            pending.close()
-            with self._lock:
-                self._pending = None
-            self._failed("register", err)
-            return
-        with self._lock:
-            self._session, self._pending = pending, None
-            self._namespace = seal.final_namespace
-            self._waiting = False
-        self._recovered()
-        log.info(
-            "kvstore: SGLang rank %d of %s sealed as %s (%d layers, page %d tokens, store %s)",
-            i.rank,
-            i.instance_id,
-            seal.final_namespace,
-            len(self.layers),
-            i.block_size,
-            self.client.address,
-        )
-
-    def _keep_registered(self) -> None:
-        while not self._stop.wait(self.retry_s):
-            if self._live() is not None:
-                continue
-            with self._lock:
-                old, self._session = self._session, None
-            if old is not None:
-                old.close()
-                log.warning("kvstore: store %s lost; re-registering", self.client.address)
-            self._attempt(self.retry_s)
-
-    def _live(self) -> RankSession | None:
-        with self._lock:
-            session = self._session
-        if session is None or session.error is not None:
-            return None
-        return session
+        return self._rank.final_namespace
 
     # -------------------------------------------------------------- operations
 
     def save(self, pairs: list[tuple[int, int]]) -> bool:
         """Copy (key, page) pairs of this rank into the store; True when all are stored."""
-        session = self._live()
+        session = self._rank.live()
         if session is None:
             return False
         try:
@@ -151,7 +80,7 @@ class RankLink:
     def load(self, pairs: list[tuple[int, int]]) -> int:
         """Copy the longest stored prefix of (key, page) pairs into this rank's pages;
         the number of pages loaded (a prefix of ``pairs``)."""
-        session = self._live()
+        session = self._rank.live()
         if session is None or not pairs:
             return 0
         try:
@@ -182,7 +111,7 @@ class RankLink:
 
     def query(self, keys: list[int]) -> int:
         """Length of the longest stored prefix of ``keys`` (0 while not registered)."""
-        session = self._live()
+        session = self._rank.live()
         if session is None or not keys:
             return 0
         try:
@@ -198,7 +127,7 @@ class RankLink:
         done = 0
         for start in range(0, len(keys), MAX_BLOCKS_PER_REQUEST):
             chunk = keys[start : start + MAX_BLOCKS_PER_REQUEST]
-            n = self.client.query(self._namespace, chunk).prefix_blocks
+            n = self.client.query(self._rank.final_namespace, chunk).prefix_blocks
             done += n
             if n < len(chunk):
                 break
@@ -229,14 +158,7 @@ class RankLink:
             log.info("kvstore: store %s answers again", self.client.address)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.retry_s + 1)
-        with self._lock:
-            sessions = [s for s in (self._session, self._pending) if s is not None]
-            self._session = self._pending = None
-        for session in sessions:
-            session.close()
+        self._rank.close()
 
 
 def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

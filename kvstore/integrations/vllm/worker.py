@@ -18,12 +18,12 @@ re-registers in the background until the store is back.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvstore.client.kept_rank import KeptRank
 from kvstore.client.shared_memory import ShmTensor, shm_empty
 from kvstore.client.store_client import KVLayer, RankSession, RankSpec, StoreClient
 from kvstore.integrations.vllm.scheduler import BlockPair
@@ -131,77 +131,24 @@ class WorkerSide:
         self.retry_s = retry_s
         self.rpc_timeout = rpc_timeout
         self._layers: list[KVLayer] = []
-        self._session: RankSession | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._rank: KeptRank | None = None
         self.load_errors: set[int] = set()
-        self._failures = 0  # registration attempts failed in a row
 
     def register(self, layers: list[KVLayer]) -> None:
         """Register and wait for the seal; a store that is down is retried in the background."""
         self._layers = layers
-        self._connect()
-        self._thread = threading.Thread(
-            target=self._keep_registered, daemon=True, name="kvstore-register"
+        self._rank = KeptRank(
+            self.client,
+            self.identity,
+            layers,
+            seal_timeout=self.seal_timeout,
+            retry_s=self.retry_s,
+            engine="vLLM",
         )
-        self._thread.start()
-
-    def _connect(self) -> bool:
-        i = self.identity
-        try:
-            session = self.client.register_rank(i, self._layers)
-            seal = session.wait_sealed(self.seal_timeout)
-        except KVError as err:
-            self._failures += 1
-            log.log(
-                logging.WARNING if self._failures == 1 else logging.DEBUG,
-                "kvstore: rank %d of %s could not register with %s (%s); serving without "
-                "the store and retrying every %.1f s",
-                i.rank,
-                i.instance_id,
-                self.client.address,
-                err,
-                self.retry_s,
-            )
-            return False
-        if self._failures:
-            log.warning(
-                "kvstore: rank %d of %s registered again after %d failed attempts",
-                i.rank,
-                i.instance_id,
-                self._failures,
-            )
-        self._failures = 0
-        with self._lock:
-            self._session = session
-        log.info(
-            "kvstore: rank %d of %s sealed as %s with %d layers",
-            i.rank,
-            i.instance_id,
-            seal.final_namespace,
-            len(self._layers),
-        )
-        return True
-
-    def _keep_registered(self) -> None:
-        while not self._stop.wait(self.retry_s):
-            session = self._live_session()
-            if session is not None:
-                continue
-            with self._lock:
-                old, self._session = self._session, None
-            if old is not None:
-                old.close()
-                log.warning("kvstore: store %s lost; re-registering", self.client.address)
-            self._connect()
+        self._rank.start()
 
     def _live_session(self) -> RankSession | None:
-        with self._lock:
-            session = self._session
-        if session is None or session.error is not None:
-            return None
-        return session
+        return self._rank.live() if self._rank is not None else None
 
     def load(self, pairs: list[BlockPair]) -> None:
         """Load the step's blocks before the forward; failures are reported, never raised."""
@@ -239,10 +186,7 @@ class WorkerSide:
         return errors
 
     def close(self, pools: Iterable[SharedMemoryKVPool] = ()) -> None:
-        self._stop.set()
-        with self._lock:
-            session, self._session = self._session, None
-        if session is not None:
-            session.close()
+        if self._rank is not None:
+            self._rank.close()
         for pool in pools:
             pool.close()
