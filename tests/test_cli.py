@@ -127,7 +127,8 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
 
     from kvstore.demo import free_port
     from kvstore.membership.etcd import EtcdConfig
-    from tests.membership.conftest import EtcdServer, etcd_keys, require_etcd
+    from kvstore.testing.etcd import EtcdServer
+    from tests.membership.conftest import etcd_keys, require_etcd
     from tests.service.test_peer_fetch import wait_healthy
 
     etcd = EtcdServer(require_etcd())

@@ -155,7 +155,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Seal / eviction / clear events, msgpack-encoded (docs/design.md §6).
+        """Seal / eviction / clear events, msgpack-encoded (docs/design.md §6): a
+        snapshot of the sealed blocks first, then each event as it happens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

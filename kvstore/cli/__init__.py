@@ -37,7 +37,8 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; "
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (https, demanding a "
+        "client certificate of the CA, with --tls-*; off by default; "
         "0 picks a free port): hits, misses, evictions, bytes in and out, pinned blocks, "
         "peer connections, fetch failures by cause, router events and drops",
     )
@@ -104,8 +105,9 @@ def add_tls(p, server: bool = False) -> None:
     p.add_argument(
         "--insecure",
         action="store_true",
-        help="allow a non-loopback --host without TLS (logs a warning): anyone who "
-        "reaches the port may register, remove, clear and read anything",
+        help="allow a non-loopback --host without TLS, and a UCX peer port without "
+        "--peer-secret-file under TLS or on such a host (logs a warning): anyone who "
+        "reaches the ports may register, remove, clear and read anything",
     )
 
 
@@ -176,9 +178,20 @@ def add_serve(sub) -> None:
         type=int,
         default=0,
         help="UCX listener port for peer transfer (0 picks a free one). It listens "
-        "on every interface (ucxx takes no bind address): firewall it. UCX_* "
-        "variables pass through; UCXPY_PROGRESS_MODE=thread moves UCX progress "
-        "off the event loop (default: blocking, on the loop)",
+        "on every interface (ucxx takes no bind address); with a loopback --host, "
+        "UCX_NET_DEVICES=lo (unless set) makes UCX refuse connections from other "
+        "interfaces. Otherwise firewall it. UCX_* variables pass through; "
+        "UCXPY_PROGRESS_MODE=thread moves UCX progress off the event loop "
+        "(default: blocking, on the loop)",
+    )
+    p.add_argument(
+        "--peer-secret-file",
+        default="",
+        metavar="PATH",
+        help="the cluster secret (16..4096 bytes, a file of this user's, mode 0600) "
+        "that every peer proves on the UCX port before a block is served or "
+        "accepted, both ways. Needed with TLS or a non-loopback --host (else "
+        "--insecure)",
     )
     p.add_argument(
         "--peer",
@@ -344,8 +357,10 @@ async def _serve(args) -> None:
             tls=tls_files(args),
             admins=tuple(args.admin),
             insecure=args.insecure,
+            peer_secret=_peer_secret(args),
         )
         config.security.check_exposure(config.host, config.insecure)
+        config.check_peer_exposure()
         router = None
         if not args.no_router and not args.router:
             from kvstore.cli.router import build_served_router
@@ -356,6 +371,15 @@ async def _serve(args) -> None:
         logging.getLogger("kvstore").error("%s", exc)
         return 2
     await serve_until_signal(server)
+
+
+def _peer_secret(args: argparse.Namespace):
+    """The PeerSecret of --peer-secret-file (None without it; ValueError naming it)."""
+    if not args.peer_secret_file:
+        return None
+    from kvstore.transfer.handshake import PeerSecret
+
+    return PeerSecret.load(args.peer_secret_file)
 
 
 def _print_events(address: str, tls) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from kvstore.cli import add_etcd, add_metrics, add_tls, etcd_config, tls_files
 from kvstore.router.core import Router, RouterConfig
+from kvstore.router.endpoints import LOOPBACK, EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
@@ -123,6 +124,17 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         "worker NAME (repeatable)",
     )
     parser.add_argument(
+        "--events-allow",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="a ZMQ event endpoint a worker card may name for the router to subscribe to "
+        "(repeatable): tcp://HOST:PORT with HOST an address, a CIDR range (10.0.0.0/8, "
+        "[fd00::/8]), an exact host name or *, PORT a number, LOW-HIGH or *; or "
+        "ipc://GLOB. A card naming another endpoint is refused (PERMISSION_DENIED). "
+        f"Default: loopback only ({' '.join(LOOPBACK)})",
+    )
+    parser.add_argument(
         "--store",
         action="append",
         default=[],
@@ -132,14 +144,19 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    """The core's configuration from ``args``; ValueError names a bad flag."""
+    """The core's configuration from ``args``; ValueError names a bad flag
+    (an --events-allow pattern that does not parse among them)."""
     values = {}
     for flag, name, _ in _SCORING_FLAGS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if not value >= 0:  # also refuses nan
             raise ValueError(f"{flag} must be >= 0, got {value}")
         values[name] = value
-    return RouterConfig(IdentityAlgorithm(args.identity), ScoringConfig(**values, seed=args.seed))
+    return RouterConfig(
+        IdentityAlgorithm(args.identity),
+        ScoringConfig(**values, seed=args.seed),
+        EndpointAllowList(args.events_allow or LOOPBACK),
+    )
 
 
 def feed_specs(args: argparse.Namespace) -> FeedSpecs:

@@ -115,10 +115,17 @@ class RouterClient:
         return reply.generation
 
     def publish(
-        self, events: Sequence[StoreEvent | bytes], node_id: str = "", generation: int = 0
+        self,
+        events: Sequence[StoreEvent | bytes],
+        node_id: str = "",
+        generation: int = 0,
+        seq: int = 0,
+        snapshot: bool = False,
     ) -> router_pb2.PublishEventsResponse:
         """Push store events (StoreEvent or its msgpack); the reply counts
-        ``applied`` and ``dropped`` ones."""
+        ``applied`` and ``dropped`` ones. ``seq`` numbers the batch (0:
+        unsequenced), ``snapshot`` makes it replace the node's indexed blocks;
+        ``resync`` in the reply asks for a snapshot (docs/design.md §6)."""
         payloads = [e.encode() if isinstance(e, StoreEvent) else e for e in events]
         return self._call(
             "PublishEvents",
@@ -126,6 +133,8 @@ class RouterClient:
                 node_id=node_id or self.node_id,
                 generation=generation or self.generation,
                 events=payloads,
+                seq=seq,
+                snapshot=snapshot,
             ),
         )
 

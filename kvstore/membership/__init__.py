@@ -8,13 +8,14 @@ events keep flowing from each store to each router replica over gRPC.
 Keys (``layout.py``), under ``/kvstore/v1/`` unless ``--etcd-prefix`` says
 otherwise, every path component percent-encoded, values msgpack maps:
 
-    stores/<node id>         {"store": host:port, "ucx": host:port}   the store's lease
+    stores/<node id>         {"store": host:port, "ucx": host:port,
+                              "owner": CN of its first publisher}     the store's lease
     routers/<address>        {"address": host:port}                   the replica's lease
-    workers/<worker>         {"set": [model, namespace, role]}        the worker's lease
+    workers/<worker>         {"set": [model, namespace, role], "owner"}  the worker's lease
     worksets/<model>/<namespace>/<role>/card
                              {"checksum", "hash_format", "card"}      no lease
     worksets/<model>/<namespace>/<role>/members/<worker>
-                             {"card": {...}}                          the worker's lease
+                             {"card": {...}, "owner": CN}             the worker's lease
 
 Leases have a TTL of ``--etcd-ttl`` (10 s) and are kept alive every TTL / 3. A
 store's generation is its key's create revision, a worker's the revision of
@@ -26,7 +27,8 @@ Modules, one concept each:
     layout.py     the keys and their records
     lease.py      KeyLease: keys under one lease, kept alive, registered again when lost
     directory.py  Directory: one prefix listed, watched, listed again after an outage
-    worksets.py   first-wins admission, removal and dissolution as transactions
+    worksets.py   first-wins admission, removal and dissolution as transactions (owner checked)
+    claims.py     StoreClaims: a store node id's first publisher, recorded in its value
     mirror.py     etcd's stores and workers applied to a router replica's core
     replica.py    RouterReplica: a router on etcd (registration, mirrors, held workers)
 

@@ -1,6 +1,6 @@
 """What kvstore keeps in etcd: the keys under its prefix and their records.
 
-    <prefix>stores/<node id>           StoreRecord   the store server's lease
+    <prefix>stores/<node id>           StoreRecord   the store server's lease (owner: its publisher)
     <prefix>routers/<address>          RouterRecord  the router replica's lease
     <prefix>workers/<worker>           NameClaim     the worker's lease
     <prefix>worksets/<model>/<namespace>/<role>/card             SetCard   no lease
@@ -13,7 +13,8 @@ another's. Records are msgpack maps (``use_bin_type``); a record that does not
 decode is logged and skipped by whoever reads it, never fatal.
 
 A worker's lease is held by the router replica that admitted it; its name
-claim and its member key are written together and vanish together.
+claim and its member key are written together and vanish together. Both name
+the worker's owner, the caller that admitted it (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -128,20 +129,39 @@ def _card_of(value: object) -> WorkerCard:
         raise ValueError(f"card: {exc}") from None
 
 
+def _owner(value: dict) -> str:
+    """The owner a record names ("" when none: the anonymous local caller)."""
+    return str(value.get("owner", ""))
+
+
 @dataclass(frozen=True)
 class StoreRecord:
-    """A store server: where workers and peers reach it."""
+    """A store server: where workers and peers reach it, and who speaks for it.
+
+    ``owner``: the principal (certificate CN) that may publish as this node id,
+    this generation; None until the first publisher claims it through a
+    replica (``claims.py``), which writes it into this value.
+    """
 
     store_address: str
     ucx_address: str = ""
+    owner: str | None = None
 
     def encode(self) -> bytes:
-        return _pack({"store": self.store_address, "ucx": self.ucx_address})
+        value = {"store": self.store_address, "ucx": self.ucx_address}
+        if self.owner is not None:
+            value["owner"] = self.owner
+        return _pack(value)
 
     @classmethod
     def decode(cls, raw: bytes) -> StoreRecord:
         value = _unpack(raw)
-        return cls(str(value.get("store", "")), str(value.get("ucx", "")))
+        owner = value.get("owner")
+        return cls(
+            str(value.get("store", "")),
+            str(value.get("ucx", "")),
+            None if owner is None else str(owner),
+        )
 
 
 @dataclass(frozen=True)
@@ -160,20 +180,24 @@ class RouterRecord:
 
 @dataclass(frozen=True)
 class NameClaim:
-    """Which WorkerSet a worker name is admitted into now."""
+    """Which WorkerSet a worker name is admitted into now, and for whom: only
+    ``owner`` (a certificate CN; "" = the anonymous local caller) or an admin
+    may re-register or remove the name while it is admitted."""
 
     set_id: SetId
+    owner: str = ""
 
     def encode(self) -> bytes:
         s = self.set_id
-        return _pack({"set": [s.model, s.namespace, s.role]})
+        return _pack({"set": [s.model, s.namespace, s.role], "owner": self.owner})
 
     @classmethod
     def decode(cls, raw: bytes) -> NameClaim:
-        parts = _unpack(raw).get("set")
+        value = _unpack(raw)
+        parts = value.get("set")
         if not (isinstance(parts, list) and len(parts) == 3):
             raise ValueError("set is not [model, namespace, role]")
-        return cls(SetId(*map(str, parts)))
+        return cls(SetId(*map(str, parts)), _owner(value))
 
 
 @dataclass(frozen=True)
@@ -201,13 +225,17 @@ class SetCard:
 
 @dataclass(frozen=True)
 class MemberRecord:
-    """An admitted worker: its whole card, so every replica can route to it."""
+    """An admitted worker: its whole card, so every replica can route to it,
+    and its owner (as in its :class:`NameClaim`), so every replica's core
+    records who admitted it."""
 
     card: WorkerCard
+    owner: str = ""
 
     def encode(self) -> bytes:
-        return _pack({"card": asdict(self.card)})
+        return _pack({"card": asdict(self.card), "owner": self.owner})
 
     @classmethod
     def decode(cls, raw: bytes) -> MemberRecord:
-        return cls(_card_of(_unpack(raw).get("card")))
+        value = _unpack(raw)
+        return cls(_card_of(value.get("card")), _owner(value))

@@ -1,8 +1,10 @@
 """What etcd says exists, applied to a router replica's core.
 
-    StoreMirror   stores/<node>       -> join_peer(node, create_revision, addresses) / remove_peer
+    StoreMirror   stores/<node>       -> join_peer(node, create_revision, addresses, owner)
+                                         / remove_peer
     WorkerMirror  worksets/.../members/<worker>
-                                      -> register_worker(name, card, generation=mod_revision)
+                                      -> register_worker(name, card, generation=mod_revision,
+                                                         caller=the owner etcd records)
                                          / remove_worker; a set that lost its last member
                                          is handed to ``on_empty`` (the replica dissolves it)
 
@@ -26,12 +28,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvstore.membership.etcd import Change, Entry
 from kvstore.membership.layout import Layout, MemberRecord, SetId, StoreRecord
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.errors import KVError
+from kvstore.wire.principal import Principal
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +44,32 @@ class RouterCore(Protocol):
     (``kvstore.router.core.Router`` has them)."""
 
     def join_peer(
-        self, node_id: str, generation: int, store_address: str, ucx_address: str
+        self,
+        node_id: str,
+        generation: int,
+        store_address: str,
+        ucx_address: str,
+        owner: str | None = None,
     ) -> object: ...
 
     def remove_peer(self, node_id: str, generation: int = 0) -> bool: ...
 
     def peer_generations(self) -> dict[str, int]: ...
 
-    def register_worker(self, name: str, card: WorkerCard, generation: int = 0) -> object: ...
+    def register_worker(
+        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = ...
+    ) -> object: ...
 
     def remove_worker(self, name: str, generation: int = 0) -> object: ...
 
     def worker_generations(self) -> dict[str, int]: ...
+
+
+class StoreOwner(NamedTuple):
+    """Who etcd says speaks for one generation of a store node id."""
+
+    generation: int
+    owner: str
 
 
 class StoreMirror:
@@ -61,6 +78,7 @@ class StoreMirror:
     def __init__(self, router: RouterCore, layout: Layout):
         self.router = router
         self.layout = layout
+        self._owners: dict[str, StoreOwner] = {}  # node id -> its recorded owner
 
     def _node(self, entry: Entry) -> str:
         return self.layout.name_under(self.layout.stores, entry.key)
@@ -75,6 +93,7 @@ class StoreMirror:
         for node_id, generation in known.items():
             if wanted.get(node_id, (0,))[0] != generation:
                 self.router.remove_peer(node_id, generation)
+                self._owners.pop(node_id, None)
                 log.info("store %s (generation %d) is gone from etcd", node_id, generation)
         for node_id, (generation, record) in wanted.items():
             self._join(node_id, generation, record, known.get(node_id, 0))
@@ -83,6 +102,7 @@ class StoreMirror:
         node_id = self._node(change.entry)
         if change.deleted:
             if self.router.remove_peer(node_id, change.entry.create_revision):
+                self._owners.pop(node_id, None)
                 log.info("store %s left (generation %d)", node_id, change.entry.create_revision)
             return
         record = _decode(StoreRecord.decode, change.entry)
@@ -90,12 +110,22 @@ class StoreMirror:
             known = self.router.peer_generations().get(node_id, 0)
             self._join(node_id, change.entry.create_revision, record, known)
 
+    def owner(self, node_id: str, generation: int) -> str | None:
+        """The owner etcd records for ``node_id`` at ``generation``, as last applied
+        here (None: none recorded yet, or another generation)."""
+        known = self._owners.get(node_id)
+        return known.owner if known is not None and known.generation == generation else None
+
     def _join(self, node_id: str, generation: int, record: StoreRecord, known: int) -> None:
         try:
-            self.router.join_peer(node_id, generation, record.store_address, record.ucx_address)
+            self.router.join_peer(
+                node_id, generation, record.store_address, record.ucx_address, record.owner
+            )
         except KVError as exc:
             log.warning("store %s in etcd not joined: %s", node_id, exc)
             return
+        if record.owner is not None:
+            self._owners[node_id] = StoreOwner(generation, record.owner)
         if generation != known:
             log.info(
                 "store %s joined (generation %d) at %s", node_id, generation, record.store_address
@@ -141,7 +171,7 @@ class WorkerMirror:
             if listed.get(name, (None, 0))[1] != generation:
                 self._remove(name)
         for name, (set_id, generation, record) in listed.items():
-            self._admit(name, set_id, generation, record.card)
+            self._admit(name, set_id, generation, record)
         for set_id in cards - {set_id for set_id, _, _ in listed.values()}:
             self.on_empty(set_id)
         self._changed()
@@ -159,15 +189,16 @@ class WorkerMirror:
         else:
             record = _decode(MemberRecord.decode, change.entry)
             if record is not None:
-                self._admit(name, set_id, change.entry.mod_revision, record.card)
+                self._admit(name, set_id, change.entry.mod_revision, record)
         self.on_member(name, change)
         self._changed()
 
-    def _admit(self, name: str, set_id: SetId, generation: int, card: WorkerCard) -> None:
+    def _admit(self, name: str, set_id: SetId, generation: int, record: MemberRecord) -> None:
         if self._members.get(name) == (set_id, generation):
             return
-        try:
-            self.router.register_worker(name, card, generation)
+        try:  # etcd decided, ownership included: the core applies it as an admin would
+            owner = Principal(record.owner, admin=True)
+            self.router.register_worker(name, record.card, generation, owner)
         except KVError as exc:  # a card etcd holds but this core refuses: say so, go on
             log.error("worker %s (generation %d) from etcd not admitted: %s", name, generation, exc)
             return

@@ -2,9 +2,10 @@
 
     replica = RouterReplica(etcd, config, router)     # router: the core (mirror.RouterCore)
     await replica.start("10.0.0.5:50061")            # register, follow stores/ and worksets/
-    outcome = await replica.admit("w0", card)         # Admitted(generation) | Refused(...)
+    outcome = await replica.admit("w0", card, caller) # Admitted(generation) | Refused(...)
     replica.release("w0", outcome.generation)         # a WorkerSession ended
-    await replica.remove("w0", generation)            # RemoveWorker
+    await replica.remove("w0", generation, caller)    # RemoveWorker
+    await replica.check_publisher("node-a", generation, caller)   # PublishEvents
     await replica.close()                             # leave: its key and its workers go
 
 The replica registers ``routers/<address>`` under its own lease, so store
@@ -20,6 +21,10 @@ another replica, or removed through one, is let go here too.
 
 Admission returns once this replica's own core shows the admitted generation,
 so a Route through the same replica right after it sees the worker.
+
+Ownership (docs/design.md §8) is recorded in etcd, so it holds whichever
+replica a call lands on: a worker name belongs to the caller that admitted it
+(``worksets.py``), a store node id to its first publisher (``claims.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 
+from kvstore.membership.claims import StoreClaims
 from kvstore.membership.directory import Directory
 from kvstore.membership.etcd import Change, Etcd, EtcdConfig
 from kvstore.membership.layout import Layout, RouterRecord, SetId
@@ -38,6 +44,7 @@ from kvstore.membership.mirror import RouterCore, StoreMirror, WorkerMirror
 from kvstore.membership.worksets import Admitted, Refused, WorkerSets
 from kvstore.wire.card import WorkerCard, card_checksum
 from kvstore.wire.errors import Code, KVError
+from kvstore.wire.principal import LOCAL, Principal
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class RouterReplica:
         self.layout = Layout(config.prefix)
         self.worksets = WorkerSets(etcd, self.layout)
         self.stores = StoreMirror(router, self.layout)
+        self.claims = StoreClaims(etcd, self.layout, self.stores)
         self.workers = WorkerMirror(router, self.layout, self._dissolve_soon, self._member_changed)
         self.directories = (
             Directory(etcd, self.layout.stores, self.stores, "router: stores in etcd"),
@@ -89,13 +97,16 @@ class RouterReplica:
 
     # -- workers -----------------------------------------------------------
 
-    async def admit(self, name: str, card: WorkerCard) -> Admitted | Refused:
-        """Admit a validated ``card`` as ``name`` through etcd; UNAVAILABLE when
-        etcd does not answer."""
+    async def admit(
+        self, name: str, card: WorkerCard, caller: Principal = LOCAL
+    ) -> Admitted | Refused:
+        """Admit a validated ``card`` as ``name`` for ``caller`` through etcd;
+        UNAVAILABLE when etcd does not answer, PERMISSION_DENIED when the name is
+        admitted for another principal."""
         checksum = card_checksum(card)
         lease = await self.etcd.grant(self.ttl_s)
         try:
-            outcome = await self.worksets.admit(name, card, checksum, lease)
+            outcome = await self.worksets.admit(name, card, checksum, lease, caller)
         except BaseException:
             with contextlib.suppress(KVError):
                 await self.etcd.revoke(lease)
@@ -106,7 +117,7 @@ class RouterReplica:
         held = KeyLease(
             self.etcd,
             self.ttl_s,
-            partial(self._readmit, name, card, checksum),
+            partial(self._readmit, name, card, checksum, caller),
             f"worker {name}",
             on_lost=partial(self._let_go, name),
         )
@@ -122,8 +133,10 @@ class RouterReplica:
             )
         return outcome
 
-    async def _readmit(self, name: str, card: WorkerCard, checksum: str, lease: int) -> int:
-        outcome = await self.worksets.admit(name, card, checksum, lease)
+    async def _readmit(
+        self, name: str, card: WorkerCard, checksum: str, caller: Principal, lease: int
+    ) -> int:
+        outcome = await self.worksets.admit(name, card, checksum, lease, caller)
         if isinstance(outcome, Refused):
             raise KVError(
                 Code.FAILED_PRECONDITION,
@@ -148,17 +161,23 @@ class RouterReplica:
         if held is not None and held.first_generation == first_generation:
             self._replace_held(name, None)
 
-    async def remove(self, name: str, generation: int = 0) -> bool:
-        """RemoveWorker: False when ``name`` (that generation, when given) is not admitted."""
+    async def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> bool:
+        """RemoveWorker: False when ``name`` (that generation, when given) is not
+        admitted; PERMISSION_DENIED unless ``caller`` admitted it or is an admin."""
         if generation == 0:
             generation = self.workers.generation(name)
-        if await self.worksets.remove(name, generation) is None:
+        if await self.worksets.remove(name, generation, caller) is None:
             return False
         held = self._held.get(name)
         if held is not None and held.lease.generation == generation:
             self._replace_held(name, None)
         await self.workers.wait(lambda: self.workers.generation(name) != generation, SETTLE_S)
         return True
+
+    async def check_publisher(self, node_id: str, generation: int, caller: Principal) -> None:
+        """PublishEvents as store ``node_id`` at ``generation``: PERMISSION_DENIED
+        unless ``caller`` is its first publisher (recorded in etcd) or an admin."""
+        await self.claims.check(node_id, generation, caller)
 
     def _member_changed(self, name: str, change: Change) -> None:
         """Let go of a worker that registered through another replica, or was removed."""

@@ -18,7 +18,11 @@ nothing it read has changed:
              [put card]                            when fixing the checksum
              put name claim, put member key        both under the worker's lease
 
-A transaction that fails because something changed is read and decided again.
+A name claimed for another principal (the claim names its owner) is refused
+with PERMISSION_DENIED before anything is written, unless the caller is an
+admin; the compare on the claim's revision makes that check part of the
+transaction. A transaction that fails because something changed is read and
+decided again.
 So at every revision all members of a set carry the set's checksum; two
 replicas admitting cards of different checksums concurrently get exactly one
 winner, in every order. ``dissolve`` deletes the card only while the members
@@ -47,6 +51,7 @@ from kvstore.membership.etcd import (
 from kvstore.membership.layout import Layout, MemberRecord, NameClaim, SetCard, SetId
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.errors import unavailable
+from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 MAX_ATTEMPTS = 32
 
@@ -93,15 +98,25 @@ class WorkerSets:
         return _SetView(card[0] if card else None, claim[0] if claim else None, listed)
 
     async def admit(
-        self, name: str, card: WorkerCard, checksum: str, lease: int
+        self,
+        name: str,
+        card: WorkerCard,
+        checksum: str,
+        lease: int,
+        caller: Principal = LOCAL,
     ) -> Admitted | Refused:
         """Admit ``card`` (checksum ``checksum``, validated) as worker ``name``
-        under ``lease``, replacing its earlier admission."""
+        under ``lease`` for ``caller``, replacing its earlier admission.
+        PERMISSION_DENIED, nothing written, when ``name`` is admitted for
+        another principal and ``caller`` is not an admin."""
         set_id = SetId.of(card)
         layout = self.layout
         mine = layout.member(set_id, name)
         for _ in range(MAX_ATTEMPTS):
             view = await self._read(set_id, name)
+            if view.claim is not None:
+                owner = NameClaim.decode(view.claim.value).owner
+                check_owner(f"worker name {name!r}", owner, caller)
             others = [m for m in view.members if m.key != mine]
             fixed = SetCard.decode(view.card.value) if view.card is not None else None
             differs = fixed is None or (fixed.checksum, fixed.hash_format) != (
@@ -126,8 +141,8 @@ class WorkerSets:
                 ops.append(
                     put(layout.card(set_id), SetCard(checksum, card.hash_format, card).encode())
                 )
-            ops.append(put(layout.worker(name), NameClaim(set_id).encode(), lease))
-            ops.append(put(mine, MemberRecord(card).encode(), lease))
+            ops.append(put(layout.worker(name), NameClaim(set_id, caller.name).encode(), lease))
+            ops.append(put(mine, MemberRecord(card, caller.name).encode(), lease))
             result = await self.etcd.txn(compare, ops)
             if result.succeeded:
                 return Admitted(result.revision)
@@ -135,17 +150,23 @@ class WorkerSets:
             f"WorkerSet {set_id} changed {MAX_ATTEMPTS} times while admitting {name!r}"
         )
 
-    async def remove(self, name: str, generation: int = 0) -> SetId | None:
+    async def remove(
+        self, name: str, generation: int = 0, caller: Principal = LOCAL
+    ) -> SetId | None:
         """Remove worker ``name`` (that generation only, when given); the set it
-        left, or None when it is not admitted (as that generation)."""
+        left, or None when it is not admitted (as that generation).
+        PERMISSION_DENIED, nothing deleted, unless ``caller`` admitted it or is
+        an admin (the claim's revision is compared, so its owner cannot change
+        between the check and the delete)."""
         for _ in range(MAX_ATTEMPTS):
             claim = await self.etcd.get(self.layout.worker(name))
             if claim is None:
                 return None
-            set_id = NameClaim.decode(claim.value).set_id
-            member = await self.etcd.get(self.layout.member(set_id, name))
+            held = NameClaim.decode(claim.value)
+            member = await self.etcd.get(self.layout.member(held.set_id, name))
             if member is None or (generation and member.mod_revision != generation):
                 return None
+            check_owner(f"worker {name!r}", held.owner, caller)
             result = await self.etcd.txn(
                 [
                     modified_at(claim.key, claim.mod_revision),
@@ -154,7 +175,7 @@ class WorkerSets:
                 [delete(claim.key), delete(member.key)],
             )
             if result.succeeded:
-                return set_id
+                return held.set_id
         raise unavailable(f"worker {name!r} changed {MAX_ATTEMPTS} times while removing it")
 
     async def dissolve(self, set_id: SetId) -> bool:

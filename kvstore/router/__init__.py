@@ -14,6 +14,8 @@ README.md in this folder for identifiers, operations and their cost.
       scoring.py     expected time to first token, lowest / softmax choice
       load.py        per-worker load: LoadReports and routed requests
       requests.py    bounds and formats of every request, checked up front
+      endpoints.py   which kv_events_endpoint a card may name (--events-allow)
+      drops.py       events not indexed, counted by cause
       vllm_events.py vLLM KVEventBatch decoding (no vLLM needed)
 
 Elsewhere: the card format in ``kvstore.wire.card`` (and its proto codec in

@@ -22,10 +22,12 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.router.admission import Admission, Worker, WorkerRef, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
+from kvstore.router.drops import DropCause, EventDrops
+from kvstore.router.endpoints import EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.load import LoadReport, LoadTracker, TrackedRequest
 from kvstore.router.peers import Peer, Peers
@@ -61,6 +63,7 @@ log = logging.getLogger(__name__)
 class RouterConfig:
     identity: IdentityAlgorithm = IdentityAlgorithm.R2
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    events_allow: EndpointAllowList = field(default_factory=EndpointAllowList)  # loopback
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ class EventsApplied:
     applied: int
     dropped: int
     # Why nothing applied: the publisher's (node id, generation) is not a current
-    # peer. Not part of equality: the counts are what became of the batch.
+    # peer (stale), or the batch is out of sequence and the publisher must send a
+    # snapshot (resync). Not part of equality: the counts are what became of it.
     stale: bool = field(default=False, compare=False)
+    resync: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -90,6 +95,8 @@ class RouterStats:
     hit_reports: int  # finished requests that said how many blocks they hit
     hit_blocks_predicted: int  # over those: the cached prefix their route saw
     hit_blocks_reported: int  # over those: the blocks they hit
+    dropped_by: EventDrops  # events_dropped by cause (they add up to it)
+    resyncs_requested: int  # store batches answered with "send a snapshot"
 
 
 WorkerListener = Callable[[Worker | None, Worker | None], None]  # (admitted, removed)
@@ -107,7 +114,8 @@ class Router:
         self.loads = LoadTracker()
         self.rng = random.Random(self.config.scoring.seed)
         self._events_applied = 0
-        self._events_dropped = 0
+        self._drops = EventDrops()
+        self._resyncs = 0
         self._blocks_ingested = 0
         self._lock = threading.RLock()
         self._listeners: list[WorkerListener] = []
@@ -143,6 +151,7 @@ class Router:
         """
         check_name("name", name)
         validate_card(card)
+        self.config.events_allow.check(card.kv_events_endpoint)
         with self._lock:
             current = self.admission.workers.get(name)
             if generation and current is not None and current.ref.generation == generation:
@@ -207,13 +216,13 @@ class Router:
 
     def apply_vllm_batch(self, ref: WorkerRef, batch: VllmBatch) -> int:
         with self._lock:
-            self._events_dropped += batch.skipped
+            self._drops.add(DropCause.OTHER_KV_GROUP, batch.skipped)
             return self._apply_runs(ref, batch.runs, batch.events, batch.blocks_stored)
 
     def _apply_runs(self, ref: WorkerRef, runs: list[EventRun], events: int, stored: int) -> int:
         worker = self.admission.current(ref)
         if worker is None:
-            self._events_dropped += events
+            self._drops.add(DropCause.UNKNOWN_WORKER, events)
             return 0
         self.domains.apply(worker, runs)
         self._blocks_ingested += stored
@@ -228,17 +237,18 @@ class Router:
             ref = worker.ref if worker is not None else WorkerRef(name, 0)
             return self.apply_vllm_batch(ref, batch)
 
-    def record_dropped(self, count: int = 1) -> None:
-        """Count events a feed received but could not decode."""
+    def record_dropped(self, count: int = 1, cause: DropCause = DropCause.UNDECODABLE) -> None:
+        """Count events a feed lost or received but could not use (by default:
+        could not decode)."""
         with self._lock:
-            self._events_dropped += count
+            self._drops.add(cause, count)
 
     def apply_relayed_worker_event(self, event: StoreEvent) -> bool:
         """A GPU-tier event a store relays for a worker it serves (no peer needed)."""
         with self._lock:
             worker = self.admission.workers.get(event.worker)
             if event.tier != GPU_TIER or worker is None:
-                self._events_dropped += 1
+                self._drops.add(DropCause.UNKNOWN_WORKER)
                 return False
             batch = [BlockEvent(event.type, event.block_hashes)]
             return self.apply_worker_events(worker.ref, batch) == 1
@@ -246,16 +256,23 @@ class Router:
     # -- store events ------------------------------------------------------
 
     def publish_store_events(
-        self, node_id: str, generation: int, payloads: Sequence[bytes], caller: Principal = LOCAL
+        self,
+        node_id: str,
+        generation: int,
+        payloads: Sequence[bytes],
+        caller: Principal = LOCAL,
+        seq: int = 0,
+        snapshot: bool = False,
     ) -> EventsApplied:
         """Decode and apply a store's events, the whole batch or none of it.
 
         All payloads are decoded first, so a malformed one refuses the whole
         call with INVALID_ARGUMENT naming it and changes nothing. A stale
-        generation drops everything (the peer restarted since).
+        generation drops everything (the peer restarted since); so does a batch
+        out of sequence (see :meth:`apply_store_events`).
         """
         events = decode_store_events(node_id, payloads)
-        return self.apply_store_events(node_id, generation, events, caller)
+        return self.apply_store_events(node_id, generation, events, caller, seq, snapshot)
 
     def apply_store_events(
         self,
@@ -263,6 +280,8 @@ class Router:
         generation: int,
         events: Sequence[StoreEvent],
         caller: Principal = LOCAL,
+        seq: int = 0,
+        snapshot: bool = False,
     ) -> EventsApplied:
         """Apply decoded store events from peer (node_id, generation).
 
@@ -270,6 +289,11 @@ class Router:
         publish as it: PERMISSION_DENIED. Room for every namespace and holder
         the batch brings is checked before its first event applies:
         RESOURCE_EXHAUSTED changes nothing.
+
+        ``seq`` numbers the peer's batches (0: unsequenced, always applied); a
+        numbered batch that does not follow the last one applied is dropped
+        whole and answered ``resync`` (docs/design.md §6). A ``snapshot`` batch
+        replaces every block indexed for the peer, then applies.
         """
         with self._lock:
             known = self.peers.get(node_id)
@@ -277,16 +301,29 @@ class Router:
                 known.check_caller(caller)
             peer = self.peers.current(node_id, generation)
             if peer is None:
-                self._events_dropped += len(events)
-                return EventsApplied(0, len(events), stale=True)
+                return self._drop_batch(len(events), DropCause.STALE_GENERATION)
+            fault = peer.sequence_fault(seq, snapshot)
+            if fault is not None:
+                self._resyncs += 1
+                return self._drop_batch(len(events), fault)
             self.peers.check_room(peer, [e for e in events if self._indexable(peer, e)])
             self.domains.check_room(
                 (worker, GPU_TIER)
                 for e in events
                 if e.tier == GPU_TIER and (worker := self.admission.workers.get(e.worker))
             )
+            if snapshot:
+                self.peers.forget_blocks(peer)
+            if seq or snapshot:
+                peer.last_seq = seq
             applied = sum(self._apply_store_event(peer, e) for e in events)
             return EventsApplied(applied, len(events) - applied)
+
+    def _drop_batch(self, count: int, cause: DropCause) -> EventsApplied:
+        self._drops.add(cause, count)
+        if cause is DropCause.STALE_GENERATION:
+            return EventsApplied(0, count, stale=True)
+        return EventsApplied(0, count, resync=True)
 
     @staticmethod
     def _indexable(peer: Peer, event: StoreEvent) -> bool:
@@ -301,7 +338,7 @@ class Router:
         if event.tier == GPU_TIER:
             return self.apply_relayed_worker_event(event)
         if not self._indexable(peer, event):
-            self._events_dropped += 1
+            self._drops.add(DropCause.NOT_INDEXABLE)
             return False
         self._blocks_ingested += self.peers.apply(peer, event)
         self._events_applied += 1
@@ -337,15 +374,21 @@ class Router:
             )
 
     def join_peer(
-        self, node_id: str, generation: int, store_address: str, ucx_address: str
+        self,
+        node_id: str,
+        generation: int,
+        store_address: str,
+        ucx_address: str,
+        owner: str | None = None,
     ) -> Peer:
         """Peer ``node_id`` as etcd registers it, at etcd's ``generation``: the
-        current generation keeps its blocks, another starts empty."""
+        current generation keeps its blocks, another starts empty. ``owner``: the
+        principal etcd records for it (None: claimed by its first publisher)."""
         check_peer(node_id, store_address, ucx_address, [], 0)
         if generation < 1:
             raise invalid(f"generation: must be >= 1, got {generation}")
         with self._lock:
-            return self.peers.join(node_id, generation, store_address, ucx_address)
+            return self.peers.join(node_id, generation, store_address, ucx_address, owner)
 
     def peer_generations(self) -> dict[str, int]:
         """Every current peer's node id and generation."""
@@ -464,7 +507,7 @@ class Router:
                 len(self.peers.peers),
                 self.domains.indexed_blocks() + self.peers.indexed_blocks(),
                 self._events_applied,
-                self._events_dropped,
+                self._drops.total(),
                 self._blocks_ingested,
                 len(self.loads.requests),
                 self.admission.rejected,
@@ -472,6 +515,8 @@ class Router:
                 self.loads.hits.reports,
                 self.loads.hits.blocks_predicted,
                 self.loads.hits.blocks_reported,
+                replace(self._drops),
+                self._resyncs,
             )
 
     def index_bytes(self) -> int:

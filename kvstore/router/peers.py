@@ -12,6 +12,11 @@ restart, which clears the old generation's blocks. An optional lease makes a
 silent peer expire. Replicas on etcd instead ``join`` peers with the
 generation etcd gave them (their key's create revision, the same on every
 replica); etcd's lease is their liveness.
+
+A peer's event batches may be numbered (``seq``, per node and generation, one
+more per batch; docs/design.md §6): :meth:`Peer.sequence_fault` says whether a
+batch follows the last one applied, and :meth:`Peers.forget_blocks` empties a
+peer's index when a snapshot replaces it wholesale.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.router.drops import DropCause
 from kvstore.router.holders import HolderIndex
 from kvstore.wire import limits
 from kvstore.wire.errors import exhausted, not_found
@@ -39,9 +45,26 @@ class Peer:
     namespaces: set[str] = field(default_factory=set)
     lease_ms: int = 0
     expires: float | None = None
-    # The principal that advertised it; None: joined from etcd, claimed by its
-    # first publisher (etcd does not say who registered a store).
+    # The principal that advertised it, or the one etcd records for it; None:
+    # joined from etcd with no owner recorded yet, claimed by its first publisher.
     owner: str | None = None
+    last_seq: int = 0  # the last numbered batch applied under this generation (0: none)
+
+    def sequence_fault(self, seq: int, snapshot: bool) -> DropCause | None:
+        """None when a batch numbered ``seq`` may apply now, else why it may not.
+
+        ``seq`` 0 is unsequenced and always applies; so does a snapshot (it is
+        the node's whole state as its sender knows it, and numbering restarts
+        from it). Any other numbered batch must be the very next one after the
+        last applied, and a snapshot must have come first.
+        """
+        if seq == 0 or snapshot:
+            return None
+        if seq <= self.last_seq:
+            return DropCause.STALE_SEQUENCE
+        if self.last_seq and seq == self.last_seq + 1:
+            return None
+        return DropCause.SEQUENCE_GAP
 
     def check_caller(self, caller: Principal) -> None:
         """PERMISSION_DENIED unless ``caller`` may speak for this node (claiming
@@ -127,18 +150,28 @@ class Peers:
             heapq.heappush(self._leases, (peer.expires, node_id, peer.generation))
         return peer
 
-    def join(self, node_id: str, generation: int, store_address: str, ucx_address: str) -> Peer:
-        """The peer as etcd knows it: the same generation updates its addresses,
-        another replaces it (its blocks go with the old one). No lease here."""
+    def join(
+        self,
+        node_id: str,
+        generation: int,
+        store_address: str,
+        ucx_address: str,
+        owner: str | None = None,
+    ) -> Peer:
+        """The peer as etcd knows it: the same generation updates its addresses
+        (and takes the owner etcd recorded), another replaces it (its blocks go
+        with the old one). No lease here."""
         old = self.peers.get(node_id)
         if old is not None and old.generation == generation:
             old.store_address, old.ucx_address = store_address, ucx_address
+            old.owner = owner if owner is not None else old.owner
             return old
         if old is None and len(self.peers) >= limits.MAX_PEERS:
             raise exhausted(f"router already has {limits.MAX_PEERS} peers")
         if old is not None:
             self.remove(node_id)
-        peer = self.peers[node_id] = Peer(node_id, generation, store_address, ucx_address)
+        peer = Peer(node_id, generation, store_address, ucx_address, owner=owner)
+        self.peers[node_id] = peer
         return peer
 
     def current(self, node_id: str, generation: int) -> Peer | None:
@@ -153,13 +186,19 @@ class Peers:
         if peer is None or (generation and peer.generation != generation):
             return None
         del self.peers[node_id]
+        self.forget_blocks(peer)
+        return peer
+
+    def forget_blocks(self, peer: Peer) -> int:
+        """Drop every block ``peer`` holds, in every namespace; return how many."""
+        dropped = 0
         for ns in list(self.indexes):
             index = self.indexes[ns]
-            for holder in [h for h in index.holders() if h[0] == node_id]:
-                index.release(holder)
+            for holder in [h for h in index.holders() if h[0] == peer.node_id]:
+                dropped += index.release(holder)
             if not index.holders():
                 del self.indexes[ns]
-        return peer
+        return dropped
 
     def expire(self, now: float) -> list[Peer]:
         gone = []

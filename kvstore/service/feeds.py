@@ -1,18 +1,26 @@
 """Event feeds into the router: vLLM ZMQ publishers and store Events streams.
 
 * A worker whose card names ``kv_events_endpoint`` gets a ZMQ SUB socket
-  bound to *its generation*: when the worker is replaced or removed the
+  bound to *its generation* (the core admitted the card only if the router's
+  ``--events-allow`` list allows that endpoint, ``kvstore.router.endpoints``;
+  static ``--zmq-endpoint`` feeds are the operator's own and not checked
+  against it): when the worker is replaced or removed the
   subscription ends, and anything it still delivers is dropped by the core
   (stale generation). Static endpoints given on the command line
   (``NAME=tcp://...``) are attributed to whichever generation of NAME is
   admitted when a batch arrives.
 * A store server given by address is followed through its ``Events`` stream;
-  its node id comes from the events themselves. When the stream ends the
-  node's blocks are dropped (the store died or restarted), and the
-  subscription reconnects with backoff.
+  its node id comes from the events themselves. The stream opens with a
+  snapshot of the store's sealed blocks (its first event replaces whatever the
+  router held for the node), then numbers every event (docs/design.md §6).
+  When the stream ends the node's blocks are dropped (the store died or
+  restarted, or cut us off for falling behind), and the subscription
+  reconnects with backoff; a gap in the numbers ends it at once and it
+  resubscribes without waiting.
 
-Decoding errors are logged and counted, never fatal: a feed must not take
-the router down. Feeds change router state only through its public methods.
+Decoding errors and the events a gap lost are logged and counted by cause,
+never fatal: a feed must not take the router down. Feeds change router state
+only through its public methods.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from kvstore._proto import store_pb2, store_pb2_grpc
 from kvstore.client.tls import open_aio_channel
 from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.core import Router
+from kvstore.router.drops import DropCause
 from kvstore.router.vllm_events import decode_message
 from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.tls import TlsFiles
@@ -85,24 +94,38 @@ async def follow_store(
     every namespace's events.)"""
     while True:
         bound: list[tuple[str, int]] = []  # the (node id, peer generation) this stream feeds
+        wait_s = retry_s
         try:
             await _follow_store_once(router, address, bound, tls)
         except asyncio.CancelledError:
             raise
+        except StreamGap as exc:  # resubscribe at once: the new stream opens with a snapshot
+            log.warning("store events from %s: %s; resubscribing", address, exc)
+            wait_s = 0
         except Exception as exc:  # noqa: BLE001 -- any stream failure: log, drop the node, retry
             log.warning("store events from %s ended: %s", address, exc)
         for node_id, generation in bound:
             router.remove_peer(node_id, generation)
-        await asyncio.sleep(retry_s)
+        await asyncio.sleep(wait_s)
+
+
+class StreamGap(Exception):
+    """An Events stream skipped numbers: events were lost."""
 
 
 async def _follow_store_once(
     router: Router, address: str, bound: list[tuple[str, int]], tls: TlsFiles | None
 ) -> None:
     """One Events stream; ``bound`` gets the peer it feeds once its node id is known."""
+    expected = 1  # the next number in this stream (a store that numbers nothing sends 0)
+    opened = False  # the snapshot's first event has replaced the node's blocks
     async with open_aio_channel(address, tls) as channel:
         stub = store_pb2_grpc.KVStoreStub(channel)
         async for message in stub.Events(store_pb2.EventsRequest()):
+            if message.seq and message.seq != expected:
+                router.record_dropped(message.seq - expected + 1, DropCause.SEQUENCE_GAP)
+                raise StreamGap(f"event {expected} is missing (got {message.seq})")
+            expected += 1
             try:
                 event = StoreEvent.decode(message.payload)
             except ValueError as exc:
@@ -115,7 +138,9 @@ async def _follow_store_once(
             if not bound:
                 peer = router.ensure_peer(event.worker, address)
                 bound.append((peer.node_id, peer.generation))
-            router.apply_store_events(*bound[0], [event])
+            replaces = message.snapshot and not opened
+            opened = opened or message.snapshot
+            router.apply_store_events(*bound[0], [event], snapshot=replaces)
 
 
 class Subscriptions:

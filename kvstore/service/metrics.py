@@ -7,6 +7,11 @@ numeric fields into metrics named ``kvstore_<part>_<field>``. Fields that only
 grow are counters (``_total``), the rest gauges. The HTTP endpoint answers on
 the server's own event loop, so a scrape reads the records between requests,
 never in the middle of one.
+
+With the server's TLS files (docs/design.md §8) the endpoint is HTTPS with the
+server's own certificate and demands a client certificate signed by the same
+CA (the scraper gets one like any other component); without them it is plain
+HTTP on the server's ``--host``, loopback unless ``--insecure``.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,10 @@ COUNTERS = frozenset({
     "refused_connections", "busy_refusals", "events_applied", "events_dropped",
     "blocks_ingested", "rejected_registrations", "load_reports", "hit_reports",
     "hit_blocks_predicted", "hit_blocks_reported", "worker_recreations",
+    "resyncs_requested", "event_subscribers_cut", "auth_failures", "fetches_failed_auth",
+    # RouterStats.dropped_by: one counter per kvstore.router.drops.DropCause
+    "stale_generation", "sequence_gap", "stale_sequence", "unknown_worker",
+    "not_indexable", "undecodable", "other_kv_group",
 })  # fmt: skip
 
 Reader = Callable[[], dict[str, object]]  # part name -> stats record
@@ -65,19 +77,55 @@ def flatten(record: object, prefix: str = "") -> Iterator[tuple[str, str, float]
             yield name, field.name, value
 
 
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (port 0 picks a free one), on the running loop."""
+def server_context(tls: TlsFiles) -> ssl.SSLContext:
+    """TLS for the metrics endpoint: the server's certificate, and a client
+    certificate signed by ``tls.ca`` required (ValueError naming a bad file)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    for name, load in (
+        ("tls_ca", lambda: context.load_verify_locations(cafile=tls.ca)),
+        ("tls_cert", lambda: context.load_cert_chain(tls.cert, tls.key)),
+    ):
+        try:
+            load()
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"{name} for /metrics: {exc}") from None
+    return context
 
-    def __init__(self, read: Reader, host: str = "127.0.0.1", port: int = 0):
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (port 0 picks a free one), on the running loop;
+    HTTPS demanding a client certificate when ``tls`` is given."""
+
+    def __init__(
+        self,
+        read: Reader,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: TlsFiles | None = None,
+    ):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RecordCollector(read))
         self.host, self.port = host, port
+        self.tls = tls
         self._server: asyncio.Server | None = None
 
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        context = None if self.tls is None else server_context(self.tls)
+        self._server = await asyncio.start_server(
+            self._handle,
+            self.host,
+            self.port,
+            ssl=context,
+            ssl_handshake_timeout=READ_TIMEOUT_S if context is not None else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        log.info("metrics on %s://%s:%d/metrics", self.scheme, self.host, self.port)
         return self.port
 
     async def stop(self) -> None:

@@ -7,7 +7,14 @@ offers the same three operations to the server.
 
 The remote link batches events onto a background task, keeps its
 advertisement alive with a lease, and replays every sealed block after the
-router restarts so its index is whole again. Given several routers it uses
+router restarts so its index is whole again.
+
+Every batch a remote or cluster link sends is numbered (``seq``: one more per
+batch sent to that router, docs/design.md §6), and a full replay is a
+*snapshot*: its first batch is flagged, so the router drops whatever it held
+for this node before applying it. A router that sees a batch out of sequence
+(one was lost, or it restarted and never had a snapshot from us) drops it and
+answers ``resync``; the link then sends a snapshot. Given several routers it uses
 one at a time and moves to the next when the current one stops answering,
 advertising there as a new peer with a full snapshot.
 
@@ -21,13 +28,13 @@ waits at most ``QUERY_TIMEOUT_S``.
 The cluster link (etcd) registers the store under its own lease (its
 generation is the key's create revision, the same on every replica) and
 publishes to every router replica registered in etcd, one :class:`RouterFeed`
-each. A feed that fails, or whose replica does not know this generation yet,
-sends ``cleared`` for every namespace it ever sent and then a full snapshot,
-so the replica's index of this store is exact again without a new
-generation. A store silent past its TTL (hung, stopped, partitioned) loses
-its key, so every replica drops it; when it answers again it registers anew
-and every feed replays its snapshot. etcd being away stops nothing local:
-events keep flowing to the replicas already known.
+each. A feed that fails, whose replica does not know this generation yet, or
+whose replica asks for a resync, sends a snapshot, so the replica's index of
+this store is exact again without a new generation. A store silent past its
+TTL (hung, stopped, partitioned) loses its key, so every replica drops it;
+when it answers again it registers anew and every feed replays its snapshot.
+etcd being away stops nothing local: events keep flowing to the replicas
+already known.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 from kvstore.membership.directory import Directory
@@ -43,7 +50,7 @@ from kvstore.membership.etcd import Change, Entry, Etcd, EtcdConfig
 from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
 from kvstore.wire.errors import KVError, unavailable
-from kvstore.wire.events import CLEARED, STORED, StoreEvent
+from kvstore.wire.events import STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.tls import TlsFiles
 
@@ -76,7 +83,7 @@ class LocalRouterLink:
     ) -> None:
         peer = self.router.advertise_peer(self.node_id, store_address, ucx_address, [])
         self.generation = peer.generation
-        self.router.apply_store_events(self.node_id, self.generation, snapshot())
+        self.router.apply_store_events(self.node_id, self.generation, snapshot(), snapshot=True)
 
     def publish(self, event: StoreEvent) -> None:
         self.router.apply_store_events(self.node_id, self.generation, [event])
@@ -101,8 +108,9 @@ class RemoteRouterLink:
         self.tls = tls
         self.client, self.lookups = _clients(self.addresses[0], tls)
         self.node_id = node_id
-        self._queue: asyncio.Queue[StoreEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: a snapshot
         self._tasks: list[asyncio.Task] = []
+        self.seq = 0  # the last batch number sent
         self._args: tuple = ()
         self.advertised = False
         self._failed_publishes = 0  # publishes that may not have reached the router
@@ -129,8 +137,7 @@ class RemoteRouterLink:
             refresh=refresh,
         )
         if not refresh:  # a new generation: the router knows none of our blocks yet
-            for event in self._snapshot():
-                self._queue.put_nowait(event)
+            self._queue.put_nowait(None)
             self._synced = failed
             log.info(
                 "advertised to router %s as %s (generation %d)",
@@ -197,13 +204,16 @@ class RemoteRouterLink:
 
     async def _pump(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            while not self._queue.empty() and len(batch) < MAX_BATCH:
-                batch.append(self._queue.get_nowait())
+            batch = next_batch(await self._queue.get(), self._queue)
             if not self.advertised:
                 continue  # the snapshot replays them once the router is back
             try:
-                await asyncio.to_thread(self.client.publish, batch)
+                if batch is None:
+                    in_sequence = await send_snapshot(self._send, self._snapshot())
+                else:
+                    in_sequence = await self._send(batch)
+                if not in_sequence:
+                    self._queue.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
                 log.warning(
@@ -214,6 +224,14 @@ class RemoteRouterLink:
                     _brief(exc),
                     REFRESH_S,
                 )
+
+    async def _send(self, batch: list[StoreEvent], snapshot: bool = False) -> bool:
+        """Publish one numbered batch; False when the router asks for a snapshot."""
+        self.seq += 1
+        reply = await asyncio.to_thread(self.client.publish, batch, seq=self.seq, snapshot=snapshot)
+        if reply.resync:
+            log.info("router %s missed some of our events; sending a snapshot", self.client.address)
+        return not reply.resync
 
     async def query_prefix(self, namespace: str, hashes: list[int]) -> list[PeerPrefix]:
         if not (self.advertised and self._in_sync):
@@ -240,9 +258,9 @@ def _clients(address: str, tls: TlsFiles | None):
 class RouterFeed:
     """This store's events to one router replica, under the store's etcd generation.
 
-    Events go in order, batched, off the loop. Any failure (unreachable, or the
-    replica does not know this generation yet) is followed, after a backoff, by
-    a resync: ``cleared`` for every namespace ever sent, then every sealed
+    Events go in order, in numbered batches, off the loop. Any failure
+    (unreachable, the replica does not know this generation yet, or it answers
+    ``resync``) is followed, after a backoff, by a snapshot of every sealed
     block, which subsumes whatever was queued.
     """
 
@@ -258,8 +276,8 @@ class RouterFeed:
         self.client, self.lookups = _clients(address, tls)
         self.generation = 0
         self.synced = False  # the replica holds exactly our sealed blocks (as of the last send)
+        self.seq = 0  # the last batch number sent
         self._snapshot = snapshot
-        self._namespaces: set[str] = set()
         self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: resync
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -276,19 +294,13 @@ class RouterFeed:
 
     async def _run(self) -> None:
         while True:
-            item = await self._queue.get()
-            if item is None or not self.synced:
+            batch = next_batch(await self._queue.get(), self._queue)
+            if batch is None or not self.synced:
+                drain(self._queue)  # the snapshot covers them
                 await self._resync()
                 continue
-            batch = [item]
-            while len(batch) < MAX_BATCH and not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if nxt is None:
-                    self.synced = False
-                    break
-                batch.append(nxt)
             try:
-                await self._send(batch)
+                self.synced = await self._send(batch)
             except Exception as exc:  # noqa: BLE001 -- any failure: resync, keep going
                 log.info(
                     "router %s: %d events not taken (%s)", self.address, len(batch), _brief(exc)
@@ -298,38 +310,41 @@ class RouterFeed:
                 self._queue.put_nowait(None)
 
     async def _resync(self) -> None:
-        """Until it succeeds: drop what is queued, send cleared + the snapshot."""
+        """Until it succeeds: drop what is queued, send a snapshot."""
         delay, failures = RETRY_S, 0
         while True:
-            while not self._queue.empty():
-                self._queue.get_nowait()  # the snapshot covers them
-            events = [StoreEvent(CLEARED, ns, [], self.node_id) for ns in sorted(self._namespaces)]
-            events += self._snapshot()
+            drain(self._queue)  # the snapshot covers them
+            events = self._snapshot()
             try:
-                for i in range(0, max(len(events), 1), RESYNC_BATCH):  # even none: is gen known?
-                    await self._send(events[i : i + RESYNC_BATCH])
+                if await send_snapshot(self._send, events):
+                    break
+                reason = "it asked for a snapshot again"
             except Exception as exc:  # noqa: BLE001 -- unreachable or not known yet: retry
-                failures += 1
-                if failures == 5:
-                    log.warning(
-                        "router %s: not taking our events yet (%s)", self.address, _brief(exc)
-                    )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, REFRESH_S)
-                continue
-            self.synced = True
-            log.info(
-                "router %s holds our %d sealed-block events (generation %d)",
-                self.address,
-                len(events),
-                self.generation,
-            )
-            return
+                reason = _brief(exc)
+            failures += 1
+            if failures == 5:
+                log.warning("router %s: not taking our events yet (%s)", self.address, reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, REFRESH_S)
+        self.synced = True
+        log.info(
+            "router %s holds our %d sealed-block events (generation %d, seq %d)",
+            self.address,
+            len(events),
+            self.generation,
+            self.seq,
+        )
 
-    async def _send(self, batch: list[StoreEvent]) -> None:
+    async def _send(self, batch: list[StoreEvent], snapshot: bool = False) -> bool:
+        """Publish one numbered batch; False when the replica asks for a snapshot."""
         generation = self.generation
-        await asyncio.to_thread(self.client.publish, batch, self.node_id, generation)
-        self._namespaces.update(e.namespace for e in batch)
+        self.seq += 1
+        reply = await asyncio.to_thread(
+            self.client.publish, batch, self.node_id, generation, self.seq, snapshot
+        )
+        if reply.resync:
+            log.info("router %s missed some of our events; sending a snapshot", self.address)
+        return not reply.resync
 
     async def close(self) -> None:
         self._task.cancel()
@@ -465,6 +480,38 @@ class ClusterRouterLink:
 def _brief(exc: Exception) -> str:
     details = getattr(exc, "details", None)
     return details() if callable(details) else str(exc)
+
+
+def next_batch(
+    first: StoreEvent | None, queue: asyncio.Queue[StoreEvent | None]
+) -> list[StoreEvent] | None:
+    """``first`` and the events queued after it, up to ``MAX_BATCH``; None when a
+    snapshot is asked for (``None`` queued), the queue then drained: it covers them."""
+    batch = [first]
+    while first is not None and len(batch) < MAX_BATCH and not queue.empty():
+        batch.append(queue.get_nowait())
+        first = batch[-1]
+    if first is None:
+        drain(queue)
+        return None
+    return batch
+
+
+def drain(queue: asyncio.Queue) -> None:
+    while not queue.empty():
+        queue.get_nowait()
+
+
+async def send_snapshot(
+    send: Callable[[list[StoreEvent], bool], Awaitable[bool]], events: list[StoreEvent]
+) -> bool:
+    """Send ``events`` as one snapshot: numbered batches of ``RESYNC_BATCH``, the
+    first flagged (at least one, so an empty snapshot still empties the router's
+    view of this node). False when the router asked for a snapshot again."""
+    for i in range(0, max(len(events), 1), RESYNC_BATCH):
+        if not await send(events[i : i + RESYNC_BATCH], i == 0):
+            return False
+    return True
 
 
 def snapshot_events(sealed: list[tuple[str, int]], node_id: str) -> list[StoreEvent]:

@@ -40,13 +40,17 @@ from kvstore.router.core import Router
 from kvstore.service import status
 from kvstore.service.feeds import Subscriptions
 from kvstore.service.metrics import MetricsServer
-from kvstore.service.router_service import RouterService, add_to_server, admitted_reply
+from kvstore.service.router_service import (
+    RouterService,
+    add_to_server,
+    admitted_reply,
+    published_reply,
+)
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
 from kvstore.wire.names import check_name
-from kvstore.wire.principal import denied
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -137,11 +141,10 @@ class ClusterRouterService(RouterService):
     replica does not know (yet) is NOT_FOUND, which tells the store to send its
     snapshot again shortly. Everything else is the plain service.
 
-    Ownership on etcd is partial: etcd does not record who admitted a worker
-    or registered a store, so RemoveWorker is for admins only (with TLS), a
-    store node id belongs to the first principal that publishes as it on this
-    replica, and a worker name is not tied to a principal (first-wins per
-    WorkerSet in etcd still applies).
+    Ownership is recorded in etcd, so it holds on every replica alike
+    (docs/design.md §8): a worker name belongs to the caller that admitted it
+    (only it or an admin may re-register or remove it), a store node id to the
+    first caller that publishes as it, per store generation.
     """
 
     def __init__(self, router: Router, replica: RouterReplica, security: Security = PLAINTEXT):
@@ -152,7 +155,9 @@ class ClusterRouterService(RouterService):
         try:
             check_name("name", name)
             validate_card(card)
-            outcome = await self.replica.admit(name, card)
+            self.router.config.events_allow.check(card.kv_events_endpoint)
+            caller = self.security.principal(context)
+            outcome = await self.replica.admit(name, card, caller)
             if isinstance(outcome, Refused):
                 self.router.record_rejected()
                 raise refusal(
@@ -185,12 +190,7 @@ class ClusterRouterService(RouterService):
     async def RemoveWorker(self, request, context):
         try:
             caller = self.security.principal(context)
-            if not caller.admin:
-                raise denied(
-                    f"worker {request.name!r}: on etcd only an admin may remove a worker "
-                    f"(etcd does not record who admitted it), not {caller}"
-                )
-            if not await self.replica.remove(request.name, request.generation):
+            if not await self.replica.remove(request.name, request.generation, caller):
                 generation = request.generation or "any"
                 raise not_found(f"worker {request.name!r} generation {generation} is not admitted")
         except KVError as exc:
@@ -207,6 +207,12 @@ class ClusterRouterService(RouterService):
         )
 
     async def PublishEvents(self, request, context):
+        try:
+            check_name("node_id", request.node_id)
+            caller = self.security.principal(context)
+            await self.replica.check_publisher(request.node_id, request.generation, caller)
+        except KVError as exc:
+            await status.abort(context, exc)
         result = await self._publish(request, context)
         if result.stale:
             await status.abort(
@@ -216,7 +222,7 @@ class ClusterRouterService(RouterService):
                     "on this replica (not seen in etcd yet, or it left); send a snapshot again"
                 ),
             )
-        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
+        return published_reply(result)
 
 
 async def serve_router(
@@ -231,14 +237,17 @@ async def serve_router(
     """The standalone router: gRPC + health on ``host:port`` until SIGINT or SIGTERM.
 
     ``on_listening`` gets the bound port (``port`` 0 picks a free one); with
-    ``metrics_port`` it also serves Prometheus /metrics there. ``security``:
+    ``metrics_port`` it also serves Prometheus /metrics there (HTTPS with
+    client certificates when ``security`` has TLS). ``security``:
     TLS and admins; a non-loopback ``host`` without TLS is a ValueError unless
     ``insecure``.
     """
     security.check_exposure(host, insecure)
     metrics = None
     if metrics_port is not None:
-        metrics = MetricsServer(lambda: {"router": served.router.stats()}, host, metrics_port)
+        metrics = MetricsServer(
+            lambda: {"router": served.router.stats()}, host, metrics_port, security.tls
+        )
     server = grpc.aio.server()
     served.start(server, security)
     health = health_aio.HealthServicer()

@@ -17,7 +17,7 @@ import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.admission import Worker
-from kvstore.router.core import Router
+from kvstore.router.core import EventsApplied, Router
 from kvstore.router.load import LoadReport
 from kvstore.router.routing import RouteResult
 from kvstore.service import malformed, status
@@ -63,6 +63,12 @@ def _routed(result: RouteResult) -> router_pb2.RouteResponse:
         uncached_tokens=ttft.uncached_tokens,
         running_requests=ttft.running_requests,
         load_reported=ttft.report_age_s is not None,
+    )
+
+
+def published_reply(result: EventsApplied) -> router_pb2.PublishEventsResponse:
+    return router_pb2.PublishEventsResponse(
+        applied=result.applied, dropped=result.dropped, resync=result.resync
     )
 
 
@@ -178,8 +184,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def PublishEvents(self, request, context):
-        result = await self._publish(request, context)
-        return router_pb2.PublishEventsResponse(applied=result.applied, dropped=result.dropped)
+        return published_reply(await self._publish(request, context))
 
     async def _publish(self, request, context):
         """Apply a PublishEvents request as its caller; the core's result."""
@@ -191,6 +196,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             request.generation,
             list(request.events),
             caller,
+            request.seq,
+            request.snapshot,
         )
 
     async def RouterStats(self, request, context):  # noqa: ARG002 -- the servicer's signature

@@ -27,7 +27,7 @@ from kvstore.service.router_link import (
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
-from kvstore.service.tls import Security
+from kvstore.service.tls import Security, is_loopback
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -35,6 +35,8 @@ from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
 from kvstore.transfer import PeerServer
+from kvstore.transfer.handshake import PeerSecret
+from kvstore.transfer.ucx import LOOPBACK_DEVICE, restrict_net_devices
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
@@ -79,10 +81,29 @@ class ServerConfig:
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
     insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
+    # The cluster secret every UCX peer proves (docs/design.md §8); None = no handshake.
+    peer_secret: PeerSecret | None = None
 
     @property
     def security(self) -> Security:
         return Security(self.tls, self.admins)
+
+    def check_peer_exposure(self) -> None:
+        """The UCX peer port without a secret is for loopback-only, plaintext use:
+        with TLS or a non-loopback host it needs ``insecure`` (then a warning)."""
+        if not self.transfer or self.peer_secret is not None:
+            return
+        loopback = is_loopback(self.host)
+        if self.tls is None and loopback:
+            return
+        why = "TLS is configured" if loopback else f"--host {self.host} is not loopback"
+        if not self.insecure:
+            raise ValueError(
+                f"{why} but the UCX peer port has no authentication: anyone who reaches it "
+                "could read every block and serve forged ones. Give --peer-secret-file, "
+                "or --no-transfer, or --insecure on a network you trust"
+            )
+        log.warning("UCX peer port without authentication (--insecure): %s", why)
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -119,12 +140,18 @@ class StoreServer:
         fetcher = source = None
         if config.transfer:
             source = StoreSource(self.index)
-            self.peer_server = PeerServer(source, config.host, config.ucx_port)
+            self.peer_server = PeerServer(
+                source, config.host, config.ucx_port, secret=config.peer_secret
+            )
             sink = StoreSink(self.index, self.registry)
-            fetcher = Fetcher(self.index, sink, self._find_peers, config.fetch_timeout_s)
+            fetcher = Fetcher(
+                self.index, sink, self._find_peers, config.fetch_timeout_s, config.peer_secret
+            )
         copiers = {d: copier_for(d) for d in self.devices}
         self.node = StoreNode(self.registry, self.index, copiers, fetcher, source)
-        self.service = KVStoreService(self.node, self.peer_server, config.security)
+        self.service = KVStoreService(
+            self.node, self.peer_server, config.security, self.snapshot_events
+        )
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -133,7 +160,9 @@ class StoreServer:
         self.link: LocalRouterLink | RemoteRouterLink | ClusterRouterLink | None = None
         self.metrics: MetricsServer | None = None
         if config.metrics_port is not None:
-            self.metrics = MetricsServer(self._stats_records, config.host, config.metrics_port)
+            self.metrics = MetricsServer(
+                self._stats_records, config.host, config.metrics_port, config.tls
+            )
 
     def _stats_records(self) -> dict[str, object]:
         """Every part's stats record, for /metrics."""
@@ -143,6 +172,10 @@ class StoreServer:
         if self.router is not None:
             records["router"] = self.router.stats()
         return records
+
+    def snapshot_events(self) -> list[StoreEvent]:
+        """Every sealed block as ``stored`` events of this node."""
+        return snapshot_events(self.index.snapshot(), self.node_id)
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
@@ -156,7 +189,10 @@ class StoreServer:
     async def start(self) -> int:
         security = self.config.security
         security.check_exposure(self.config.host, self.config.insecure)
+        self.config.check_peer_exposure()
         if self.peer_server is not None:  # first: Stats reports its address
+            if is_loopback(self.config.host):  # before UCX starts: bind what is advertised
+                restrict_net_devices(LOOPBACK_DEVICE)
             await self.peer_server.start()
             log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -218,7 +254,7 @@ class StoreServer:
         await self.link.start(
             f"{self.config.host}:{self.port}",
             self.peer_server.address if self.peer_server is not None else "",
-            lambda: snapshot_events(self.index.snapshot(), self.node_id),
+            self.snapshot_events,
         )
         self.add_event_sink(self.link.publish)
 

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -37,11 +38,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         node: StoreNode,
         peer_server: PeerServer | None = None,
         security: Security = PLAINTEXT,
+        snapshot: Callable[[], list[StoreEvent]] = list,
     ):
         """``peer_server``: the node's peer-transfer listener, None when transfer is off.
         ``security``: who callers are (their certificate CN with TLS); the node
-        decides what each may see and do (tenant scoping)."""
+        decides what each may see and do (tenant scoping). ``snapshot``: the
+        sealed blocks as ``stored`` events of this node, which open every
+        Events stream."""
         self.node = node
+        self.snapshot = snapshot
+        self.event_queue_max = EVENT_QUEUE_MAX  # events a subscriber may fall behind
+        self.fanout = FanoutStats()
         self.peer_server = peer_server
         self.security = security
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
@@ -152,13 +159,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Stats(self, request, context):  # noqa: ARG002 -- the servicer's signature
         ucx_address = self.peer_server.address if self.peer_server is not None else ""
-        return codec.stats_response(self.node.stats(), ucx_address)
+        reply = codec.stats_response(self.node.stats(), ucx_address)
+        reply.events_dropped = self.fanout.events_dropped
+        reply.event_subscribers_cut = self.fanout.subscribers_cut
+        return reply
 
     # -------------------------------------------------------------- events
 
     def publish(self, event: StoreEvent) -> None:
         """Fan an event out to every subscriber that may see its namespace;
-        a stalled one is cut off."""
+        a stalled one is cut off, and what it will not receive is counted."""
         payload = b""
         for queue, watcher in list(self._subscribers.items()):
             if not self.node.may_see(event.namespace, watcher):
@@ -169,22 +179,40 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     "event subscriber fell %d events behind; disconnecting it", queue.qsize()
                 )
                 del self._subscribers[queue]  # its handler aborts on its next event
+                self.fanout.subscribers_cut += 1
+                self.fanout.events_dropped += queue.qsize() + 1  # the queued ones and this
                 continue
             queue.put_nowait(payload)
 
     async def Events(self, request, context):  # noqa: ARG002 -- the servicer's signature
-        """Store events as they happen; a non-admin sees only its own namespaces'."""
+        """A snapshot of the sealed blocks, then store events as they happen, each
+        numbered in this stream (docs/design.md §6); a non-admin sees only its own
+        namespaces'. A subscriber that falls ``event_queue_max`` events behind is
+        cut off with RESOURCE_EXHAUSTED."""
         caller = await self._caller(context)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE_MAX)
-        self._subscribers[queue] = caller
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
+        self._subscribers[queue] = caller  # in the same step as the snapshot: no gap, no overlap
+        sealed = [e for e in self.snapshot() if self.node.may_see(e.namespace, caller)]
+        seq = 0
         try:
+            for seq, event in enumerate(sealed, 1):
+                yield pb.Event(payload=event.encode(), seq=seq, snapshot=True)
             while True:
                 payload = await queue.get()
                 if queue not in self._subscribers:
                     await status.abort(context, exhausted("event subscriber too slow; resubscribe"))
-                yield pb.Event(payload=payload)
+                seq += 1
+                yield pb.Event(payload=payload, seq=seq)
         finally:
             self._subscribers.pop(queue, None)
+
+
+@dataclass
+class FanoutStats:
+    """What the Events fan-out could not deliver."""
+
+    events_dropped: int = 0  # events cut-off subscribers did not receive
+    subscribers_cut: int = 0  # subscribers cut off for falling behind
 
 
 # ------------------------------------------------------------ registration on a server

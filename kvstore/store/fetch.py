@@ -14,6 +14,10 @@
   retries once on the next peer that holds the prefix. A peer that dies
   mid-transfer costs only that attempt: later fetches go to the others (and a
   local UCX worker found wedged is recreated, counted in ``worker_recreations``).
+  With a cluster secret, a block is accepted only from a peer that the router
+  (or ``--peer``) listed for its namespace AND that proved the secret on the
+  connection before any request went out (docs/design.md §8); a peer that
+  cannot is skipped like a failed one and counted in ``fetches_failed_auth``.
 
 The transfer engine (:mod:`kvstore.transfer`) moves slots and knows nothing of
 blocks; these adapters are the only place the two meet.
@@ -33,6 +37,8 @@ from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, Lease
 from kvstore.store.registry import Registry
 from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, worker_recreations
+from kvstore.transfer.errors import PeerUnauthenticated
+from kvstore.transfer.handshake import PeerSecret
 from kvstore.wire.errors import KVError, invalid, precondition, unavailable
 from kvstore.wire.peers import PeerPrefix
 
@@ -184,21 +190,30 @@ class FetcherStats:
     fetches_failed_timeout: int = 0  # a peer did not finish within the fetch timeout
     # This process's UCX worker found wedged and recreated (kvstore.transfer, "Peer death").
     worker_recreations: int = 0
+    fetches_failed_auth: int = 0  # a peer did not prove the cluster secret
 
 
 class Fetcher:
     """Pulls blocks this node misses from a peer store that holds them."""
 
     def __init__(
-        self, index: BlockIndex, sink: StoreSink, find_peers: FindPeers, timeout_s: float = 10.0
+        self,
+        index: BlockIndex,
+        sink: StoreSink,
+        find_peers: FindPeers,
+        timeout_s: float = 10.0,
+        secret: PeerSecret | None = None,
     ):
+        """``secret``: the cluster secret each peer must prove (None: no handshake)."""
         self.index = index
         self.sink = sink
         self.find_peers = find_peers
         self.timeout_s = timeout_s
+        self.secret = secret
         self._running: dict[tuple, asyncio.Task[FetchResult]] = {}
         self._fetched = 0
-        self._failed = {PeerUnavailable: 0, PeerTimeout: 0}
+        # By cause, the most specific first (PeerUnauthenticated is a PeerUnavailable).
+        self._failed = {PeerUnauthenticated: 0, PeerUnavailable: 0, PeerTimeout: 0}
 
     def stats(self) -> FetcherStats:
         return FetcherStats(
@@ -206,6 +221,7 @@ class Fetcher:
             self._failed[PeerUnavailable],
             self._failed[PeerTimeout],
             worker_recreations(),
+            self._failed[PeerUnauthenticated],
         )
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
@@ -231,9 +247,11 @@ class Fetcher:
         for peer in peers[:2]:  # the best, then one retry elsewhere
             want = missing[: peer.prefix_blocks] if peer.prefix_blocks else missing
             try:
-                n = await fetch(peer.ucx_address, namespace, want, self.sink, self.timeout_s)
+                n = await fetch(
+                    peer.ucx_address, namespace, want, self.sink, self.timeout_s, self.secret
+                )
             except (PeerUnavailable, PeerTimeout) as err:
-                self._failed[type(err)] += 1
+                self._failed[next(c for c in self._failed if isinstance(err, c))] += 1
                 log.warning(
                     "fetch of %d blocks from %s (%s) failed: %s",
                     len(want),

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.transfer.errors import PeerUnavailable, ProtocolError
+from kvstore.transfer.handshake import PeerSecret, authenticate_peer
 from kvstore.transfer.slots import (
     Reservation,
     SlotSink,
@@ -68,6 +69,7 @@ async def fetch(
     hashes: Sequence[int],
     sink: SlotSink,
     timeout_s: float = 10.0,
+    secret: PeerSecret | None = None,
 ) -> int:
     """Pull the longest prefix of ``hashes`` the peer holds into slots of ``sink``.
 
@@ -75,6 +77,10 @@ async def fetch(
     0 when the peer has none). Raises PeerUnavailable / PeerTimeout when the
     peer fails or is too slow; then, as on any failure, the reservation is
     aborted and nothing becomes visible. Errors raised by the sink propagate.
+
+    With ``secret``, a new connection first runs the handshake: a peer that does
+    not prove the cluster secret is refused (PeerUnauthenticated) before any
+    request is sent, so no byte of it reaches the sink.
     """
     hashes = _check_fetch_args(namespace, hashes, timeout_s)
     if not hashes:
@@ -84,6 +90,8 @@ async def fetch(
     conn = await pool.acquire(peer_address, deadline)
     reusable = False
     try:
+        if secret is not None and not conn.authenticated:
+            await authenticate_peer(conn, secret, deadline)
         fetched = await _fetch_on(conn, namespace, hashes, sink, deadline)
         reusable = True
         return fetched

@@ -25,3 +25,8 @@ class PeerTimeout(KVError):
 
 class ProtocolError(Exception):
     """A frame that breaks the wire protocol (bad magic, kind, size or body)."""
+
+
+class PeerUnauthenticated(PeerUnavailable):
+    """The peer did not prove the cluster secret (or refused our proof): no byte of
+    it is accepted (docs/design.md §8)."""

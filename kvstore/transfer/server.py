@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.transfer.errors import ProtocolError
+from kvstore.transfer.handshake import PeerSecret, authenticate_fetcher
 from kvstore.transfer.slots import (
     Lease,
     SlotSource,
@@ -29,6 +30,7 @@ from kvstore.transfer.ucx import (
     is_ucx_error,
     pump,
     recv_frame,
+    remote_address,
     run_ops,
     segment_views,
     send_frame,
@@ -55,13 +57,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PortLimits:
-    """What one UCX peer port gives any caller; the port needs no credential, so
-    every resource a caller can make it hold is bounded in size and in time.
+    """What one UCX peer port gives any caller; every resource a caller can make
+    it hold is bounded in size and in time, before and after the handshake.
 
     ``go_timeout_s`` is how long a lease waits for the fetcher's GO: shorter
     than a client's query lease, so a REQUEST without GO pins blocks briefly.
-    A connection must send its first REQUEST within ``first_request_s`` and
-    each later one within ``idle_s``, else it is closed.
+    With a cluster secret, a connection must finish the handshake within
+    ``handshake_s``; it pins nothing until it has. A connection must send its
+    first REQUEST within ``first_request_s`` and each later one within
+    ``idle_s``, else it is closed.
     """
 
     max_connections: int = 256  # each costs UCX endpoint descriptors
@@ -69,6 +73,7 @@ class PortLimits:
     go_timeout_s: float = 2.0
     first_request_s: float = 5.0
     idle_s: float = 60.0
+    handshake_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class PortStats:
     pinned_blocks: int
     refused_connections: int
     busy_refusals: int
+    auth_failures: int  # connections closed for a failed or missing handshake
 
 
 class PeerServer:
@@ -85,6 +91,8 @@ class PeerServer:
     One connection serves its fetches one after another; a fetcher that wants
     parallelism opens more endpoints. ``timeout_s`` bounds a whole fetch (GO,
     then every slot send); ``limits`` bound what callers can hold (PortLimits).
+    With ``secret``, a connection is served only once it has proven the cluster
+    secret, and has seen this server prove it (kvstore.transfer.handshake).
     """
 
     def __init__(
@@ -96,6 +104,7 @@ class PeerServer:
         timeout_s: float = 30.0,
         send_window: int = SEND_WINDOW,
         limits: PortLimits | None = None,
+        secret: PeerSecret | None = None,
     ):
         self.source = source
         self.host = host
@@ -103,6 +112,7 @@ class PeerServer:
         self.timeout_s = timeout_s
         self.send_window = send_window
         self.limits = limits or PortLimits()
+        self.secret = secret
         self._listener: Any = None
         self._started = False
         self._conns: set[Conn] = set()
@@ -110,6 +120,7 @@ class PeerServer:
         self._pinned = 0
         self._refused_connections = 0
         self._busy_refusals = 0
+        self._auth_failures = 0
 
     @property
     def address(self) -> str:
@@ -121,7 +132,11 @@ class PeerServer:
 
     def stats(self) -> PortStats:
         return PortStats(
-            len(self._conns), self._pinned, self._refused_connections, self._busy_refusals
+            len(self._conns),
+            self._pinned,
+            self._refused_connections,
+            self._busy_refusals,
+            self._auth_failures,
         )
 
     async def start(self) -> None:
@@ -190,13 +205,38 @@ class PeerServer:
                 self._handlers.discard(task)
 
     async def _serve_connection(self, conn: Conn) -> None:
-        """REQUESTs one after another, each within its idle deadline."""
+        """The handshake, then REQUESTs one after another, each within its idle deadline."""
+        if not await self._authenticate(conn):
+            return
         wait_s = self.limits.first_request_s
         while conn.usable:
             deadline = asyncio.get_running_loop().time() + wait_s
             _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline)
             await self._serve(conn, body)
             wait_s = self.limits.idle_s
+
+    async def _authenticate(self, conn: Conn) -> bool:
+        """Whether the fetcher proved the cluster secret within ``handshake_s`` (True
+        without a secret). A failure is counted and logged with the fetcher's
+        address (each of the first 8, then the 16th, 32nd, ...); the caller closes."""
+        if self.secret is None:
+            return True
+        deadline = asyncio.get_running_loop().time() + self.limits.handshake_s
+        fetcher = remote_address(conn.ep)  # now: a failed handshake aborts the endpoint
+        try:
+            await authenticate_fetcher(conn, self.secret, deadline)
+            return True
+        except (KVError, ProtocolError) as e:
+            self._auth_failures += 1
+            n = self._auth_failures
+            if n <= 8 or n & (n - 1) == 0:
+                log.warning(
+                    "peer port: connection from %s failed authentication (%s); %d so far",
+                    fetcher,
+                    e,
+                    n,
+                )
+            return False
 
     async def _serve(self, conn: Conn, body: bytes) -> None:
         """One fetch: refuse, or lease, offer, await GO, send, release."""

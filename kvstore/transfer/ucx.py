@@ -5,9 +5,14 @@ process's worker (recreated when wedged)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import gc
+import ipaddress
 import logging
 import os
+import socket
+import sys
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +104,27 @@ def segment_views(
     return views
 
 
+# The interface a loopback-only store confines UCX's network transports to.
+LOOPBACK_DEVICE = "lo"
+
+
+def restrict_net_devices(devices: str) -> bool:
+    """Confine UCX's network transports to ``devices`` (UCX_NET_DEVICES) in this
+    process, unless the user set it or UCX has started already; whether it applies.
+
+    With UCX_NET_DEVICES=lo the tcp transport listens on 127.0.0.1 only, and UCX
+    rejects a connection request that reaches the listener (which ucxx binds on
+    every interface) through another device (docs/design.md §8)."""
+    if "UCX_NET_DEVICES" in os.environ:
+        return os.environ["UCX_NET_DEVICES"] == devices
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None and getattr(ucxx.core, "_ctx", None) is not None:
+        log.warning("UCX started already: UCX_NET_DEVICES=%s does not apply", devices)
+        return False
+    os.environ["UCX_NET_DEVICES"] = devices
+    return True
+
+
 def ucxx_module() -> Any:
     """Import ucxx late, after our UCX defaults are in the environment."""
     for key, value in UCX_DEFAULTS.items():
@@ -127,6 +153,8 @@ class Conn:
     unsettled: list[asyncio.Task] = field(default_factory=list)
     # run_ops calls awaiting requests on this endpoint right now.
     active: int = 0
+    # Both ends proved the cluster secret on it (kvstore.transfer.handshake).
+    authenticated: bool = False
 
     def __post_init__(self) -> None:
         worker_health().track(self)
@@ -332,6 +360,45 @@ def endpoint_pool() -> EndpointPool:
 async def close_endpoints() -> None:
     """Drop every pooled endpoint of the running loop (shutdown, tests)."""
     endpoint_pool().close()
+
+
+class _EpAttr(ctypes.Structure):  # ucp_ep_attr_t, up to remote_sockaddr
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("name", ctypes.c_char * 32),  # UCP_ENTITY_NAME_MAX
+        ("local_sockaddr", ctypes.c_uint8 * 128),  # struct sockaddr_storage
+        ("remote_sockaddr", ctypes.c_uint8 * 128),
+        ("rest", ctypes.c_uint8 * 64),  # transports, user_data: room to spare
+    ]
+
+
+_EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
+
+
+@functools.cache
+def _libucp() -> ctypes.CDLL:
+    import libucx
+
+    return ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
+
+
+def remote_address(ep: Any) -> str:
+    """``host:port`` the endpoint is connected to (UCX's ucp_ep_query, which ucxx
+    does not wrap), or "unknown" when UCX cannot tell."""
+    try:
+        lib = _libucp()
+        attr = _EpAttr(field_mask=_EP_ATTR_FIELD_REMOTE_SOCKADDR)
+        if lib.ucp_ep_query(ctypes.c_void_p(ep.ucp_endpoint), ctypes.byref(attr)) != 0:
+            return "unknown"
+        raw = bytes(attr.remote_sockaddr)
+        family, port = int.from_bytes(raw[:2], "little"), int.from_bytes(raw[2:4], "big")
+        if family == socket.AF_INET:
+            return f"{ipaddress.IPv4Address(raw[4:8])}:{port}"
+        if family == socket.AF_INET6:
+            return f"[{ipaddress.IPv6Address(raw[8:24])}]:{port}"
+    except Exception:
+        log.debug("cannot query the remote address of an endpoint", exc_info=True)
+    return "unknown"
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -25,8 +25,9 @@ from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN
 
 log = logging.getLogger(__name__)
 
-# Raised whenever a frame's layout changes: peers of another version are refused.
-PROTOCOL_VERSION = 3
+# Raised whenever a frame's layout or the exchange changes: peers of another
+# version are refused. 4: the optional HELLO / CHALLENGE / PROOF handshake.
+PROTOCOL_VERSION = 4
 MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
 MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
 MAX_SLOTS_PER_FETCH = 1 << 20  # a peer trims its prefix to stay under this
@@ -35,6 +36,9 @@ MAX_REQUEST_BYTES = 128 << 10
 MAX_REPLY_BYTES = 16 << 20
 MAX_ERROR_BYTES = 8 << 10
 MAX_GO_BYTES = 4 * MAX_SLOTS_PER_FETCH + 64
+MAX_HANDSHAKE_BYTES = 256
+NONCE_BYTES = 32  # fresh from os.urandom on each side of each connection
+MAC_BYTES = 32  # HMAC-SHA256
 # A control frame whose preamble and body fit this many bytes travels as one
 # message (nearly all do); a longer one as its preamble, then its body.
 INLINE_FRAME_BYTES = 64 << 10
@@ -52,6 +56,9 @@ class Kind(enum.IntEnum):
     REPLY = 2
     ERROR = 3
     GO = 4
+    HELLO = 5  # fetcher: [version, fetcher nonce]
+    CHALLENGE = 6  # peer: [peer nonce, peer's MAC]
+    PROOF = 7  # fetcher: [fetcher's MAC]
 
 
 class Preamble(NamedTuple):
@@ -74,6 +81,9 @@ _BODY_LIMITS = {
     Kind.REPLY: MAX_REPLY_BYTES,
     Kind.ERROR: MAX_ERROR_BYTES,
     Kind.GO: MAX_GO_BYTES,
+    Kind.HELLO: MAX_HANDSHAKE_BYTES,
+    Kind.CHALLENGE: MAX_HANDSHAKE_BYTES,
+    Kind.PROOF: MAX_HANDSHAKE_BYTES,
 }
 
 
@@ -285,6 +295,55 @@ def decode_go(body: bytes, offered: int) -> Go:
     if accepted not in (0, offered):
         raise ProtocolError(f"GO for {accepted} blocks, {offered} were offered")
     return Go(accepted, packed)
+
+
+class Challenge(NamedTuple):
+    nonce: bytes  # the peer's
+    mac: bytes  # the peer's proof over both nonces
+
+
+def encode_hello(nonce: bytes) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, nonce], use_bin_type=True)
+
+
+def decode_hello(body: bytes) -> bytes:
+    """The fetcher's nonce."""
+    hello = _unpack(body, MAX_HANDSHAKE_BYTES)
+    if not (isinstance(hello, list) and len(hello) == 2 and hello[0] == PROTOCOL_VERSION):
+        raise ProtocolError(f"HELLO is not [{PROTOCOL_VERSION}, nonce]")
+    return _fixed_bytes(hello[1], NONCE_BYTES, "HELLO nonce")
+
+
+def encode_challenge(nonce: bytes, mac: bytes) -> bytes:
+    return msgpack.packb([nonce, mac], use_bin_type=True)
+
+
+def decode_challenge(body: bytes) -> Challenge:
+    challenge = _unpack(body, MAX_HANDSHAKE_BYTES)
+    if not (isinstance(challenge, list) and len(challenge) == 2):
+        raise ProtocolError("CHALLENGE is not [nonce, mac]")
+    nonce, mac = challenge
+    return Challenge(
+        _fixed_bytes(nonce, NONCE_BYTES, "CHALLENGE nonce"),
+        _fixed_bytes(mac, MAC_BYTES, "CHALLENGE mac"),
+    )
+
+
+def encode_proof(mac: bytes) -> bytes:
+    return msgpack.packb([mac], use_bin_type=True)
+
+
+def decode_proof(body: bytes) -> bytes:
+    proof = _unpack(body, MAX_HANDSHAKE_BYTES)
+    if not (isinstance(proof, list) and len(proof) == 1):
+        raise ProtocolError("PROOF is not [mac]")
+    return _fixed_bytes(proof[0], MAC_BYTES, "PROOF mac")
+
+
+def _fixed_bytes(value: Any, size: int, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError(f"{what} must be {size} bytes")
+    return value
 
 
 def _decode_layout(packed: Any) -> list[int]:

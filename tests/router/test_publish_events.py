@@ -5,17 +5,25 @@ key) is INVALID_ARGUMENT naming ``events[i].<field>``, and a batch that does
 not fit (a peer's namespaces, an index's holders) is RESOURCE_EXHAUSTED; in
 both cases the good events before the bad one are not applied: the index,
 the peers and the counters are as they were.
+
+Numbered batches (docs/design.md §6): a gap or a batch from before the last
+snapshot is dropped whole, counted and answered ``resync``; a snapshot
+replaces the node's blocks; unsequenced batches apply as they come; every
+dropped event is counted under one cause.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import msgpack
 import pytest
 
+from kvstore._proto import router_pb2
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router
+from kvstore.router.drops import DropCause, EventDrops
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -205,3 +213,120 @@ def test_relayed_events_past_a_domains_holders_apply_nothing(router):
     assert router.query_prefix(NS, HASHES) == []
     # One of them alone fits.
     assert router.publish_store_events(NODE, peer.generation, batch[:2]).applied == 2
+
+
+# -- numbered batches and snapshots (docs/design.md §6) ---------------------
+
+
+def blocks_indexed(router: Router) -> int:
+    return router.stats().indexed_blocks
+
+
+def test_numbered_batches_apply_in_order_and_a_gap_is_dropped_and_asks_for_a_snapshot(served):
+    router, client, _ = served
+    setup(router, client)
+    first = client.publish([StoreEvent("stored", NS, HASHES[:2], NODE)], seq=1, snapshot=True)
+    second = client.publish([StoreEvent("stored", NS, HASHES[2:3], NODE)], seq=2)
+    assert (first.applied, first.resync, second.applied, second.resync) == (1, False, 1, False)
+    assert blocks_indexed(router) == 3
+
+    lost_one = client.publish([StoreEvent("stored", NS, HASHES[3:], NODE)], seq=4)  # 3 was lost
+    assert (lost_one.applied, lost_one.dropped, lost_one.resync) == (0, 1, True)
+    assert blocks_indexed(router) == 3  # dropped whole
+    stats = router.stats()
+    assert stats.dropped_by.sequence_gap == 1 and stats.resyncs_requested == 1
+
+    # The snapshot the store sends then replaces the node's blocks wholesale.
+    snap = client.publish([StoreEvent("stored", NS, HASHES[1:], NODE)], seq=5, snapshot=True)
+    assert (snap.applied, snap.resync) == (1, False)
+    assert client.query_prefix(NS, HASHES[1:]) and client.query_prefix(NS, HASHES) == []
+    assert blocks_indexed(router) == 3  # HASHES[0] was not in it: gone
+    assert client.publish([StoreEvent("removed", NS, HASHES[3:], NODE)], seq=6).applied == 1
+    assert blocks_indexed(router) == 2
+
+
+def test_a_batch_from_before_the_last_snapshot_is_dropped_and_counted(served):
+    router, client, _ = served
+    setup(router, client)
+    client.publish([StoreEvent("stored", NS, HASHES, NODE)], seq=10, snapshot=True)
+    late = client.publish([StoreEvent("removed", NS, HASHES, NODE)], seq=9)
+    again = client.publish([StoreEvent("removed", NS, HASHES, NODE)], seq=10)
+    assert (late.applied, late.resync, again.applied, again.resync) == (0, True, 0, True)
+    assert blocks_indexed(router) == 4
+    assert router.stats().dropped_by.stale_sequence == 2
+
+
+def test_a_numbered_batch_before_any_snapshot_asks_for_one(served):
+    """A replica that restarted (or lost the node) gets the store's next batch
+    without ever having had its snapshot: that is a gap too."""
+    router, client, _ = served
+    setup(router, client)
+    reply = client.publish([StoreEvent("stored", NS, HASHES, NODE)], seq=1)
+    assert (reply.applied, reply.resync) == (0, True)
+    assert blocks_indexed(router) == 0
+    assert router.stats().dropped_by.sequence_gap == 1
+
+
+def test_unsequenced_batches_apply_as_they_come(served):
+    """seq 0 (older stores, the cluster simulator) is never checked."""
+    router, client, _ = served
+    setup(router, client)
+    for hashes in (HASHES[:2], HASHES[2:]):
+        reply = client.publish([StoreEvent("stored", NS, hashes, NODE)])
+        assert (reply.applied, reply.resync) == (1, False)
+    assert blocks_indexed(router) == 4
+    assert router.stats().resyncs_requested == 0
+
+
+def test_a_snapshot_replaces_every_namespace_of_its_node_and_nothing_of_another(router):
+    other_ns = "other.0123456789abcdef"
+    a = router.advertise_peer("a", "127.0.0.1:1", "", [])
+    b = router.advertise_peer("b", "127.0.0.1:2", "", [])
+    for node, peer in (("a", a), ("b", b)):
+        events = [StoreEvent("stored", ns, HASHES, node) for ns in (NS, other_ns)]
+        router.apply_store_events(node, peer.generation, events, seq=1, snapshot=True)
+    assert blocks_indexed(router) == 8  # 4 hashes x 2 namespaces, each held by a and b
+    router.apply_store_events(
+        "a", a.generation, [StoreEvent("stored", NS, HASHES[:1], "a")], seq=2, snapshot=True
+    )
+    assert [(p.node_id, p.prefix_blocks) for p in router.query_prefix(NS, HASHES)] == [
+        ("b", 4),
+        ("a", 1),
+    ]
+    assert [p.node_id for p in router.query_prefix(other_ns, HASHES)] == ["b"]
+
+
+def test_an_empty_snapshot_empties_its_node(router):
+    peer = router.advertise_peer(NODE, "127.0.0.1:1", "", [])
+    router.apply_store_events(NODE, peer.generation, [StoreEvent("stored", NS, HASHES, NODE)])
+    result = router.apply_store_events(NODE, peer.generation, [], seq=3, snapshot=True)
+    assert (result.applied, result.resync) == (0, False)
+    assert blocks_indexed(router) == 0
+
+
+def test_every_dropped_event_is_counted_under_its_cause_over_grpc(served):
+    """No event is dropped silently: each cause has its counter, RouterStats
+    shows them, and they add up to events_dropped."""
+    router, client, _ = served
+    setup(router, client)
+    gen = client.generation
+    client.publish([StoreEvent("stored", NS, HASHES, NODE)], seq=1, snapshot=True)
+    client.publish([StoreEvent("stored", NS, HASHES, NODE)], seq=3)  # gap: 1
+    client.publish([StoreEvent("stored", NS, HASHES, NODE)] * 2, seq=1)  # stale seq: 2
+    client.publish([StoreEvent("stored", NS, HASHES, "someone-else")] * 3)  # not indexable: 3
+    client.publish([StoreEvent("stored", NS, HASHES, "ghost", tier="gpu")] * 4)  # unknown: 4
+    client.publish([StoreEvent("stored", NS, HASHES, NODE)] * 5, node_id=NODE, generation=gen + 9)
+    router.record_dropped(6)  # a feed message that does not decode
+    stats = client.stats()
+    assert stats.dropped_by == router_pb2.EventDrops(
+        sequence_gap=1, stale_sequence=2, not_indexable=3, unknown_worker=4, stale_generation=5,
+        undecodable=6,
+    )  # fmt: skip
+    assert stats.events_dropped == 21 == router.stats().dropped_by.total()
+    assert stats.resyncs_requested == 2
+
+
+def test_each_drop_cause_is_a_router_stats_field():
+    """One list of causes: the core's, the record's and the wire's."""
+    wire = [f.name for f in router_pb2.EventDrops.DESCRIPTOR.fields]
+    assert wire == [f.name for f in fields(EventDrops)] == [c.value for c in DropCause]

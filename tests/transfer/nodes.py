@@ -38,8 +38,19 @@ def torch_from(a: np.ndarray):
 # ---- misbehaving peers --------------------------------------------------------------
 
 
+def peer_secret(secret: str) -> Any:
+    """The PeerSecret of a test string ("" = none)."""
+    from kvstore.transfer.handshake import PeerSecret
+
+    return PeerSecret(secret.encode()) if secret else None
+
+
 def make_server(
-    behaviour: str, source: MemorySource, timeout_s: float, limits: dict | None = None
+    behaviour: str,
+    source: MemorySource,
+    timeout_s: float,
+    limits: dict | None = None,
+    secret: str = "",
 ) -> Any:
     from kvstore.transfer import server as peer_server
     from kvstore.transfer import ucx, wire
@@ -91,7 +102,12 @@ def make_server(
                 return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
             return await super()._serve(conn, body)
 
-    return Server(source, timeout_s=timeout_s, limits=peer_server.PortLimits(**(limits or {})))
+    return Server(
+        source,
+        timeout_s=timeout_s,
+        limits=peer_server.PortLimits(**(limits or {})),
+        secret=peer_secret(secret),
+    )
 
 
 # ---- a node: one spawned process driven over a pipe ------------------------------------
@@ -110,11 +126,12 @@ class NodeState:
         gap_every: int = 0,
         lanes: int = 1,
         limits: dict | None = None,
+        secret: str = "",
     ) -> str:
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
-        self.server = make_server(behaviour, self.source, timeout_s, limits)
+        self.server = make_server(behaviour, self.source, timeout_s, limits, secret)
         await self.server.start()
         return self.server.address
 
@@ -169,6 +186,18 @@ class NodeState:
             "segments": list(self.server.segments),
         }
 
+    async def watch_logs(self) -> None:
+        """From now on, keep this node's kvstore.transfer WARNING (and worse) lines."""
+        import logging
+
+        self.warned: list[str] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: self.warned.append(record.getMessage())
+        logging.getLogger("kvstore.transfer").addHandler(handler)
+
+    async def warnings(self) -> list[str]:
+        return list(self.warned)
+
     async def port_stats(self) -> dict:
         import dataclasses
 
@@ -215,6 +244,7 @@ class NodeState:
         lanes: int = 1,
         namespace: str = NS,
         fresh: bool = False,
+        secret: str = "",
     ) -> dict:
         """``fresh``: drop pooled endpoints first, so that the fetch connects."""
         from kvstore.transfer import close_endpoints, fetch
@@ -225,9 +255,11 @@ class NodeState:
         sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()
+        key = peer_secret(secret)
         try:
             for _ in range(repeat):
-                out["n"].append(await fetch(address, namespace, hashes, sink, timeout_s=timeout_s))
+                n = await fetch(address, namespace, hashes, sink, timeout_s=timeout_s, secret=key)
+                out["n"].append(n)
         except KVError as e:
             out["error"] = type(e).__name__
             out["code"] = e.code.name

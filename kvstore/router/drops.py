@@ -1,0 +1,42 @@
+"""Why the router did not index an event it received, counted by cause.
+
+No event is dropped silently (docs/design.md §6): every event the router
+receives and does not index is counted under exactly one cause, and the causes
+add up to ``RouterStats.events_dropped``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+
+class DropCause(str, Enum):
+    """One reason an event is not indexed; the value names its counter."""
+
+    STALE_GENERATION = "stale_generation"  # the publishing store's (node, generation) is gone
+    SEQUENCE_GAP = "sequence_gap"  # a batch after a lost one, or before any snapshot
+    STALE_SEQUENCE = "stale_sequence"  # a batch numbered at or below the last applied one
+    UNKNOWN_WORKER = "unknown_worker"  # a worker event for a worker (generation) not admitted
+    NOT_INDEXABLE = "not_indexable"  # a store event about another holder, or not final
+    UNDECODABLE = "undecodable"  # a feed message that does not decode
+    OTHER_KV_GROUP = "other_kv_group"  # vLLM events of KV-cache groups other than 0
+
+
+@dataclass
+class EventDrops:
+    """Dropped events per cause (one field per :class:`DropCause`)."""
+
+    stale_generation: int = 0
+    sequence_gap: int = 0
+    stale_sequence: int = 0
+    unknown_worker: int = 0
+    not_indexable: int = 0
+    undecodable: int = 0
+    other_kv_group: int = 0
+
+    def add(self, cause: DropCause, count: int = 1) -> None:
+        setattr(self, cause.value, getattr(self, cause.value) + count)
+
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))

@@ -1,0 +1,219 @@
+"""Issue 12 on etcd: ownership is recorded in etcd and enforced by every replica.
+
+Two router replicas behind mutual TLS share one real etcd. A worker name belongs
+to the certificate CN that admitted it, a store node id (per generation) to the
+first CN that publishes as it; a stranger is PERMISSION_DENIED whichever replica
+the call lands on, an admin may act on anything, and a refusal changes nothing
+in etcd or in either replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvstore.client.router_client import RouterClient
+from kvstore.membership.etcd import Etcd
+from kvstore.membership.layout import Layout, MemberRecord, NameClaim, StoreRecord
+from kvstore.service.tls import Security
+from kvstore.testing.pki import Pki
+from kvstore.wire.errors import Code, KVError
+from kvstore.wire.events import StoreEvent
+from tests.membership.conftest import RouterThread, etcd_keys, etcd_read
+from tests.router.conftest import card
+from tests.security.conftest import ADMIN
+
+NS = "llama.0123456789abcdef"
+STORE_LEASE_S = 60  # the test holds the store's key itself; it outlives the test
+
+
+class TlsReplica(RouterThread):
+    """A router replica on etcd whose gRPC port demands client certificates."""
+
+    def __init__(self, config, security: Security):
+        self.security = security
+        super().__init__(config)
+
+    async def _serve(self) -> None:
+        self.server = grpc.aio.server()
+        self.served.start(self.server, self.security)
+        self.port = self.security.bind(self.server, "127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        await self.server.start()
+        await self.served.announce(self.address)
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(grace=0.5)
+        await self.served.close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def replicas(etcd_config, pki):
+    security = Security(pki.server, admins=(ADMIN,))
+    pair = [TlsReplica(etcd_config, security) for _ in range(2)]
+    yield pair
+    for r in pair:
+        r.stop()
+
+
+@pytest.fixture
+def clients(pki, replicas):
+    """``clients[cn][i]``: a RouterClient of identity ``cn`` to replica ``i``."""
+    made: dict[str, list[RouterClient]] = {}
+    for cn in ("tenant-a", "tenant-b", ADMIN, "node-a", "rogue"):
+        tls = pki.issue(cn)
+        made[cn] = [RouterClient(r.address, tls=tls) for r in replicas]
+    yield made
+    for pair in made.values():
+        for c in pair:
+            c.close()
+
+
+def refused(fn, *args) -> KVError:
+    with pytest.raises(KVError) as info:
+        fn(*args)
+    return info.value
+
+
+def wait_until(fn, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def generations(replica) -> dict[str, int]:
+    return replica.call(replica.router.worker_generations)
+
+
+def worker_keys(config, name: str) -> tuple[NameClaim, MemberRecord, int]:
+    keys = etcd_keys(config)
+    claim = NameClaim.decode(keys[f"workers/{name}"].value)
+    member = next(e for k, e in keys.items() if k.endswith(f"/members/{name}"))
+    return claim, MemberRecord.decode(member.value), member.mod_revision
+
+
+def test_a_worker_name_belongs_to_its_admitter_on_every_replica(etcd_config, replicas, clients):
+    """Before: on etcd a worker name was tied to no identity; registering it again
+    through any replica replaced its address. Now the claim names its owner."""
+    a, b = clients["tenant-a"], clients["tenant-b"]
+    gen = a[0].register_worker("w0", card(address="10.0.0.1:8000")).generation
+    claim, member, revision = worker_keys(etcd_config, "w0")
+    assert (claim.owner, member.owner, revision) == ("tenant-a", "tenant-a", gen)
+    wait_until(lambda: all(generations(r) == {"w0": gen} for r in replicas))
+    for i in (0, 1):  # a hijack through either replica
+        err = refused(b[i].register_worker, "w0", card(address="10.6.6.6:8000"))
+        assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+    assert worker_keys(etcd_config, "w0")[2] == gen  # nothing written
+    for i in (0, 1):
+        routed = b[i].route("llama-8b", token_ids=list(range(64)))
+        assert (routed.address, routed.generation) == ("10.0.0.1:8000", gen)
+    # the owner may register it again through the other replica (a restart)
+    again = a[1].register_worker("w0", card(address="10.0.0.1:8001")).generation
+    assert again > gen and worker_keys(etcd_config, "w0")[0].owner == "tenant-a"
+
+
+def test_remove_worker_is_the_owners_or_an_admins_whichever_replica(etcd_config, replicas, clients):
+    """Before: on etcd RemoveWorker was admin-only, since etcd did not say who
+    admitted a worker. Now its owner may, through any replica; a stranger may not."""
+    a, b, admin = clients["tenant-a"], clients["tenant-b"], clients[ADMIN]
+    g0 = a[0].register_worker("w0", card()).generation
+    g1 = a[0].register_worker("w1", card()).generation
+    wait_until(lambda: generations(replicas[1]) == {"w0": g0, "w1": g1})
+    for i in (0, 1):
+        assert refused(b[i].remove_worker, "w0").code is Code.PERMISSION_DENIED
+    assert "workers/w0" in etcd_keys(etcd_config)
+    assert a[1].remove_worker("w0") is True  # not the replica that admitted it
+    assert admin[1].remove_worker("w1", g1) is True
+    assert not any(k.startswith("workers/") for k in etcd_keys(etcd_config))
+    wait_until(lambda: all(generations(r) == {} for r in replicas))
+
+
+def register_store(config, node_id: str) -> int:
+    """What a store server does on --etcd: its key, created anew under its lease."""
+
+    async def go(etcd: Etcd) -> int:
+        lease = await etcd.grant(STORE_LEASE_S)
+        record = StoreRecord("127.0.0.1:1", "127.0.0.1:2").encode()
+        return await etcd.recreate(Layout(config.prefix).store(node_id), record, lease)
+
+    return etcd_read(config, go)
+
+
+def store_owner(config, node_id: str) -> str | None:
+    return StoreRecord.decode(etcd_keys(config)[f"stores/{node_id}"].value).owner
+
+
+def test_a_store_node_id_belongs_to_its_first_publisher_on_every_replica(
+    etcd_config, replicas, clients
+):
+    """Before: a node id belonged to whoever first published as it *on each
+    replica*, so a rogue could take it on a replica the store had not reached yet.
+    Now the first publisher is written into the store's etcd value."""
+    node, rogue, admin = clients["node-a"], clients["rogue"], clients[ADMIN]
+    gen = register_store(etcd_config, "node-a")
+    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    assert store_owner(etcd_config, "node-a") is None
+    stored = [StoreEvent("stored", NS, [1, 2], "node-a")]
+    assert node[0].publish(stored, "node-a", gen).applied == 1
+    assert store_owner(etcd_config, "node-a") == "node-a"
+    poison = [StoreEvent("stored", NS, [1, 2, 3, 4], "node-a")]
+    for i in (1, 0):  # replica 1 has not seen node-a publish: it still knows
+        err = refused(rogue[i].publish, poison, "node-a", gen)
+        assert err.code is Code.PERMISSION_DENIED and "node-a" in err.message
+    for i in (0, 1):
+        if i == 1:
+            assert node[1].publish(stored, "node-a", gen).applied == 1
+        assert [p.prefix_blocks for p in node[i].query_prefix(NS, [1, 2, 3, 4])] == [2]
+    assert admin[1].publish([], "node-a", gen).applied == 0  # an admin may
+    # the store registers again: a new generation starts unclaimed
+    gen2 = register_store(etcd_config, "node-a")
+    wait_until(lambda: replicas[1].call(replicas[1].router.peer_generations) == {"node-a": gen2})
+    assert store_owner(etcd_config, "node-a") is None
+
+
+def test_two_publishers_racing_through_two_replicas_have_one_winner(etcd_config, replicas, clients):
+    gen = register_store(etcd_config, "node-a")
+    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    outcomes: dict[str, str] = {}
+
+    def publish(cn: str, i: int) -> None:
+        try:
+            clients[cn][i].publish([], "node-a", gen)
+            outcomes[cn] = "ok"
+        except KVError as exc:
+            outcomes[cn] = exc.code.name
+
+    threads = [
+        threading.Thread(target=publish, args=("node-a", 0)),
+        threading.Thread(target=publish, args=("rogue", 1)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    winner = store_owner(etcd_config, "node-a")
+    loser = "rogue" if winner == "node-a" else "node-a"
+    assert outcomes == {winner: "ok", loser: "PERMISSION_DENIED"}
+
+
+def test_a_card_naming_a_foreign_event_endpoint_is_refused_before_etcd(
+    etcd_config, replicas, clients
+):
+    err = refused(
+        clients["tenant-a"][1].register_worker,
+        "w0",
+        card(kv_events_endpoint="tcp://10.0.0.9:5557"),
+    )
+    assert err.code is Code.PERMISSION_DENIED and "card.kv_events_endpoint" in err.message
+    assert not any(k.startswith(("workers/", "worksets/")) for k in etcd_keys(etcd_config))
