@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.store.block import Block, BlockShape, Key, slot_mask
+from kvstore.store.block import Block, BlockShape, Key, slot_mask, unallocated
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
@@ -92,6 +92,17 @@ class IndexStats:
     leases: int = 0  # leases clients hold by id
     evictions: int = 0
     pinned_blocks: int = 0  # held by a load, a lease or a peer's fetch right now
+
+
+def _place(blocks: list[Block], cells: np.ndarray, grid: np.ndarray) -> None:
+    """Write row i of ``grid`` into ``cells`` of block i's offsets: through a slice
+    (per block cheaper than a fancy index) when the cells are evenly spaced."""
+    step = int(cells[1] - cells[0]) if len(cells) > 1 else 1
+    where: slice | np.ndarray = cells
+    if step > 0 and bool(np.all(np.diff(cells) == step)):
+        where = slice(int(cells[0]), int(cells[-1]) + 1, step)
+    for row, block in zip(grid, blocks, strict=True):
+        block.offsets[where] = row
 
 
 class BlockIndex:
@@ -168,10 +179,12 @@ class BlockIndex:
         already claimed there, allocating them (evicting as needed). All or nothing."""
         mask = slot_mask(slots)
         blocks, picked = [], []
+        known, now = self.blocks.get, time.monotonic()
+        slot_bytes, tp_size = shape.slot_bytes, shape.tp_size
         for i, h in enumerate(hashes):
-            block = self.blocks.get((namespace, h))
+            block = known((namespace, h))
             if block is None:
-                block = Block((namespace, h), shape.slot_bytes, shape.tp_size)
+                block = Block((namespace, h), slot_bytes, tp_size, created=now)
             elif block.sealed or block.claimed & mask:
                 continue
             blocks.append(block)
@@ -181,11 +194,16 @@ class BlockIndex:
             return claim
         self._allocate(blocks, slots, by.device)
         mine = self._writers.setdefault(by.session, set())
+        session, index = by.session, self.blocks
+        placed: dict[tuple, tuple] = {}  # devices before -> after: one tuple per kind of block
         for block in blocks:
             block.claimed |= mask
-            block.devices[by.tp_rank] = by.device
-            block.writers.add(by.session)
-            self.blocks.setdefault(block.key, block)
+            devices = placed.get(block.devices)
+            if devices is None:
+                devices = placed[block.devices] = block.placed(by.tp_rank, by.device)
+            block.devices = devices
+            block.writers += (session,)
+            index.setdefault(block.key, block)
             mine.add(block.key)
         return claim
 
@@ -194,8 +212,9 @@ class BlockIndex:
         alive = claim.writer.session in self._writers
         mask = claim.mask
         written, sealed = 0, []
+        known = self.blocks.get
         for block in claim.blocks:
-            if self.blocks.get(block.key) is not block:
+            if known(block.key) is not block:
                 continue  # dropped while the bytes moved (writer left, or gone stale)
             if not alive:
                 self._drop(block)
@@ -227,7 +246,7 @@ class BlockIndex:
 
     def addresses(self, blocks: list[Block], slots: np.ndarray, device: str) -> np.ndarray:
         """Address of ``slots`` of each block in ``device``'s pool, (slots, blocks)."""
-        offsets = np.stack([b.offsets[slots] for b in blocks], axis=1)
+        offsets = np.stack([b.offsets for b in blocks])[:, slots].T  # one gather for all
         return (self._pools[device].base + offsets).astype(np.uint64)
 
     # ------------------------------------------------------------------- pins
@@ -271,14 +290,18 @@ class BlockIndex:
     ) -> list[Block]:
         """Blocks with every slot allocated (tp_rank r's on ``devices[r]``) but kept
         out of the index until :meth:`adopt`; :meth:`discard` frees them."""
-        blocks = [Block((namespace, h), shape.slot_bytes, shape.tp_size) for h in hashes]
+        now = time.monotonic()
+        blocks = [
+            Block((namespace, h), shape.slot_bytes, shape.tp_size, created=now) for h in hashes
+        ]
         try:
             for tp_rank, device in enumerate(devices):
                 self._allocate(
                     blocks, np.arange(tp_rank, len(shape.slot_bytes), shape.tp_size), device
                 )
+                placed = blocks[0].placed(tp_rank, device)
                 for block in blocks:
-                    block.devices[tp_rank] = device
+                    block.devices = placed
         except BaseException:
             self.discard(blocks)
             raise
@@ -321,8 +344,7 @@ class BlockIndex:
             if b.pins == 0 and (namespace is None or b.key[0] == namespace)
         ]
         namespaces = {namespace} if namespace else {b.key[0] for b in self._lru.values()}
-        for block in victims:
-            self._drop(block)
+        self._remove_sealed(victims)
         for ns in sorted(namespaces):  # one event per namespace: routers index per namespace
             self._emit(CLEARED, ns, [])
         return len(victims)
@@ -330,31 +352,41 @@ class BlockIndex:
     def _seal(self, blocks: list[Block]) -> None:
         """Make blocks visible; one STORED event per namespace for the lot."""
         stored: dict[str, list[int]] = {}
+        writers, lru = self._writers, self._lru
         for block in blocks:
             block.sealed = True
+            key = block.key
             for session in block.writers:
-                self._writers.get(session, set()).discard(block.key)
-            block.writers.clear()
-            self._lru[block.key] = block
-            stored.setdefault(block.key[0], []).append(block.block_hash)
+                mine = writers.get(session)
+                if mine is not None:
+                    mine.discard(key)
+            block.writers = ()
+            lru[key] = block
+            hashes = stored.get(key[0])
+            if hashes is None:
+                hashes = stored[key[0]] = []
+            hashes.append(key[1])
         for namespace, hashes in stored.items():
             self._emit(STORED, namespace, hashes)
 
     def _allocate(self, blocks: list[Block], slots: np.ndarray, device: str) -> None:
         """Give ``slots`` of every block an offset in ``device``'s pool, evicting LRU
-        blocks as needed. All or nothing: on failure every offset taken is returned."""
+        blocks as needed. All or nothing: on failure every offset taken is returned.
+
+        Slots are laid out block after block, each block's in ascending slot index
+        (layer id major, whatever order the caller registered its layers in): the
+        order a peer reads them (kvstore.transfer: transfer order with lanes =
+        tp_size), so a served block's slots of one size lie in one run."""
         pool = self._pools[device]
+        slots = np.sort(slots)
         sizes = blocks[0].slot_bytes[slots]
         taken: list[tuple[int, np.ndarray]] = []
         try:
             for size in np.unique(sizes).tolist():
-                where = np.nonzero(sizes == size)[0]
-                offsets = self._alloc_or_evict(pool, size, len(where) * len(blocks))
+                cells = slots[sizes == size]
+                offsets = self._alloc_or_evict(pool, size, len(cells) * len(blocks))
                 taken.append((size, offsets))
-                grid = offsets.reshape(len(blocks), len(where))
-                cells = slots[where]
-                for row, block in enumerate(blocks):
-                    block.offsets[cells] = grid[row]
+                _place(blocks, cells, offsets.reshape(len(blocks), len(cells)))
         except BaseException:
             for size, offsets in taken:
                 pool.free(size, offsets)
@@ -365,8 +397,8 @@ class BlockIndex:
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
         """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction)."""
         if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
-            lru = list(self._lru.values())
-            self._evict(same_size_victims(lru, pool, size, pool.shortfall(size, count)))
+            need = pool.shortfall(size, count)
+            self._evict(same_size_victims(self._lru.values(), pool, size, need))
             tried: set[int] = set()
             while not pool.can_alloc(size, count):
                 others = (b for b in self.blocks.values() if not b.sealed)
@@ -386,30 +418,44 @@ class BlockIndex:
 
     def _evict(self, blocks: list[Block]) -> None:
         """Drop unpinned sealed blocks: one free per slot size, one event per namespace."""
-        removed: dict[str, list[int]] = {}
-        frees = SlotFrees()
-        for block in blocks:
-            self._drop(block, frees)
-            removed.setdefault(block.key[0], []).append(block.key[1])
-        frees.apply(self._pools)
+        if not blocks:
+            return
+        removed = self._remove_sealed(blocks)
         self._evictions += len(blocks)
         for namespace, hashes in removed.items():
             self._emit(REMOVED, namespace, hashes)
 
-    def _drop(self, block: Block, frees: SlotFrees | None = None) -> None:
-        """Forget a block and free every slot it holds (detached ones too), at once
-        or, with ``frees``, when the caller applies them."""
+    def _remove_sealed(self, blocks: list[Block]) -> dict[str, list[int]]:
+        """Forget sealed blocks (they have no writers) and free their slots in one
+        batch; the hashes removed, by namespace."""
+        removed: dict[str, list[int]] = {}
+        index, lru = self.blocks, self._lru
+        for block in blocks:
+            key = block.key
+            del index[key]
+            del lru[key]
+            hashes = removed.get(key[0])
+            if hashes is None:
+                hashes = removed[key[0]] = []
+            hashes.append(key[1])
+        frees = SlotFrees()
+        frees.add(blocks)
+        frees.apply(self._pools)
+        for block in blocks:  # read-only: a stale use of a removed block fails loudly
+            block.offsets = unallocated(len(block.offsets))
+        return removed
+
+    def _drop(self, block: Block) -> None:
+        """Forget a block and free every slot it holds (detached ones too)."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
             self._lru.pop(block.key, None)
         for session in block.writers:
             self._writers.get(session, set()).discard(block.key)
-        now = frees is None
-        frees = SlotFrees() if now else frees
-        frees.add(block)
+        frees = SlotFrees()
+        frees.add([block])
+        frees.apply(self._pools)
         block.offsets[:] = -1
-        if now:
-            frees.apply(self._pools)
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:
         self._seq += 1

@@ -27,14 +27,17 @@ from kvstore.store.block import Block
 from kvstore.store.pool import SlotPool, round_size
 
 
+def rank_slots(block: Block, device: str) -> np.ndarray:
+    """Indices of the slots of the block's ranks whose memory is on ``device``."""
+    here = [d == device for d in block.devices]
+    if all(here):  # every rank here: the common case
+        return np.arange(len(block.slot_bytes))
+    return np.flatnonzero(np.array(here)[np.arange(len(block.slot_bytes)) % block.tp_size])
+
+
 def slots_on(block: Block, device: str) -> np.ndarray:
     """Indices of the block's allocated slots that live on ``device``."""
-    ranks = [r for r, d in enumerate(block.devices) if d == device]
-    if len(ranks) == block.tp_size:  # every rank here: the common case, one pass
-        return np.flatnonzero(block.offsets >= 0)
-    if not ranks:
-        return np.zeros(0, dtype=np.int64)
-    idx = np.concatenate([np.arange(r, len(block.offsets), block.tp_size) for r in ranks])
+    idx = rank_slots(block, device)
     return idx[block.offsets[idx] >= 0]
 
 
@@ -42,22 +45,22 @@ def same_size_victims(lru: Iterable[Block], pool: SlotPool, nbytes: int, need: i
     """The oldest unpinned blocks holding slots of ``nbytes`` (rounded) in ``pool``,
     just enough of them to free ``need`` such slots (fewer when there are not)."""
     size, device = round_size(nbytes), pool.device
-    counts: dict[tuple[int, tuple], int] = {}  # (slot sizes, ranks here) -> slots of size
+    counts: dict[tuple, int] = {}  # (slot sizes, devices) -> slots of size on device
     out: list[Block] = []
     freed = 0
     for block in lru:
         if freed >= need:
             break
-        if block.pins or device not in block.devices:
+        if block.pins:
             continue
-        key = (id(block.slot_bytes), tuple(d == device for d in block.devices))
-        if key not in counts:
-            counts[key] = int(
-                np.count_nonzero(round_size(block.slot_bytes[slots_on(block, device)]) == size)
-            )
-        if counts[key]:
+        key = (id(block.slot_bytes), block.devices)
+        count = counts.get(key)
+        if count is None:
+            idx = rank_slots(block, device)
+            count = counts[key] = int(np.count_nonzero(round_size(block.slot_bytes[idx]) == size))
+        if count:
             out.append(block)
-            freed += counts[key]
+            freed += count
     return out
 
 
@@ -97,26 +100,34 @@ def _slabs_of(pool: SlotPool, block: Block) -> set[int]:
 
 class SlotFrees:
     """Slots of dropped blocks, gathered by (device, size) so each pool frees them
-    in one call: evicting a thousand blocks is then a few numpy calls, not a
-    thousand."""
+    in one call. Blocks of one layout are gathered together (one stacked offsets
+    array), so evicting a thousand blocks is a few numpy calls, not a thousand."""
 
     def __init__(self) -> None:
         self._offsets: dict[tuple[str, int], list[np.ndarray]] = {}
 
-    def add(self, block: Block) -> None:
-        """Take note of every allocated slot of ``block`` (read before it is reset)."""
-        for device in {d for d in block.devices if d is not None}:
-            idx = slots_on(block, device)
-            if not len(idx):
-                continue
-            sizes = block.slot_bytes[idx]
+    def add(self, blocks: list[Block]) -> None:
+        """Take note of every allocated slot of ``blocks`` (read before they are reset)."""
+        groups: dict[tuple, list[Block]] = {}  # blocks alike: same slot sizes and devices
+        for block in blocks:
+            groups.setdefault((id(block.slot_bytes), block.devices), []).append(block)
+        for group in groups.values():
+            self._add_alike(group)
+
+    def _add_alike(self, group: list[Block]) -> None:
+        first = group[0]
+        offsets = np.stack([b.offsets for b in group])  # (blocks, slots)
+        for device in {d for d in first.devices if d is not None}:
+            idx = rank_slots(first, device)
+            sizes = first.slot_bytes[idx]
             uniform = bool((sizes == sizes[0]).all())
             for size in [int(sizes[0])] if uniform else np.unique(sizes).tolist():
-                self._offsets.setdefault((device, size), []).append(
-                    block.offsets[idx[sizes == size]]
-                )
+                cells = offsets[:, idx if uniform else idx[sizes == size]].ravel()
+                self._offsets.setdefault((device, size), []).append(cells[cells >= 0])
 
     def apply(self, pools: dict[str, SlotPool]) -> None:
         for (device, size), offsets in self._offsets.items():
-            pools[device].free(size, np.concatenate(offsets))
+            freed = np.concatenate(offsets)
+            if len(freed):
+                pools[device].free(size, freed)
         self._offsets.clear()
