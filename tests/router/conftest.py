@@ -17,6 +17,7 @@ import pytest
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router, RouterConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter
+from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card import WorkerCard
 
 BASE = WorkerCard(
@@ -53,9 +54,15 @@ class Clock:
 
 
 class ServerThread:
-    def __init__(self, router: Router, feeds: FeedSpecs | None = None):
+    """A router served on 127.0.0.1 (free port) on its own event loop; plaintext,
+    or mutual TLS with ``security``."""
+
+    def __init__(
+        self, router: Router, feeds: FeedSpecs | None = None, security: Security = PLAINTEXT
+    ):
         self.router = router
         self.served = ServedRouter(router, feeds)
+        self.security = security
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -70,8 +77,8 @@ class ServerThread:
 
     async def _serve(self) -> None:
         self.server = grpc.aio.server()
-        self.served.start(self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.served.start(self.server, self.security)
+        self.port = self.security.bind(self.server, "127.0.0.1:0")
         await self.server.start()
         self._stop = asyncio.Event()
         self._ready.set()

@@ -16,10 +16,8 @@ from kvstore.cli.router import add_router_arguments, build_served_router
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.endpoints import EndpointAllowList
-from kvstore.service.tls import Security
 from kvstore.wire.errors import Code, KVError
-from tests.router.conftest import card
-from tests.security.conftest import TlsRouterThread
+from tests.router.conftest import ServerThread, card
 
 FIELD = "card.kv_events_endpoint"
 
@@ -135,7 +133,7 @@ def test_the_core_refuses_the_card_and_nothing_changes():
 
 @pytest.fixture
 def plain_router():
-    r = TlsRouterThread(Security())  # plaintext on loopback, the default allow-list
+    r = ServerThread(Router(RouterConfig()))  # plaintext on loopback, the default allow-list
     yield r
     r.stop()
 
