@@ -10,6 +10,7 @@ temporary folder and fails when the committed copies are stale.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,20 +20,24 @@ OUT_DIR = Path(__file__).resolve().parent / "_proto"
 
 
 def generate(out_dir: Path = OUT_DIR) -> list[Path]:
-    """Run protoc on every proto file; return the generated files."""
-    from grpc_tools import protoc  # dev dependency, only needed here
+    """Run protoc on every proto file; return the generated files.
 
+    protoc runs in a child process (grpcio-tools, a dev dependency): its bundled
+    protobuf and abseil must not share a process with NIXL's, which aborts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.name) for p in PROTO_DIR.glob("*.proto"))
     args = [
-        "protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{PROTO_DIR}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         *protos,
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {protos}")
+    run = subprocess.run(args, capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"protoc failed on {protos}: {run.stderr.strip()}")
     generated = sorted(out_dir.glob("*_pb2*.py"))
     for path in generated:
         _make_imports_relative(path)
