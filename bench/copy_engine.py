@@ -6,15 +6,26 @@
 
 For each layout, slot size (one layer of one block) and block count, a request
 moves `num_blocks` random blocks of `num_layers` layers between a paged cache
-and randomly placed slots of a pool. The ceiling is measured in the same run
-on the same device, interleaved with the copier so drift hits both alike: per
-repeat, the faster of one contiguous torch ``copy_`` of the same bytes and the
-copier's own routine given those bytes as ONE piece (same threads, same
-streaming stores). The ratio is taken per repeat and reported as its median
-and p10/p90. After timing, every config is verified against the torch oracle:
-random bytes saved land in their slots exactly, and loaded into a zeroed cache
-they come back whole. Results go to bench/results/copy.json and copy.png; rows
-of other devices already in the JSON are kept.
+and randomly placed slots of a pool, through the copier's blocks path
+(``save_blocks``/``load_blocks``: a RegionTable built once, per request only
+block ids and slot addresses) and, in the same interleaving, through the older
+pieces path (``plan()`` + ``save(pieces)``, which sorts every piece). The
+ceiling is measured in the same run on the same device, interleaved with the
+copier so drift hits both alike: per repeat, the faster of one contiguous torch
+``copy_`` of the same bytes and the copier's own routine given those bytes as
+ONE piece (same threads, same streaming stores). The ratio is taken per repeat
+and reported as its median and p10/p90. On a GPU every op is timed with CUDA
+events on the stream (GPU time), after a warm-up of the device, and the host
+time of each call (enqueue only) is reported next to it.
+
+Section "plan" (host): the host-side cost of one call before any byte moves,
+per call and per block, old (plan + overlap sort + table) against new
+(O(blocks) checks of the blocks path), interleaved, p10/p50/p90.
+
+After timing, every config is verified against the torch oracle on both
+paths: random bytes saved land in their slots exactly, and loaded into a
+zeroed cache they come back whole. Results go to bench/results/copy.json and copy.png; rows
+of other devices, and of sections not run, already in the JSON are kept.
 
 Sections are separate functions selected with --sections; an end-to-end gRPC
 measurement (bench_e2e) can be registered in SECTIONS next to "copy".
@@ -37,7 +48,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.copy import HostCopier, Pieces, copier_for, plan, region_from_tensor
+from kvstore.copy import (
+    HostCopier,
+    LayerRegion,
+    Pieces,
+    RegionTable,
+    copier_for,
+    plan,
+    region_from_tensor,
+)
 from kvstore.copy.testing import reference_gather
 from kvstore.wire.kv_layout import KINDS
 
@@ -133,6 +152,8 @@ class Request:
     tensors: list[torch.Tensor]
     block_ids: np.ndarray
     order: np.ndarray  # (layers, blocks): slot index in the pool of each block's layer
+    table: RegionTable  # the layers, derived once (what a registration keeps)
+    slots: np.ndarray  # (layers, blocks) uint64 slot addresses
 
 
 def request(cfg: Config, bufs: Buffers, rng: np.random.Generator) -> Request:
@@ -149,24 +170,40 @@ def request(cfg: Config, bufs: Buffers, rng: np.random.Generator) -> Request:
     slots = (bufs.pool.data_ptr() + order * cfg.slot_bytes).astype(np.uint64)
     start = time.perf_counter()
     pieces = plan(regions, ids, slots)
-    return Request(pieces, (time.perf_counter() - start) * 1e3, tensors, ids, order)
+    plan_ms = (time.perf_counter() - start) * 1e3
+    return Request(pieces, plan_ms, tensors, ids, order, RegionTable(regions), slots)
 
 
 def verify(cfg: Config, req: Request, bufs: Buffers, copier, stream_kw: dict) -> None:
+    """Both paths moved the right bytes (see verify_path)."""
+    blocks = {
+        "save": lambda: copier.save_blocks(req.table, req.block_ids, req.slots, **stream_kw),
+        "load": lambda: copier.load_blocks(req.table, req.block_ids, req.slots, **stream_kw),
+    }
+    pieces = {
+        "save": lambda: copier.save(req.pieces, **stream_kw),
+        "load": lambda: copier.load(req.pieces, **stream_kw),
+    }
+    for ops in (blocks, pieces):
+        verify_path(cfg, req, bufs, ops)
+
+
+def verify_path(cfg: Config, req: Request, bufs: Buffers, ops: dict) -> None:
     """The timed work moved the right bytes: random blocks saved land in their slots
     exactly (torch oracle), and loaded back into a zeroed cache they are whole again."""
     used = cfg.slot_bytes * cfg.num_blocks * bufs.cache_factor * cfg.num_layers
     bufs.paged[:used].random_(0, 256)
     kinds = [cfg.layout] * cfg.num_layers
     expected = reference_gather(req.tensors, kinds, req.block_ids)
-    copier.save(req.pieces, **stream_kw)
+    bufs.pool[: cfg.total_bytes].zero_()
+    ops["save"]()
     _sync(cfg, bufs)
     slots = bufs.pool[: cfg.total_bytes].view(-1, cfg.slot_bytes)
     for layer, image in enumerate(expected):
         if not torch.equal(slots[torch.as_tensor(req.order[layer])], image):
             raise AssertionError(f"{cfg}: save moved wrong bytes (layer {layer})")
     bufs.paged[:used].zero_()
-    copier.load(req.pieces, **stream_kw)
+    ops["load"]()
     _sync(cfg, bufs)
     back = reference_gather(req.tensors, kinds, req.block_ids)
     if not all(torch.equal(a, b) for a, b in zip(back, expected, strict=True)):
@@ -182,18 +219,23 @@ def _sync(cfg: Config, bufs: Buffers) -> None:
 
 
 class Timer:
-    """Wall time of one op, every op starting from the same machine state.
+    """Time of one op, every op starting from the same machine state.
 
     On the host, the previous op's dirty cache lines would be written back
     during the next op and bill it (a torch copy leaves up to a last-level
     cache of them; streaming stores leave none), and torch's OpenMP threads
     spin for a while after a parallel copy. So before each op this reads a
-    buffer twice the last-level cache, untimed. On a GPU it synchronises.
+    buffer twice the last-level cache, untimed; the time is wall time. On a GPU
+    it synchronises first, and the time is GPU time between two CUDA events
+    recorded on torch's current stream around the op (the copier's work is
+    ordered inside them); `host_s` keeps the host time of the call itself
+    (the enqueue), for the host-side cost.
     """
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
         self._scratch = None if self.cuda else np.ones(2 * _llc_bytes() // 8, dtype=np.uint64)
+        self.host_s = 0.0
 
     def settle(self) -> None:
         if self.cuda:
@@ -203,11 +245,19 @@ class Timer:
 
     def __call__(self, fn: Callable[[], object]) -> float:
         self.settle()
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            self.host_s = time.perf_counter() - start
+            return self.host_s
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         start = time.perf_counter()
         fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        self.host_s = time.perf_counter() - start
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
 
 def _llc_bytes() -> int:
@@ -222,15 +272,19 @@ def _llc_bytes() -> int:
 
 def measure(ops: dict[str, Callable[[], object]], timer: Timer, warmup: int, repeats: int,
             rng: np.random.Generator) -> dict[str, list[float]]:  # fmt: skip
-    """Seconds of every repeat per op; ops interleaved in a fresh random order each repeat."""
+    """Seconds of every repeat per op; ops interleaved in a fresh random order each repeat.
+
+    Each op's host seconds (Timer.host_s) come back under "<op>/host".
+    """
     names = list(ops)
     for _ in range(warmup):
         for name in names:
             timer(ops[name])
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[str, list[float]] = {k: [] for name in names for k in (name, f"{name}/host")}
     for _ in range(repeats):
         for name in rng.permutation(names):
             samples[name].append(timer(ops[name]))
+            samples[f"{name}/host"].append(timer.host_s)
     return samples
 
 
@@ -258,6 +312,10 @@ def bench_copy(args: argparse.Namespace) -> tuple[list[dict], dict]:
     timer = Timer(args.device)
     stream_kw = _cuda_stream_kwargs(args.device)
     bufs = Buffers(profile.total_bytes, args.device)
+    if timer.cuda:  # a cold GPU runs its first copies at half speed: warm it first
+        for _ in range(20):
+            bufs.dst.copy_(bufs.src)
+        torch.cuda.synchronize()
     rng = np.random.default_rng(0)
     rows = []
     for cfg in _progress(configs(profile), args):
@@ -269,7 +327,7 @@ def bench_copy(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 
 def _copy_rows(cfg, req, bufs, copier, timer, profile, rng, stream_kw, device) -> list[dict]:
-    """Time save and load against both ceilings, interleaved; one row per op.
+    """Time save and load (blocks path and pieces path) against the ceiling, interleaved.
 
     The ceiling is the fastest way to move the same bytes on the device: the
     faster (per repeat) of one torch ``copy_`` and the copier's own routine given
@@ -282,12 +340,15 @@ def _copy_rows(cfg, req, bufs, copier, timer, profile, rng, stream_kw, device) -
         slot_addr=np.array([dst.data_ptr()], dtype=np.uint64),
         nbytes=np.array([n], dtype=np.uint64),
     )
+    table, ids, slots = req.table, req.block_ids, req.slots
     times = measure(
         {
             "torch_copy": lambda: dst.copy_(src),
             "one_range": lambda: copier.save(one, **stream_kw),
-            "save": lambda: copier.save(req.pieces, **stream_kw),
-            "load": lambda: copier.load(req.pieces, **stream_kw),
+            "save": lambda: copier.save_blocks(table, ids, slots, **stream_kw),
+            "load": lambda: copier.load_blocks(table, ids, slots, **stream_kw),
+            "save_pieces": lambda: copier.save(plan(req.table.regions, ids, slots), **stream_kw),
+            "load_pieces": lambda: copier.load(plan(req.table.regions, ids, slots), **stream_kw),
         },
         timer,
         profile.warmup,
@@ -295,22 +356,95 @@ def _copy_rows(cfg, req, bufs, copier, timer, profile, rng, stream_kw, device) -
         rng,
     )
     ceiling = [min(a, b) for a, b in zip(times["torch_copy"], times["one_range"], strict=True)]
-    gbps = {op: n / statistics.median(t) / 1e9 for op, t in times.items()}
+    gbps = {op: n / statistics.median(t) / 1e9 for op, t in times.items() if "/" not in op}
     rows = []
     for op in ("save", "load"):
         ratios = [c / t for c, t in zip(ceiling, times[op], strict=True)]  # same repeat
+        old = [c / t for c, t in zip(ceiling, times[f"{op}_pieces"], strict=True)]
         rows.append({
             "section": "copy", "device": device, "layout": cfg.layout,
             "slot_bytes": cfg.slot_bytes, "num_blocks": cfg.num_blocks,
             "num_layers": cfg.num_layers, "total_bytes": n, "pieces": len(req.pieces),
-            "op": op, "gbps": round(gbps[op], 3),
+            "op": op, "path": "blocks", "gbps": round(gbps[op], 3),
             "ceiling_gbps": round(n / statistics.median(ceiling) / 1e9, 3),
             "torch_copy_gbps": round(gbps["torch_copy"], 3),
             "one_range_gbps": round(gbps["one_range"], 3),
             "ratio": round(statistics.median(ratios), 3), "ratio_p10_p50_p90": spread(ratios),
+            "pieces_path_gbps": round(gbps[f"{op}_pieces"], 3),
+            "pieces_path_ratio": round(statistics.median(old), 3),
+            "pieces_path_ratio_p10_p50_p90": spread(old),
+            "host_us_p10_p50_p90": spread([t * 1e6 for t in times[f"{op}/host"]]),
+            "pieces_path_host_us_p10_p50_p90": spread(
+                [t * 1e6 for t in times[f"{op}_pieces/host"]]),
+            "timing": "cuda events" if timer.cuda else "wall",
             "plan_ms": round(req.plan_ms, 3), "verified": True,
         })  # fmt: skip
     return rows
+
+
+def bench_plan(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Host-side cost of one call before any byte moves: pieces path vs blocks path.
+
+    Old: plan() + HostCopier.prepare (overlap sort, thread split, table). New:
+    HostCopier.prepare_blocks (O(blocks) checks, byte split; the native helper
+    computes the pieces while it copies). Interleaved, `repeats` x 3 samples.
+    """
+    if args.device != "cpu":
+        return [], {"what": "host only: see host_us in the copy rows for the GPU's host side"}
+    profile = QUICK if args.quick else FULL
+    copier = HostCopier()
+    rng = np.random.default_rng(1)
+    rows = []
+    for cfg in configs(profile):
+        cache_blocks = cfg.num_blocks * 4  # as Buffers.cache_factor
+        layer_bytes = cfg.slot_bytes * cache_blocks
+        regions = [_region(i * layer_bytes, cfg, cache_blocks) for i in range(cfg.num_layers)]
+        table = RegionTable(regions)
+        ids = rng.choice(cache_blocks, size=cfg.num_blocks, replace=False)
+        order = rng.permutation(cfg.num_layers * cfg.num_blocks).reshape(cfg.num_layers, -1)
+        slots = (order * cfg.slot_bytes).astype(np.uint64)  # addresses only: nothing moves
+        for op in ("save", "load"):
+            ops = _plan_ops(copier, op, regions, table, ids, slots)
+            samples = _time_host(ops, 3 * profile.repeats, rng)
+            old, new = (spread([t * 1e6 for t in samples[k]]) for k in ("old", "new"))
+            rows.append({
+                "section": "plan", "device": "cpu", "layout": cfg.layout,
+                "slot_bytes": cfg.slot_bytes, "num_blocks": cfg.num_blocks,
+                "num_layers": cfg.num_layers, "op": op,
+                "pieces": len(plan(regions, ids, slots, merge=False)),
+                "old_us_p10_p50_p90": old, "new_us_p10_p50_p90": new,
+                "old_us_per_block": round(old[1] / cfg.num_blocks, 3),
+                "new_us_per_block": round(new[1] / cfg.num_blocks, 3),
+                "speedup": round(old[1] / new[1], 2),
+            })  # fmt: skip
+    return rows, {"what": "host-side planning per call (no bytes moved), us, p10/p50/p90"}
+
+
+def _plan_ops(copier, op, regions, table, ids, slots) -> dict[str, Callable[[], object]]:
+    return {
+        "old": lambda: copier.prepare(plan(regions, ids, slots), op),
+        "new": lambda: copier.prepare_blocks(table, ids, slots, op),
+    }
+
+
+def _region(base: int, cfg: Config, cache_blocks: int) -> LayerRegion:
+    """The region layer_tensor() would give for this config, without its memory."""
+    if cfg.layout == "kv_first":
+        seg = cfg.slot_bytes // 2
+        return LayerRegion(base, cache_blocks, 2, seg, seg, seg * cache_blocks)
+    return LayerRegion(base, cache_blocks, 1, cfg.slot_bytes, cfg.slot_bytes, 0)
+
+
+def _time_host(ops: dict[str, Callable[[], object]], repeats: int, rng) -> dict[str, list[float]]:
+    for fn in ops.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(repeats):
+        for name in rng.permutation(list(ops)):
+            start = time.perf_counter()
+            ops[name]()
+            samples[name].append(time.perf_counter() - start)
+    return samples
 
 
 def bench_e2e(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -322,6 +456,7 @@ def bench_e2e(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[list[dict], dict]]] = {
     "copy": bench_copy,
+    "plan": bench_plan,
     "e2e": bench_e2e,
 }
 
@@ -340,7 +475,8 @@ def _copier_meta(copier) -> dict:
         return {"kind": "host", "backend": copier.backend, "threads": copier.num_threads,
                 "streaming_min_bytes": copier.streaming_min_bytes}  # fmt: skip
     return {"kind": "cuda", "chunk_bytes": copier.chunk_bytes,
-            "threads_per_block": copier.threads_per_block}  # fmt: skip
+            "threads_per_block": copier.threads_per_block,
+            "blocks_grid": copier.occupancy_grid()}  # fmt: skip
 
 
 def _progress(items: list, args: argparse.Namespace):
@@ -390,12 +526,16 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def write_json(path: Path, device: str, meta: dict, rows: list[dict]) -> None:
-    """Replace this device's rows and metadata, keep other devices' results."""
+def write_json(path: Path, device: str, meta: dict, rows: list[dict], sections: list[str]) -> None:
+    """Replace this device's rows and metadata of the sections run; keep everything else."""
     old = json.loads(path.read_text()) if path.exists() else {}
-    runs = {k: v for k, v in old.get("runs", {}).items() if k != device}
-    kept = [r for r in old.get("rows", []) if r.get("device") != device]
-    doc = {"gbps_note": GBPS_NOTE, "runs": {**runs, device: meta}, "rows": kept + rows}
+    runs = dict(old.get("runs", {}))
+    runs[device] = {**{k: v for k, v in runs.get(device, {}).items() if k in SECTIONS}, **meta}
+    kept = [
+        r for r in old.get("rows", [])
+        if r.get("device") != device or r.get("section") not in sections
+    ]  # fmt: skip
+    doc = {"gbps_note": GBPS_NOTE, "runs": runs, "rows": kept + rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -467,15 +607,32 @@ def print_summary(rows: list[dict]) -> None:
             for r in rows
             if (r["device"], r["op"], r["slot_bytes"]) == (device, op, slot)
         ]
+        old = [
+            r["pieces_path_ratio"]
+            for r in rows
+            if (r["device"], r["op"], r["slot_bytes"]) == (device, op, slot)
+        ]
         print(f"  {device:<7}{op:<5}{_human(slot):>8}  median {statistics.median(ratios):.2f}"
-              f"  min {min(ratios):.2f}  max {max(ratios):.2f}")  # fmt: skip
+              f"  min {min(ratios):.2f}  max {max(ratios):.2f}"
+              f"   (pieces path median {statistics.median(old):.2f})")  # fmt: skip
+
+
+def print_plan_summary(rows: list[dict]) -> None:
+    """Host planning per call (median us) and per block, old vs new, by layout and slot size."""
+    if rows:
+        print("host planning per call, p50 us (us per block): pieces path -> blocks path")
+    for r in rows:
+        old, new = r["old_us_p10_p50_p90"][1], r["new_us_p10_p50_p90"][1]
+        print(f"  {r['layout']:<13}{_human(r['slot_bytes']):>8}{r['num_blocks']:>6} blk "
+              f"{r['num_layers']:>5} L {r['op']:<5}{old:>10.1f} ({r['old_us_per_block']:.2f})"
+              f" -> {new:>7.1f} ({r['new_us_per_block']:.3f})  x{r['speedup']}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sweep, under a minute on 2 cores")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--sections", default="copy,e2e", help=f"comma list of {sorted(SECTIONS)}")
+    p.add_argument("--sections", default="copy,plan,e2e", help=f"comma list of {sorted(SECTIONS)}")
     p.add_argument("--total-mib", type=int, default=0, help="override bytes per request")
     p.add_argument("--out", type=Path, default=RESULTS / "copy.json")
     p.add_argument("--no-progress", action="store_true")
@@ -507,7 +664,8 @@ def main(argv: list[str] | None = None) -> None:
     copy_rows = [r for r in rows if r.get("section") == "copy"]
     print_table(copy_rows)
     print_summary(copy_rows)
-    write_json(args.out, args.device, meta, rows)
+    print_plan_summary([r for r in rows if r.get("section") == "plan"])
+    write_json(args.out, args.device, meta, rows, args.sections.split(","))
     plot(args.out, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -52,13 +52,14 @@ run 60 nvcc -arch=sm_90 -Xptxas -v -c kernels/copy.cu -o /tmp/copy.o
 if [[ " $STEPS " == *" tests "* ]]; then
     step "GPU tests"
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 90 -rs \
-        tests/copy/test_copy.py tests/service/test_blocks_e2e.py tests/service/test_peer_fetch.py \
-        tests/copy/test_kernels_compile.py
+        tests/copy/test_copy.py tests/copy/test_cuda_blocks_host.py tests/service/test_blocks_e2e.py \
+        tests/service/test_peer_fetch.py tests/copy/test_kernels_compile.py
 fi
 
 if [[ " $STEPS " == *" copytests "* ]]; then
     step "GPU copy tests"
-    run 60 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 tests/copy/test_copy.py
+    run 60 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 tests/copy/test_copy.py \
+        tests/copy/test_cuda_blocks_host.py
 fi
 
 if [[ " $STEPS " == *" copy "* ]]; then

@@ -15,7 +15,7 @@ tokens, fp16: 4 KiB a slot):
 
 Per repeat, in a fresh random order, for each of 64, 256 and 1,024 blocks: a Save of
 new blocks into each server, and ``copier`` = what the server's copy does for that
-request (plan the pieces and copy them with the host copier, in this process, into
+request (the RegionTable blocks path of the host copier, in this process, into
 a scratch pool). Per block, the Python cost of the RPC path is
 ``(save_empty - copier) / blocks`` taken per repeat (same repeat, adjacent ops) and
 reported as p10/p50/p90; ``slope_us_per_block`` is the least-squares slope of the
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # the server subprocess imports kvstore from the working directory
 
 from kvstore.client.store_client import KVLayer, RankSession, StoreClient, kv_cache_shm  # noqa: E402
-from kvstore.copy import copier_for, plan, region_from_tensor  # noqa: E402
+from kvstore.copy import RegionTable, copier_for, region_from_tensor  # noqa: E402
 from kvstore.demo import free_port, start_server  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 1, 64, 16
@@ -120,10 +120,11 @@ def save(server: Server, keys: Keys, n: int) -> float:
 
 
 def copier_op(layers: list[KVLayer], n: int):
-    """The server's copy of an n-block Save (plan + host copier), into a scratch pool."""
+    """The server's copy of an n-block Save (the registration's RegionTable and the
+    host copier, as the store runs it), into a scratch pool."""
     copier = copier_for("cpu")
     pool = torch.zeros(LAYERS * n * SLOT, dtype=torch.uint8)
-    regions = [region_from_tensor(layer.tensor, "kv_first") for layer in layers]
+    table = RegionTable([region_from_tensor(layer.tensor, "kv_first") for layer in layers])
     addrs = pool.data_ptr() + np.arange(LAYERS * n, dtype=np.uint64).reshape(
         n, LAYERS
     ).T * np.uint64(SLOT)
@@ -131,7 +132,7 @@ def copier_op(layers: list[KVLayer], n: int):
 
     def op() -> float:
         t0 = time.perf_counter()
-        copier.save(plan(regions, ids, addrs))
+        copier.save_blocks(table, ids, addrs)
         return time.perf_counter() - t0
 
     op.pool = pool  # kept alive with the op
@@ -234,9 +235,10 @@ def main() -> None:
     doc = json.loads(out.read_text()) if out.exists() else {}
     doc.update({
         "benchmark": "Save RPC into a full (evicting) pool vs an empty one; Python cost per block",
-        "note": "ms = wall time of one Save RPC seen by the client; copier = plan + host copier "
-        "of the same pieces in-process; python_us_per_block = (save_empty - copier) / blocks per "
-        "repeat; full_over_empty per repeat; all ops interleaved in random order; bytes verified",
+        "note": "ms = wall time of one Save RPC seen by the client; copier = the host copier's "
+        "RegionTable blocks path on the same blocks in-process; python_us_per_block = "
+        "(save_empty - copier) / blocks per repeat; full_over_empty per repeat; all ops "
+        "interleaved in random order; bytes verified",
     })  # fmt: skip
     doc.setdefault("runs", {})[args.label] = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),

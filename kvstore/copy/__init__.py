@@ -1,9 +1,14 @@
 """Copy engine: move KV blocks between a worker's paged KV cache and store slots.
 
     regions = [region_from_tensor(t, "kv_first") for t in kv_caches]   # once, at registration
-    pieces = plan(regions, block_ids, slot_addrs)                        # per request
-    copier_for("cuda:0").save(pieces)                                    # paged -> slots
-    copier_for("cuda:0").load(pieces)                                    # slots -> paged
+    table = RegionTable(regions)                                         # once, at registration
+    copier_for("cuda:0").save_blocks(table, block_ids, slot_addrs)      # paged -> slots
+    copier_for("cuda:0").load_blocks(table, block_ids, slot_addrs)      # slots -> paged
+
+Per request only block ids and slot addresses travel, checked in O(blocks);
+the pieces are computed by the native helper / the kernel. The older path,
+`plan()` -> `Pieces` -> ``save(pieces)``/``load(pieces)``, still works and
+sorts the pieces to prove their destinations apart (docs/design.md §3).
 
 HostCopier (CPU) and CudaCopier (GPU) give byte-identical results; the torch
 reference in kvstore.copy.testing is the oracle both are tested against.
@@ -17,17 +22,21 @@ from kvstore.copy.cuda import CudaCopier
 from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
+from kvstore.copy.table import BlockArgs, RegionTable, region_table
 
 __all__ = [
+    "BlockArgs",
     "CudaCopier",
     "HostCopier",
     "LayerRegion",
     "MemoryFault",
     "Pieces",
+    "RegionTable",
     "copier_for",
     "merge_adjacent",
     "plan",
     "region_from_tensor",
+    "region_table",
     "split_pieces",
 ]
 

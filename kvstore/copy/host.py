@@ -26,13 +26,15 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvstore.copy.plan import Pieces, check_disjoint, split_pieces
+from kvstore.copy.table import BlockArgs, RegionTable
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +121,113 @@ int kvstore_copy_pieces(const uint64_t *src, const uint64_t *dst, const uint64_t
     guard = NULL;
     return 0;
 }
+
+/* One layer of a registration: the rows of kvstore/copy/table.py's descriptors. */
+typedef struct {
+    uint64_t base, block_stride, segment_stride, segment_bytes, segments, num_blocks;
+} kv_layer;
+
+/* A run of bytes adjacent on both sides, copied in one call once it stops growing. */
+typedef struct {
+    uint64_t src, dst, n;
+    int streaming;
+} kv_run;
+
+static void run_flush(kv_run *r) {
+    if (!r->n) return;
+    if (r->streaming)
+        copy_streaming((unsigned char *)(uintptr_t)r->dst, (const unsigned char *)(uintptr_t)r->src,
+                       (size_t)r->n);
+    else
+        memcpy((void *)(uintptr_t)r->dst, (const void *)(uintptr_t)r->src, (size_t)r->n);
+    r->n = 0;
+}
+
+static void run_add(kv_run *r, uint64_t src, uint64_t dst, uint64_t n) {
+    if (r->n && r->src + r->n == src && r->dst + r->n == dst) {
+        r->n += n;
+        return;
+    }
+    run_flush(r);
+    r->src = src;
+    r->dst = dst;
+    r->n = n;
+}
+
+/* Bytes [lo, hi) of a request laid out layer by layer, block by block, segment by
+   segment (plan.py's piece order), every piece's addresses computed here: ids[b]
+   is block b's id in the paged cache, slots[l * num_blocks + b] its slot of layer l.
+   save copies paged -> slot, else slot -> paged. Returns 0, or 1 on SIGBUS. */
+int kvstore_copy_blocks(const kv_layer *layers, size_t num_layers, const int64_t *ids,
+                        const uint64_t *slots, size_t num_blocks, uint64_t lo, uint64_t hi,
+                        int save, int streaming) {
+    sigjmp_buf env;
+    kv_run run = {0, 0, 0, streaming};
+    uint64_t pos = 0; /* request offset of the current layer's first byte */
+    if (sigsetjmp(env, 1)) return 1;
+    guard = &env;
+    for (size_t l = 0; l < num_layers && pos < hi; ++l) {
+        const kv_layer *L = &layers[l];
+        const uint64_t seg = L->segment_bytes, slot_bytes = L->segments * seg;
+        const uint64_t layer_end = pos + slot_bytes * num_blocks;
+        size_t b = lo > pos ? (size_t)((lo - pos) / slot_bytes) : 0;
+        for (; b < num_blocks && layer_end > lo; ++b) {
+            const uint64_t start = pos + b * slot_bytes;
+            if (start >= hi) break;
+            const uint64_t paged = L->base + (uint64_t)ids[b] * L->block_stride;
+            const uint64_t slot = slots[l * num_blocks + b];
+            for (uint64_t s = 0; s < L->segments; ++s) {
+                const uint64_t a = start + s * seg, e = a + seg;
+                const uint64_t from = a > lo ? a : lo, to = e < hi ? e : hi;
+                if (from >= to) continue;
+                const uint64_t p = paged + s * L->segment_stride + (from - a);
+                const uint64_t q = slot + s * seg + (from - a);
+                if (save) run_add(&run, p, q, to - from);
+                else run_add(&run, q, p, to - from);
+            }
+        }
+        pos = layer_end;
+    }
+    run_flush(&run);
+#if defined(__SSE2__)
+    if (streaming) _mm_sfence();
+#endif
+    guard = NULL;
+    return 0;
+}
 """
 
 BACKENDS = ("auto", "native", "python")
+SAVE = "save"  # paged cache -> slots
+LOAD = "load"  # slots -> paged cache
+SPLIT_ALIGN = 4096  # threads of a blocks copy start on multiples of this request offset
 
 # Run fn(table, lo, hi, streaming): copy rows [lo, hi) of a (3, n) uint64 table of
 # src, dst, nbytes; streaming asks for cache-bypassing stores (a hint).
 RangeCopy = Callable[[np.ndarray, int, int, bool], None]
+# Run fn(descriptors, args, lo, hi, save, streaming): copy bytes [lo, hi) of a blocks request.
+BlocksCopy = Callable[[np.ndarray, BlockArgs, int, int, bool, bool], None]
+
+
+@dataclass(frozen=True)
+class HostJob:
+    """One call's copy, planned: the bytes it moves and one share of the work per thread."""
+
+    nbytes: int
+    shares: tuple[Callable[[], None], ...]
 
 
 class HostCopier:
-    """Moves a plan's pieces between host memory ranges (CPU path).
+    """Moves a request's bytes between host memory ranges (CPU path).
 
-    save copies paged -> slot, load copies slot -> paged; both return the
-    bytes moved and finish before returning. `stream` is accepted and ignored
-    so host and CUDA copiers are interchangeable.
+    Two ways in (docs/design.md §3): ``save_blocks``/``load_blocks`` take a
+    `RegionTable` built once per registration plus the request's block ids and
+    slot addresses, check them in O(blocks) and let the native helper compute
+    every piece; ``save``/``load`` take planned `Pieces` and prove their
+    destinations apart by sorting them (the older path, kept for callers that
+    plan themselves). save copies paged -> slot, load slot -> paged; all return
+    the bytes moved and finish before returning. `stream` is accepted and
+    ignored so host and CUDA copiers are interchangeable.
 
     Requests of at least `parallel_min_bytes` are split over `num_threads`
     threads; requests of at least `streaming_min_bytes` use cache-bypassing
@@ -154,49 +248,126 @@ class HostCopier:
         self.parallel_min_bytes = parallel_min_bytes
         self.streaming_min_bytes = streaming_min_bytes
         self.check_overlap = check_overlap
-        self._range_copy, self.backend = _pick_backend(backend)
+        self._range_copy, self._blocks_copy, self.backend = _pick_backend(backend)
         self._pool: ThreadPoolExecutor | None = None
 
     def save(self, pieces: Pieces, stream: object | None = None) -> int:  # noqa: ARG002
         """Paged KV -> slots. ``stream`` is CudaCopier's; host copies are synchronous."""
-        return self._copy(pieces.paged_addr, pieces.slot_addr, pieces.nbytes, "slot")
+        return self.run(self.prepare(pieces, SAVE))
 
     def load(self, pieces: Pieces, stream: object | None = None) -> int:  # noqa: ARG002
         """Slots -> paged KV (see save)."""
-        return self._copy(pieces.slot_addr, pieces.paged_addr, pieces.nbytes, "paged")
+        return self.run(self.prepare(pieces, LOAD))
+
+    def save_blocks(
+        self,
+        table: RegionTable,
+        block_ids: Sequence[int] | np.ndarray,
+        slot_addrs: np.ndarray,
+        stream: object | None = None,  # noqa: ARG002
+        *,
+        wait: bool = True,  # noqa: ARG002
+    ) -> int:
+        """Paged KV -> slots for `block_ids`; `slot_addrs[l, i]` is block i's slot of layer l.
+
+        Raises KVError INVALID_ARGUMENT (nothing copied) for ids out of range or
+        repeated, or slots of the wrong shape. `stream` and `wait` are
+        CudaCopier's; a host copy is done when this returns.
+        """
+        return self.run(self.prepare_blocks(table, block_ids, slot_addrs, SAVE))
+
+    def load_blocks(
+        self,
+        table: RegionTable,
+        block_ids: Sequence[int] | np.ndarray,
+        slot_addrs: np.ndarray,
+        stream: object | None = None,  # noqa: ARG002
+        *,
+        wait: bool = True,  # noqa: ARG002
+    ) -> int:
+        """Slots -> paged KV (see save_blocks)."""
+        return self.run(self.prepare_blocks(table, block_ids, slot_addrs, LOAD))
+
+    def prepare(self, pieces: Pieces, op: str) -> HostJob:
+        """Plan a copy of `pieces` (the sorting path): the host-side cost before any byte moves."""
+        return self._prepare_pieces(pieces, op, check=self.check_overlap)
+
+    def _prepare_pieces(self, pieces: Pieces, op: str, *, check: bool) -> HostJob:
+        src, dst = _ends(pieces.paged_addr, pieces.slot_addr, op)
+        nbytes = pieces.nbytes
+        if len(nbytes) == 0:
+            return HostJob(0, ())
+        if check:
+            check_disjoint(dst, nbytes, "slot" if op == SAVE else "paged")
+        total = int(nbytes.sum(dtype=np.uint64))
+        threads, streaming = self._threads(total), total >= self.streaming_min_bytes
+        if threads > 1:  # cut big pieces so every thread gets a fair share
+            src, dst, nbytes = split_pieces(src, dst, nbytes, _share_bytes(total, threads))
+        rows = np.ascontiguousarray(np.stack([src, dst, nbytes]), dtype=np.uint64)
+        bounds = _balanced_bounds(nbytes, threads)
+        run = self._range_copy
+        shares = tuple(
+            functools.partial(run, rows, lo, hi, streaming)
+            for lo, hi in itertools.pairwise(bounds)
+            if hi > lo
+        )
+        return HostJob(total, shares)
+
+    def prepare_blocks(
+        self, table: RegionTable, block_ids: Sequence[int] | np.ndarray, slot_addrs: np.ndarray,
+        op: str,
+    ) -> HostJob:  # fmt: skip
+        """Plan a blocks copy in O(blocks): check the request, cut its bytes among threads."""
+        args = table.check(block_ids, slot_addrs)
+        if op == LOAD and not table.paged_disjoint:  # not proven apart: sort the pieces
+            return self.prepare(table.pieces(args), op)
+        total = args.num_blocks * table.bytes_per_block
+        if self._blocks_copy is None:  # no native helper: the same pieces, planned in numpy
+            return self._prepare_pieces(table.pieces(args), op, check=False)
+        if total == 0:
+            return HostJob(0, ())
+        streaming = total >= self.streaming_min_bytes
+        run = self._blocks_copy
+        shares = tuple(
+            functools.partial(run, table.descriptors, args, lo, hi, op == SAVE, streaming)
+            for lo, hi in itertools.pairwise(_byte_bounds(total, self._threads(total)))
+        )
+        return HostJob(total, shares)
+
+    def run(self, job: HostJob) -> int:
+        """Copy a planned job on the calling thread and the pool; returns its bytes."""
+        if not job.shares:
+            return job.nbytes
+        futures = [self._executor().submit(share) for share in job.shares[1:]]
+        try:
+            job.shares[0]()  # the calling thread takes the first share
+        finally:
+            wait(futures)  # no thread may still touch these bytes once this returns or raises
+        for f in futures:
+            f.result()
+        return job.nbytes
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, side: str) -> int:
-        if len(nbytes) == 0:
-            return 0
-        if self.check_overlap:
-            check_disjoint(dst, nbytes, side)
-        total = int(nbytes.sum(dtype=np.uint64))
-        threads = self.num_threads if total >= self.parallel_min_bytes else 1
-        streaming = total >= self.streaming_min_bytes
-        if threads > 1:  # cut big pieces so every thread gets a fair share
-            src, dst, nbytes = split_pieces(src, dst, nbytes, _share_bytes(total, threads))
-        table = np.ascontiguousarray(np.stack([src, dst, nbytes]), dtype=np.uint64)
-        bounds = _balanced_bounds(nbytes, threads)
-        ranges = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-        run = self._range_copy
-        futures = [self._executor().submit(run, table, lo, hi, streaming) for lo, hi in ranges[1:]]
-        try:
-            run(table, *ranges[0], streaming)  # the calling thread takes the first share
-        finally:
-            wait(futures)  # no thread may still touch these bytes once this returns or raises
-        for f in futures:
-            f.result()
-        return total
+    def _threads(self, total: int) -> int:
+        return self.num_threads if total >= self.parallel_min_bytes else 1
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kvstore-copy")
         return self._pool
+
+
+def _ends(paged: np.ndarray, slot: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) addresses of `op`."""
+    if op == SAVE:
+        return paged, slot
+    if op == LOAD:
+        return slot, paged
+    raise ValueError(f"op must be {SAVE!r} or {LOAD!r}, got {op!r}")
 
 
 def _share_bytes(total: int, threads: int) -> int:
@@ -215,14 +386,21 @@ def _balanced_bounds(nbytes: np.ndarray, parts: int) -> list[int]:
     return [0, *(int(c) for c in cuts), len(nbytes)]
 
 
-def _pick_backend(backend: str) -> tuple[RangeCopy, str]:
+def _byte_bounds(total: int, parts: int) -> list[int]:
+    """Request offsets cutting `total` bytes into `parts` about equal, aligned ranges."""
+    cuts = {total * k // parts // SPLIT_ALIGN * SPLIT_ALIGN for k in range(1, parts)}
+    return [0, *sorted(c for c in cuts if 0 < c < total), total]
+
+
+def _pick_backend(backend: str) -> tuple[RangeCopy, BlocksCopy | None, str]:
     if backend in ("auto", "native"):
         fn = native_copy_function()
-        if fn is not None:
-            return _native_range_copy(fn), "native"
+        blocks = native_blocks_function()
+        if fn is not None and blocks is not None:
+            return _native_range_copy(fn), _native_blocks_copy(blocks), "native"
         if backend == "native":
             raise RuntimeError("native host copy unavailable (no working C compiler)")
-    return _python_range_copy, "python"
+    return _python_range_copy, None, "python"
 
 
 def _python_range_copy(table: np.ndarray, lo: int, hi: int, streaming: bool) -> None:  # noqa: ARG001
@@ -247,9 +425,19 @@ def _native_range_copy(fn: Callable[..., int]) -> RangeCopy:
     return run
 
 
+def _native_blocks_copy(fn: Callable[..., int]) -> BlocksCopy:
+    def run(desc: np.ndarray, args: BlockArgs, lo: int, hi: int, save: bool, streaming: bool):
+        rc = fn(desc.ctypes.data, len(desc), args.ids.ctypes.data, args.slots.ctypes.data,
+                args.num_blocks, lo, hi, int(save), int(streaming))  # fmt: skip
+        if rc:
+            raise MemoryFault("a page under the copy vanished (its memory object shrank)")
+
+    return run
+
+
 @functools.cache
-def native_copy_function() -> Callable[..., int] | None:
-    """ctypes handle on kvstore_copy_pieces, building it on first use; None if it cannot be built.
+def _native_library() -> ctypes.CDLL | None:
+    """The compiled helper with its SIGBUS guard installed; None if it cannot be built.
 
     KVSTORE_NATIVE_COPY=0 disables it (forces the Python loop).
     """
@@ -263,8 +451,30 @@ def native_copy_function() -> Callable[..., int] | None:
     if lib.kvstore_guard_install() != 0:
         log.warning("kvstore: cannot install the SIGBUS guard; using a Python memmove loop")
         return None
+    return lib
+
+
+@functools.cache
+def native_copy_function() -> Callable[..., int] | None:
+    """ctypes handle on kvstore_copy_pieces (built on first use); None if it cannot be built."""
+    lib = _native_library()
+    if lib is None:
+        return None
     fn = lib.kvstore_copy_pieces
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def native_blocks_function() -> Callable[..., int] | None:
+    """ctypes handle on kvstore_copy_blocks (pieces computed in C); None without the helper."""
+    lib = _native_library()
+    if lib is None:
+        return None
+    fn = lib.kvstore_copy_blocks
+    ptr, size, u64, flag = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+    fn.argtypes = [ptr, size, ptr, ptr, size, u64, u64, flag, flag]
     fn.restype = ctypes.c_int
     return fn
 

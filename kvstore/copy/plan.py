@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,24 +61,45 @@ def plan(
         return Pieces(empty, empty.copy(), empty.copy())
     _check_block_ids(regions, ids)
 
-    geom = np.array(
-        [(r.base, r.block_stride, r.segment_stride, r.segment_bytes, r.segments) for r in regions],
-        dtype=U64,
-    ).T[:, :, None]  # 5 fields x layers x 1, broadcast over blocks
-    base, block_stride, segment_stride, segment_bytes, segments = geom
-    block_start = base + ids.astype(U64)[None, :] * block_stride  # (layers, blocks)
-    # rows in (layer, block, segment) order: segment 0 of a block, then its segment 1
-    paged = np.stack([block_start, block_start + segment_stride], axis=-1)
-    slot = np.stack([slots, slots + segment_bytes], axis=-1)
-    nbytes = np.broadcast_to(segment_bytes[..., None], paged.shape)
-    if (segments == 2).all():
-        pieces = Pieces(paged.ravel(), slot.ravel(), nbytes.ravel())
-    elif (segments == 1).all():
-        pieces = Pieces(paged[..., 0].ravel(), slot[..., 0].ravel(), nbytes[..., 0].ravel())
-    else:  # mixed: segment 1 of a 1-segment layer does not exist, mask it out
-        used = np.arange(2, dtype=U64) < np.broadcast_to(segments[..., None], paged.shape)
-        pieces = Pieces(paged[used], slot[used], nbytes[used])
+    pieces = pieces_of(layer_columns(regions), ids, slots)
     return merge_adjacent(pieces) if merge else pieces
+
+
+class LayerColumns(NamedTuple):
+    """The layers' geometry as uint64 columns of shape (layers, 1), broadcast over blocks."""
+
+    base: np.ndarray
+    block_stride: np.ndarray
+    segment_stride: np.ndarray
+    segment_bytes: np.ndarray
+    segments: np.ndarray
+
+
+def layer_columns(regions: Sequence[LayerRegion]) -> LayerColumns:
+    rows = [
+        (r.base, r.block_stride, r.segment_stride, r.segment_bytes, r.segments) for r in regions
+    ]
+    geom = np.array(rows, dtype=U64).reshape(len(rows), 5).T[:, :, None]
+    return LayerColumns(*geom)
+
+
+def pieces_of(cols: LayerColumns, ids: np.ndarray, slots: np.ndarray) -> Pieces:
+    """Unmerged pieces in (layer, block, segment) order; ids int64 in range, slots uint64."""
+    if len(cols.base) == 0 or len(ids) == 0:
+        empty = np.zeros(0, dtype=U64)
+        return Pieces(empty, empty.copy(), empty.copy())
+    block_start = cols.base + ids.astype(U64)[None, :] * cols.block_stride  # (layers, blocks)
+    # rows in (layer, block, segment) order: segment 0 of a block, then its segment 1
+    paged = np.stack([block_start, block_start + cols.segment_stride], axis=-1)
+    slot = np.stack([slots, slots + cols.segment_bytes], axis=-1)
+    nbytes = np.broadcast_to(cols.segment_bytes[..., None], paged.shape)
+    if (cols.segments == 2).all():
+        return Pieces(paged.ravel(), slot.ravel(), nbytes.ravel())
+    if (cols.segments == 1).all():
+        return Pieces(paged[..., 0].ravel(), slot[..., 0].ravel(), nbytes[..., 0].ravel())
+    # mixed: segment 1 of a 1-segment layer does not exist, mask it out
+    used = np.arange(2, dtype=U64) < np.broadcast_to(cols.segments[..., None], paged.shape)
+    return Pieces(paged[used], slot[used], nbytes[used])
 
 
 def merge_adjacent(p: Pieces) -> Pieces:

@@ -17,7 +17,8 @@ otherwise, every path component percent-encoded, values msgpack maps:
     worksets/<model>/<namespace>/<role>/members/<worker>
                              {"card": {...}, "owner": CN}             the worker's lease
 
-Leases have a TTL of ``--etcd-ttl`` (10 s) and are kept alive every TTL / 3. A
+Leases have a TTL of ``--etcd-ttl`` (10 s) and are kept alive every TTL / 3
+from a thread with its own event loop, so a busy loop cannot starve them. A
 store's generation is its key's create revision, a worker's the revision of
 the transaction that admitted it: etcd revisions, so every replica agrees.
 
@@ -25,7 +26,9 @@ Modules, one concept each:
 
     etcd.py       the client (aetcd), compares and operations; errors are KVError UNAVAILABLE
     layout.py     the keys and their records
-    lease.py      KeyLease: keys under one lease, kept alive, registered again when lost
+    keeper.py     LeaseKeeper: a process's leases refreshed from a thread of its own
+    lease.py      KeyLease: keys under one lease, registered again when lost
+    relayed.py    RelayedWorkers: a store's relayed workers; re-admitted -> snapshot again
     directory.py  Directory: one prefix listed, watched, listed again after an outage
     worksets.py   first-wins admission, removal and dissolution as transactions (owner checked)
     claims.py     StoreClaims: a store node id's first publisher, recorded in its value

@@ -10,7 +10,9 @@
 
 Keys are ``str`` (kvstore's are ASCII: see ``layout.py``), values ``bytes``.
 Every call is bounded by ``EtcdConfig.timeout_s``; not reaching etcd, or etcd
-failing a call, is a :class:`KVError` UNAVAILABLE naming the endpoint. With
+failing a call, is a :class:`KVError` UNAVAILABLE naming the endpoint, except
+a call naming a lease etcd no longer holds (it expired before the call ran):
+NOT_FOUND (:func:`is_lease_gone`), so its caller can grant a fresh one. With
 several endpoints a failed call moves the client to the next one.
 
 The library is aetcd (asyncio, works with kvstore's grpcio and protobuf;
@@ -30,13 +32,14 @@ from dataclasses import dataclass
 import aetcd
 import aetcd.transactions as tx
 
-from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.errors import Code, KVError, unavailable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/kvstore/v1/"
 DEFAULT_TTL_S = 10
 MIN_TTL_S = 2  # etcd refuses shorter leases with its default election timeout
+LEASE_NOT_FOUND = "requested lease not found"  # etcd's answer naming a lease it does not hold
 # The channel notices a hung etcd by keepalive pings (etcd refuses pings more
 # often than every 5 s) and redials a restarted one within about a second.
 CHANNEL_OPTIONS = {
@@ -177,7 +180,13 @@ class Etcd:
             client, endpoint = self._connected(), self.endpoint
             try:
                 return await asyncio.wait_for(fn(client), self.config.timeout_s)
-            except (aetcd.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except aetcd.ClientError as exc:
+                if LEASE_NOT_FOUND in str(exc):  # etcd answered: no other endpoint would differ
+                    raise lease_gone(endpoint, what) from None
+                self._failed(client)
+                if attempt + 1 == len(self.config.endpoints):
+                    raise _unreachable(endpoint, what, exc) from None
+            except (asyncio.TimeoutError, OSError) as exc:
                 self._failed(client)
                 if attempt + 1 == len(self.config.endpoints):
                     raise _unreachable(endpoint, what, exc) from None
@@ -237,7 +246,7 @@ class Etcd:
         try:
             await self._call("lease revoke", lambda c: c.revoke_lease(lease))
         except KVError as exc:
-            if "not found" not in exc.message:
+            if not is_lease_gone(exc):
                 raise
 
     # -- watches -----------------------------------------------------------
@@ -280,6 +289,18 @@ class Etcd:
         for task in list(self._closing):
             with contextlib.suppress(Exception):
                 await task
+
+
+def lease_gone(endpoint: str, what: str) -> KVError:
+    return KVError(
+        Code.NOT_FOUND, f"etcd {endpoint}: {what}: the lease is gone (expired or revoked)"
+    )
+
+
+def is_lease_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says a lease named in the call no longer exists in etcd
+    (the only NOT_FOUND this module raises)."""
+    return isinstance(exc, KVError) and exc.code is Code.NOT_FOUND
 
 
 def _unreachable(endpoint: str, what: str, exc: BaseException) -> KVError:

@@ -69,8 +69,12 @@ class Layout:
     def router(self, address: str) -> str:
         return self.routers + _q(address)
 
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}workers/"
+
     def worker(self, name: str) -> str:
-        return f"{self.prefix}workers/{_q(name)}"
+        return self.workers + _q(name)
 
     def workset(self, set_id: SetId) -> str:
         return f"{self.worksets}{_q(set_id.model)}/{_q(set_id.namespace)}/{_q(set_id.role)}/"

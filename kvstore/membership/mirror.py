@@ -147,6 +147,7 @@ class WorkerMirror:
         self.on_empty = on_empty  # a set lost its last member
         self.on_member = on_member  # every member change, after it applied
         self._members: dict[str, tuple[SetId, int]] = {}  # name -> (set, generation) applied
+        self.revision = 0  # the latest admission (member put) applied, refused ones included
         self._tick = asyncio.Event()
 
     def generation(self, name: str) -> int:
@@ -167,6 +168,7 @@ class WorkerMirror:
             record = _decode(MemberRecord.decode, entry)
             if record is not None:
                 listed[name] = (set_id, entry.mod_revision, record)
+            self.revision = max(self.revision, entry.mod_revision)
         for name, generation in self.router.worker_generations().items():
             if listed.get(name, (None, 0))[1] != generation:
                 self._remove(name)
@@ -190,6 +192,7 @@ class WorkerMirror:
             record = _decode(MemberRecord.decode, change.entry)
             if record is not None:
                 self._admit(name, set_id, change.entry.mod_revision, record)
+            self.revision = max(self.revision, change.entry.mod_revision)
         self.on_member(name, change)
         self._changed()
 

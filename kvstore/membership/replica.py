@@ -38,8 +38,9 @@ from functools import partial
 from kvstore.membership.claims import StoreClaims
 from kvstore.membership.directory import Directory
 from kvstore.membership.etcd import Change, Etcd, EtcdConfig
+from kvstore.membership.keeper import LeaseKeeper
 from kvstore.membership.layout import Layout, RouterRecord, SetId
-from kvstore.membership.lease import KeyLease
+from kvstore.membership.lease import KeyLease, under_new_lease
 from kvstore.membership.mirror import RouterCore, StoreMirror, WorkerMirror
 from kvstore.membership.worksets import Admitted, Refused, WorkerSets
 from kvstore.wire.card import WorkerCard, card_checksum
@@ -49,6 +50,7 @@ from kvstore.wire.principal import LOCAL, Principal
 log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # how long an admission or removal waits for this replica's own core
+SNAPSHOT_SETTLE_S = 2.0  # how long a store's snapshot waits for the admissions in etcd
 
 
 @dataclass
@@ -62,7 +64,6 @@ class HeldWorker:
 class RouterReplica:
     def __init__(self, etcd: Etcd, config: EtcdConfig, router: RouterCore):
         self.etcd = etcd
-        self.ttl_s = config.ttl_s
         self.layout = Layout(config.prefix)
         self.worksets = WorkerSets(etcd, self.layout)
         self.stores = StoreMirror(router, self.layout)
@@ -72,6 +73,7 @@ class RouterReplica:
             Directory(etcd, self.layout.stores, self.stores, "router: stores in etcd"),
             Directory(etcd, self.layout.worksets, self.workers, "router: worker sets in etcd"),
         )
+        self.keeper = LeaseKeeper(config, "router replica")
         self.registration: KeyLease | None = None
         self._held: dict[str, HeldWorker] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -84,7 +86,7 @@ class RouterReplica:
         key, record = self.layout.router(address), RouterRecord(address).encode()
         self.registration = KeyLease(
             self.etcd,
-            self.ttl_s,
+            self.keeper,
             partial(self.etcd.recreate, key, record),
             f"router replica {address}",
         )
@@ -104,19 +106,19 @@ class RouterReplica:
         UNAVAILABLE when etcd does not answer, PERMISSION_DENIED when the name is
         admitted for another principal."""
         checksum = card_checksum(card)
-        lease = await self.etcd.grant(self.ttl_s)
-        try:
-            outcome = await self.worksets.admit(name, card, checksum, lease, caller)
-        except BaseException:
-            with contextlib.suppress(KVError):
-                await self.etcd.revoke(lease)
-            raise
+        lease, outcome = await under_new_lease(
+            self.etcd,
+            self.keeper,
+            partial(self.worksets.admit, name, card, checksum, caller=caller),
+            f"worker {name}",
+        )
         if isinstance(outcome, Refused):
+            self.keeper.drop(lease)
             await self.etcd.revoke(lease)
             return outcome
         held = KeyLease(
             self.etcd,
-            self.ttl_s,
+            self.keeper,
             partial(self._readmit, name, card, checksum, caller),
             f"worker {name}",
             on_lost=partial(self._let_go, name),
@@ -179,6 +181,18 @@ class RouterReplica:
         unless ``caller`` is its first publisher (recorded in etcd) or an admin."""
         await self.claims.check(node_id, generation, caller)
 
+    async def workers_settled(self, timeout_s: float = SNAPSHOT_SETTLE_S) -> bool:
+        """Wait until this replica has applied every admission etcd holds now, so
+        GPU-tier blocks a store relays by worker name land on the workers' current
+        generations (``relayed.py``). False when etcd does not answer, or after
+        ``timeout_s``."""
+        try:
+            claims, _ = await self.etcd.list_prefix(self.layout.workers)
+        except KVError:
+            return False
+        latest = max((claim.mod_revision for claim in claims), default=0)
+        return await self.workers.wait(lambda: self.workers.revision >= latest, timeout_s)
+
     def _member_changed(self, name: str, change: Change) -> None:
         """Let go of a worker that registered through another replica, or was removed."""
         held = self._held.get(name)
@@ -230,3 +244,4 @@ class RouterReplica:
         for task in list(self._tasks):
             with contextlib.suppress(Exception):
                 await task
+        await self.keeper.aclose()

@@ -33,8 +33,11 @@ whose replica asks for a resync, sends a snapshot, so the replica's index of
 this store is exact again without a new generation. A store silent past its
 TTL (hung, stopped, partitioned) loses its key, so every replica drops it;
 when it answers again it registers anew and every feed replays its snapshot.
-etcd being away stops nothing local: events keep flowing to the replicas
-already known.
+Its lease is kept alive from a thread of its own (``membership/keeper.py``),
+so a loop busy with events cannot let it lapse. A worker it relays GPU-tier
+events for that is admitted again gets them again: every feed replays its
+snapshot (``membership/relayed.py``). etcd being away stops nothing local:
+events keep flowing to the replicas already known.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ from functools import partial
 
 from kvstore.membership.directory import Directory
 from kvstore.membership.etcd import Change, Entry, Etcd, EtcdConfig
+from kvstore.membership.keeper import LeaseKeeper
 from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
+from kvstore.membership.relayed import RelayedWorkers
 from kvstore.wire.errors import KVError, unavailable
-from kvstore.wire.events import STORED, StoreEvent
+from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.tls import TlsFiles
 
@@ -358,15 +363,24 @@ class ClusterRouterLink:
     """Router replicas found in etcd; this store registered there under a lease."""
 
     def __init__(
-        self, config: EtcdConfig, node_id: str, local_router=None, tls: TlsFiles | None = None
+        self,
+        config: EtcdConfig,
+        node_id: str,
+        local_router=None,
+        tls: TlsFiles | None = None,
+        keeper: LeaseKeeper | None = None,
     ):
         """``local_router``: the embedded router core, asked first for peers;
-        ``tls``: mutual TLS to the replicas (plaintext when None)."""
+        ``tls``: mutual TLS to the replicas (plaintext when None); ``keeper``:
+        the thread that keeps the lease alive, shared by links of one process
+        (by default the link starts its own and ends it in :meth:`stop`)."""
         self.config = config
         self.tls = tls
         self.node_id = node_id
         self.local_router = local_router
         self.etcd = Etcd(config)
+        self._own_keeper = keeper is None
+        self.keeper = keeper or LeaseKeeper(config, f"store {node_id}")
         self.layout = Layout(config.prefix)
         self.feeds: dict[str, RouterFeed] = {}
         self._router_generations: dict[str, int] = {}
@@ -375,6 +389,7 @@ class ClusterRouterLink:
         self.directory = Directory(
             self.etcd, self.layout.routers, self, f"store {node_id}: routers"
         )
+        self.relayed = RelayedWorkers(self.etcd, self.layout, self._resync, f"store {node_id}")
         self._closing: set[asyncio.Task] = set()
 
     @property
@@ -389,7 +404,7 @@ class ClusterRouterLink:
         record = StoreRecord(store_address, ucx_address).encode()
         self.registration = KeyLease(
             self.etcd,
-            self.config.ttl_s,
+            self.keeper,
             partial(self.etcd.recreate, self.layout.store(self.node_id), record),
             f"store {self.node_id}",
             on_registered=self._registered,
@@ -405,6 +420,10 @@ class ClusterRouterLink:
     def _registered(self, generation: int) -> None:
         for feed in self.feeds.values():
             feed.resync(generation)
+
+    def _resync(self) -> None:
+        for feed in self.feeds.values():
+            feed.resync()
 
     # -- the replicas, as the directory of routers/ tells them -------------
 
@@ -449,6 +468,8 @@ class ClusterRouterLink:
     # -- the link ------------------------------------------------------------
 
     def publish(self, event: StoreEvent) -> None:
+        if event.tier == GPU_TIER:  # relayed for a worker: resent when it is admitted again
+            self.relayed.add(event.worker)
         for feed in self.feeds.values():
             feed.publish(event)
 
@@ -468,6 +489,7 @@ class ClusterRouterLink:
     async def stop(self) -> None:
         """Leave etcd at once (the key is revoked) and stop the feeds."""
         await self.directory.close()
+        await self.relayed.close()
         if self.registration is not None:
             await self.registration.release()
         for address in list(self.feeds):
@@ -475,6 +497,8 @@ class ClusterRouterLink:
         for task in list(self._closing):
             await task
         await self.etcd.close()
+        if self._own_keeper:
+            await self.keeper.aclose()
 
 
 def _brief(exc: Exception) -> str:

@@ -139,7 +139,9 @@ class ClusterRouterService(RouterService):
     this replica's core shows the outcome. Store servers are known from etcd,
     so AdvertisePeer is refused; PublishEvents from a (node, generation) this
     replica does not know (yet) is NOT_FOUND, which tells the store to send its
-    snapshot again shortly. Everything else is the plain service.
+    snapshot again shortly. A snapshot applies once this replica has applied
+    every admission etcd holds (its GPU-tier blocks are relayed by worker name,
+    kvstore/membership/relayed.py). Everything else is the plain service.
 
     Ownership is recorded in etcd, so it holds on every replica alike
     (docs/design.md §8): a worker name belongs to the caller that admitted it
@@ -213,6 +215,8 @@ class ClusterRouterService(RouterService):
             await self.replica.check_publisher(request.node_id, request.generation, caller)
         except KVError as exc:
             await status.abort(context, exc)
+        if request.snapshot:  # its relayed GPU-tier blocks go to the current admissions
+            await self.replica.workers_settled()
         result = await self._publish(request, context)
         if result.stale:
             await status.abort(

@@ -1,9 +1,11 @@
 """Moving one request's bytes between a worker's paged cache and the pool.
 
 A :class:`CopyJob` is planned on the event loop (which slots, which block
-ids) and run in a worker thread by :func:`copy_in_thread`; on a GPU each job
-gets its own stream (:func:`run_copy`), so concurrent requests overlap and each
-waits only for its own bytes (docs/design.md §3).
+ids) and run in a worker thread by :func:`copy_in_thread`. On the host it goes
+through the registration's :class:`~kvstore.copy.RegionTable` (descriptors built
+once; per request only block ids and slot addresses); on a GPU it still plans
+pieces and gets its own stream (:func:`run_copy`) until the table kernel has
+run on a GPU (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from kvstore.copy import plan
 
 if TYPE_CHECKING:
-    from kvstore.copy import LayerRegion
+    from kvstore.copy import RegionTable
 
 SAVE = "save"  # paged cache -> slots
 LOAD = "load"  # slots -> paged cache
@@ -30,14 +32,18 @@ class CopyJob:
 
     op: str  # SAVE or LOAD
     device: str
-    regions: list[LayerRegion]  # the caller's layers, in registration order
+    table: RegionTable  # the caller's layers, in registration order
     block_ids: np.ndarray  # int64, one per block, in the caller's cache
     addresses: np.ndarray  # uint64 (layers, blocks): each block's slot of each layer
     nbytes: int
 
     def run(self, copier: Any) -> None:
-        """Plan the pieces and copy them; returns once the bytes are in place."""
-        run_copy(copier, self.device, self.op, plan(self.regions, self.block_ids, self.addresses))
+        """Copy; returns once the bytes are in place."""
+        if self.device == "cpu":
+            getattr(copier, f"{self.op}_blocks")(self.table, self.block_ids, self.addresses)
+            return
+        pieces = plan(list(self.table.regions), self.block_ids, self.addresses)
+        run_copy(copier, self.device, self.op, pieces)
 
 
 async def copy_in_thread(fn: Callable[..., None], *args: Any) -> None:

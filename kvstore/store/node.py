@@ -206,7 +206,7 @@ class StoreNode:
         return CopyJob(
             op,
             device,
-            caller.reg.layer_regions(),
+            caller.reg.copy_table,
             np.array(block_ids, dtype=np.int64),
             self.index.addresses(blocks, slots, device),
             len(blocks) * int(caller.seal.slot_bytes[slots].sum()),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.copy import RegionTable
 from kvstore.store.memory import MappedRegion
 from kvstore.store.validation import check_against, check_fields, check_seal_would_succeed
 from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
@@ -102,6 +103,12 @@ class Registration:
     def layer_regions(self) -> list[LayerRegion]:
         """The mapped region of each layer, in registration order (what a copy plans over)."""
         return [self.regions[layer.geometry.name] for layer in self.layers]
+
+    @functools.cached_property
+    def copy_table(self) -> RegionTable:
+        """The copy descriptors of this rank's layers, built once after they are mapped
+        (docs/design.md §3): a request then carries only block ids and slot addresses."""
+        return RegionTable(self.layer_regions())
 
     def hold(self) -> None:
         """A copy is about to touch this rank's memory: keep it mapped."""

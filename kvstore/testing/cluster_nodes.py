@@ -2,7 +2,7 @@
 
     shape = ClusterShape(stores=200, workers=256, gpu_blocks=4096, history_blocks=12288)
     python -m kvstore.testing.cluster_nodes stores --etcd URL --ttl 2 --prefix P \\
-        --shape '<ClusterShape JSON>' --nodes 0:45 --events-per-s 50
+        --shape '<ClusterShape JSON>' --nodes 0:45 --events-per-s 50   # 0: unpaced
         # prints "ready"; stdin "go": register, "fill": seal and publish every block
     python -m kvstore.testing.cluster_nodes router --etcd URL --ttl 2 --prefix P \\
         --timings out.json                              # prints "port N"; SIGTERM ends it
@@ -13,8 +13,9 @@ its key under its own lease kept alive every TTL/3, one ``RouterFeed`` per
 router replica found in etcd, ``PublishEvents`` with a snapshot on every
 (re)sync), whose blocks are generated from the shape, not saved into a pool.
 A store starts empty, as a new store server does, and seals its blocks when
-told to, at a bounded rate, one event of up to 1024 blocks at a time.
-Many of them run as asyncio tasks in one process. docs/design.md §5 (peers,
+told to, at a bounded rate (or all at once), one event of up to 1024 blocks
+at a time. Many of them run as asyncio tasks in one process, their leases
+kept alive by one keepalive thread (``membership/keeper.py``). docs/design.md §5 (peers,
 final namespaces), §6 (store events); kvstore/membership/README.md (keys,
 liveness).
 
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvstore.membership.etcd import EtcdConfig
+from kvstore.membership.keeper import LeaseKeeper
 from kvstore.router.core import Router, RouterConfig, RouteResult
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_link import MAX_BATCH, ClusterRouterLink
@@ -124,11 +126,19 @@ class SealedEvent(StoreEvent):
 class SimStore:
     """One simulated store server: the real cluster link; blocks sealed on demand."""
 
-    def __init__(self, config: EtcdConfig, shape: ClusterShape, index: int):
+    def __init__(
+        self,
+        config: EtcdConfig,
+        shape: ClusterShape,
+        index: int,
+        keeper: LeaseKeeper | None = None,
+    ):
+        """``keeper``: the lease keepalive thread shared by the stores of one
+        process (by default each link runs its own)."""
         self.shape = shape
         self.index = index
         self.node_id = shape.node(index)
-        self.link = ClusterRouterLink(config, self.node_id)
+        self.link = ClusterRouterLink(config, self.node_id, keeper=keeper)
         self.sealed: list[SealedEvent] = []  # what every snapshot sends
         self._unsealed = self._blocks()
 
@@ -163,7 +173,14 @@ def _stored(hashes: np.ndarray, holder: str, tier: str):
 
 async def fill(stores: list[SimStore], events_per_s: float) -> None:
     """Seal every store's blocks, one event (up to MAX_BATCH blocks) at a time,
-    round-robin over the stores, at most ``events_per_s``."""
+    round-robin over the stores, at most ``events_per_s`` (0: unpaced, every
+    block at once, yielding to the loop only between rounds)."""
+    if events_per_s <= 0:
+        pending = list(stores)
+        while pending:
+            pending = [store for store in pending if store.seal_next()]
+            await asyncio.sleep(0)
+        return
     tick = 0.05
     pending = list(stores)
     budget = 0.0
@@ -183,7 +200,8 @@ async def run_stores(
     """Stores ``first..end-1``: say ``ready``; on ``go`` start (register) all of
     them; on ``fill`` seal their blocks at ``events_per_s``; run until killed
     (the leases then expire on their own)."""
-    stores = [SimStore(config, shape, i) for i in range(first, end)]
+    keeper = LeaseKeeper(config, f"stores {first}:{end}")
+    stores = [SimStore(config, shape, i, keeper) for i in range(first, end)]
     print("ready", flush=True)
     if await _line() != "go":
         return
@@ -240,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", help="FIRST:END store indexes (stores)")
     parser.add_argument("--timings", help="where the router writes its route timings")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--events-per-s", type=float, default=100.0, help="fill rate (stores)")
+    parser.add_argument(
+        "--events-per-s", type=float, default=100.0, help="fill rate (stores; 0: unpaced)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     config = EtcdConfig.parse(args.etcd, args.ttl, args.prefix)

@@ -1,0 +1,323 @@
+"""The blocks path: a RegionTable derived once, per request only block ids and slot addresses.
+
+Every case is byte-exact against the torch oracle (kvstore.copy.testing) on
+whole buffers, for every layout kind (paged views at their own storage
+offsets included), TP ranks sharing one pool, every host copier mode; bad
+requests are refused with KVError naming the field and change nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.copy import HostCopier, LayerRegion, RegionTable, plan, region_from_tensor
+from kvstore.copy.testing import reference_gather, reference_scatter
+from kvstore.wire.errors import Code, KVError
+from tests.copy.test_copy import (
+    DTYPES,
+    HOST_MODES,
+    LAYOUTS,
+    _spec,
+    expected_pool,
+    host_copier,
+    make_layer,
+    make_pool,
+)
+
+# ---------------------------------------------------------------- layers of every kind
+
+
+def paged_layers(num_layers: int, nb: int, rng, *, heads=2, tokens=4, d=8, lead=0):
+    """vLLM's standardised `paged` views: one buffer [nb, layers, heads, tokens, 2 * d] (fp16)
+    after `lead` bytes, layer l a view at its own storage offset (blocks interleave by layer)."""
+    per_block = heads * tokens * 2 * d * 2
+    raw = torch.from_numpy(rng.integers(0, 256, lead + nb * num_layers * per_block + 5, np.uint8))
+    whole = raw[lead : lead + nb * num_layers * per_block].view(torch.float16)
+    whole = whole.view(nb, num_layers, heads, tokens, 2 * d)
+    return [whole[:, layer] for layer in range(num_layers)], raw
+
+
+def spec_layers(kind: str, order: str, dtype, rng, num_layers=3, **kw):
+    """(tensors, raw buffers) of the LayerSpec kinds, each layer its own buffer."""
+    layers = [make_layer(_spec(kind, order, dtype, num_blocks=20 + i, **kw), rng) for i in range(3)]
+    return [t for t, _ in layers[:num_layers]], [raw for _, raw in layers[:num_layers]]
+
+
+def roundtrip(tensors, kinds, raws, copier, rng, ids, *, pool_gap=0, pool_base=0, device="cpu"):
+    """save_blocks into a shuffled pool, compare every pool byte; load_blocks into other
+    blocks of the same layers, compare every cache byte. Returns the table used."""
+    table = RegionTable([region_from_tensor(t, k) for t, k in zip(tensors, kinds, strict=True)])
+    pool = make_pool([r.slot_bytes for r in table.regions], len(ids), rng, gap=pool_gap,
+                     base=pool_base, device=device)  # fmt: skip
+    before = [raw.clone() for raw in raws]
+    assert copier.save_blocks(table, ids, pool.addrs) == table.bytes_per_block * len(ids)
+    images = reference_gather(tensors, kinds, ids)
+    assert torch.equal(pool.buf, expected_pool(pool, images)), "pool bytes differ"
+    assert all(torch.equal(a, b) for a, b in zip(raws, before, strict=True)), "save wrote the cache"
+
+    nb = min(r.num_blocks for r in table.regions)
+    targets = rng.permutation(nb)[: len(ids)]
+    want = [raw.clone() for raw in raws]
+    views = _same_views(tensors, raws, want)
+    reference_scatter(views, kinds, targets, images)
+    pool_before = pool.buf.clone()
+    assert copier.load_blocks(table, targets, pool.addrs) == table.bytes_per_block * len(ids)
+    for raw, w in zip(raws, want, strict=True):
+        assert torch.equal(raw, w), "loaded cache bytes differ"
+    assert torch.equal(pool.buf, pool_before), "load wrote the pool"
+    return table
+
+
+def _same_views(tensors, raws, copies):
+    """The views `tensors` have over `raws`, rebuilt over `copies` (same offsets and strides)."""
+    out = []
+    for t in tensors:
+        raw, copy = next((r, c) for r, c in zip(raws, copies, strict=True) if _within(t, r))
+        offset = (t.data_ptr() - raw.data_ptr()) // t.element_size()
+        flat = copy[: (raw.numel() // t.element_size()) * t.element_size()].view(t.dtype)
+        out.append(flat.as_strided(t.shape, t.stride(), offset))
+    return out
+
+
+def _within(t: torch.Tensor, raw: torch.Tensor) -> bool:
+    return raw.data_ptr() <= t.data_ptr() < raw.data_ptr() + raw.numel()
+
+
+# ---------------------------------------------------------------- byte-exact, every kind
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+@pytest.mark.parametrize("kind,order", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_blocks_every_layout_and_dtype(mode, kind, order, dtype):
+    rng = np.random.default_rng(abs(hash((mode, kind, order, str(dtype)))) % 2**32)
+    tensors, raws = spec_layers(kind, order, dtype, rng)
+    roundtrip(tensors, [kind] * 3, raws, host_copier(mode), rng, rng.permutation(20)[:9])
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+@pytest.mark.parametrize("lead", [0, 6])
+def test_blocks_paged_views_at_storage_offsets(mode, lead):
+    """Layers interleaved block by block in one buffer: proven apart by stride arithmetic,
+    so loads take the O(blocks) path, and every byte lands."""
+    rng = np.random.default_rng(40 + lead)
+    tensors, raw = paged_layers(4, 16, rng, lead=lead)
+    table = roundtrip(tensors, ["paged"] * 4, [raw], host_copier(mode), rng, [3, 15, 0, 7, 8])
+    assert table.paged_disjoint
+    assert [t.storage_offset() for t in tensors] == [lead // 2 + i * 2 * 4 * 16 for i in range(4)]
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_blocks_mixed_kinds_odd_sizes_unaligned(mode):
+    rng = np.random.default_rng(41)
+    layers = [
+        make_layer(_spec("kv_first", "HND_view", torch.bfloat16, num_blocks=16), rng),
+        make_layer(_spec("mla", "NHD", torch.float16, num_blocks=16, h=1, d=36), rng),
+        make_layer(
+            _spec("blocks_first", "NHD", torch.uint8, num_blocks=16, bs=3, h=1, d=5, offset=1), rng
+        ),
+    ]
+    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
+    roundtrip(tensors, ["kv_first", "mla", "blocks_first"], raws, host_copier(mode), rng,
+              [5, 0, 11, 2], pool_gap=3, pool_base=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_blocks_large_pieces_cut_between_threads(mode):
+    """128 KiB segments: threaded modes cut the request mid-piece at 4 KiB offsets."""
+    rng = np.random.default_rng(42)
+    spec = _spec("kv_first", "HND_view", torch.float16, num_blocks=8, bs=16, h=32, d=128)
+    layers = [make_layer(spec, rng) for _ in range(2)]
+    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
+    roundtrip(tensors, ["kv_first"] * 2, raws, host_copier(mode), rng, [7, 0, 3])
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_blocks_tp_ranks_share_one_pool(mode):
+    """Two TP ranks, each its own layers and table, fill slot layer * tp + rank of one pool;
+    each loads its own slots back into fresh caches (docs/design.md §2)."""
+    rng = np.random.default_rng(43)
+    tp, num_layers, ids = 2, 3, np.array([4, 1, 9, 6])
+    ranks = [paged_layers(num_layers, 12, rng, lead=rank * 2) for rank in range(tp)]
+    tables = [RegionTable([region_from_tensor(t, "paged") for t in ts]) for ts, _ in ranks]
+    pool = make_pool([tables[0].regions[0].slot_bytes] * (num_layers * tp), len(ids), rng)
+    copier = host_copier(mode)
+    for rank, table in enumerate(tables):
+        copier.save_blocks(table, ids, pool.addrs[rank::tp])  # rows layer * tp + rank
+    images = [reference_gather(ts, ["paged"] * num_layers, ids) for ts, _ in ranks]
+    by_slot = [images[s % tp][s // tp] for s in range(num_layers * tp)]
+    assert torch.equal(pool.buf, expected_pool(pool, by_slot))
+    for rank in range(tp):
+        fresh, raw = paged_layers(num_layers, 12, np.random.default_rng(rank))
+        want = raw.clone()
+        reference_scatter(_same_views(fresh, [raw], [want]), ["paged"] * num_layers, ids,
+                          images[rank])  # fmt: skip
+        fresh_table = RegionTable([region_from_tensor(t, "paged") for t in fresh])
+        copier.load_blocks(fresh_table, ids, pool.addrs[rank::tp])
+        assert torch.equal(raw, want)
+
+
+# ---------------------------------------------------------------- the table, derived once
+
+
+def test_one_table_serves_many_requests_unchanged():
+    """The descriptors are derived once and read-only; request after request (other blocks,
+    other slots, both directions) reuses them and every byte is right."""
+    rng = np.random.default_rng(44)
+    tensors, raws = spec_layers("kv_first", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "kv_first") for t in tensors])
+    desc, snapshot = table.descriptors, table.descriptors.copy()
+    assert not desc.flags.writeable
+    copier = HostCopier()
+    for n in (1, 5, 20, 3):
+        ids = rng.permutation(20)[:n]
+        pool = make_pool([r.slot_bytes for r in table.regions], n, rng)
+        copier.save_blocks(table, ids, pool.addrs)
+        images = reference_gather(tensors, ["kv_first"] * 3, ids)
+        assert torch.equal(pool.buf, expected_pool(pool, images))
+        for raw in raws:
+            raw.zero_()
+        copier.load_blocks(table, ids[::-1].copy(), pool.addrs[:, ::-1])  # same pairs, reversed
+        back = reference_gather(tensors, ["kv_first"] * 3, ids)
+        assert all(torch.equal(a, b) for a, b in zip(back, images, strict=True))
+    assert table.descriptors is desc and np.array_equal(desc, snapshot)
+
+
+def test_table_descriptor_rows():
+    r = LayerRegion(base=1000, num_blocks=10, segments=2, segment_bytes=16, block_stride=16,
+                    segment_stride=160)  # fmt: skip
+    m = LayerRegion(base=5000, num_blocks=7, segments=1, segment_bytes=48, block_stride=96,
+                    segment_stride=0)  # fmt: skip
+    table = RegionTable([r, m])
+    assert table.descriptors.tolist() == [[1000, 16, 160, 16, 2, 10], [5000, 96, 0, 48, 1, 7]]
+    assert (table.bytes_per_block, table.min_blocks, len(table)) == (80, 7, 2)
+
+
+def test_blocks_pieces_match_plan():
+    """The table's vectorised pieces equal plan()'s on the same request."""
+    rng = np.random.default_rng(45)
+    tensors, _ = spec_layers("blocks_first", "HND", torch.bfloat16, rng)
+    regions = [region_from_tensor(t, "blocks_first") for t in tensors]
+    ids = np.array([3, 4, 5, 0])
+    slots = (10_000 + 512 * np.arange(12)).reshape(3, 4).astype(np.uint64)
+    got = RegionTable(regions).pieces(RegionTable(regions).check(ids, slots))
+    want = plan(regions, ids, slots)
+    for a, b in zip(got.__dict__.values(), want.__dict__.values(), strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "regions,apart",
+    [
+        ([LayerRegion(0, 8, 2, 32, 32, 256)], True),  # kv_first: V after every K
+        ([LayerRegion(0, 8, 2, 32, 64, 32)], True),  # K/V interleaved in a 64-byte stride
+        ([LayerRegion(0, 8, 2, 32, 64, 16)], False),  # V half over K
+        ([LayerRegion(0, 8, 1, 32, 32, 0)] * 2, False),  # one layer listed twice
+        ([LayerRegion(0, 8, 1, 32, 64, 0), LayerRegion(32, 8, 1, 32, 64, 0)], True),  # interleave
+        ([LayerRegion(0, 8, 1, 32, 64, 0), LayerRegion(16, 8, 1, 32, 64, 0)], False),
+        ([LayerRegion(0, 8, 1, 32, 32, 0), LayerRegion(256, 8, 1, 32, 32, 0)], True),  # apart
+        ([LayerRegion(0, 8, 1, 32, 32, 0), LayerRegion(200, 8, 1, 32, 32, 0)], False),
+    ],
+)
+def test_paged_disjoint_proof(regions, apart):
+    assert RegionTable(regions).paged_disjoint is apart
+
+
+def test_load_of_a_repeated_layer_falls_back_to_the_overlap_check():
+    """Not proven apart (one layer twice): the load is refused by the sorting check."""
+    rng = np.random.default_rng(46)
+    t, raw = make_layer(_spec("mla", "NHD", torch.float16), rng)
+    r = region_from_tensor(t, "mla")
+    table = RegionTable([r, r])
+    pool = make_pool([r.slot_bytes] * 2, 3, rng)
+    before = raw.clone()
+    with pytest.raises(ValueError, match="overlap on the paged side"):
+        HostCopier().load_blocks(table, [4, 9, 1], pool.addrs)
+    assert torch.equal(raw, before)
+    HostCopier().save_blocks(table, [4, 9, 1], pool.addrs)  # saving it twice is fine
+    img = reference_gather([t], ["mla"], [4, 9, 1])[0]
+    assert torch.equal(pool.buf, expected_pool(pool, [img, img]))
+
+
+# ---------------------------------------------------------------- refusals, no state change
+
+
+BAD = [
+    ([4, 9, 4], r"block_ids\[2\] = 4 repeats block_ids\[0\]"),
+    ([1, 7, 2, 7], r"block_ids\[3\] = 7 repeats block_ids\[1\]"),
+    ([1, 20, 2], r"block_ids\[1\] = 20 out of range \[0, 20\) for layer index 2"),
+    ([1, 21, 2], r"block_ids\[1\] = 21 out of range \[0, 21\) for layer index 1"),
+    ([1, -1, 2], r"block_ids\[1\] = -1 out of range"),
+    ([[1, 2, 3]], r"block_ids must be 1-D"),
+    ([1.0, 2.0, 3.0], r"block_ids must be integers"),
+]
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+@pytest.mark.parametrize("op", ["save_blocks", "load_blocks"])
+@pytest.mark.parametrize("ids,message", BAD)
+def test_bad_request_refused_naming_the_field_and_nothing_moves(mode, op, ids, message):
+    rng = np.random.default_rng(47)
+    tensors, raws = spec_layers("kv_first", "NHD", torch.float16, rng)  # 20, 21, 22 blocks
+    table = RegionTable([region_from_tensor(t, "kv_first") for t in tensors[::-1]])
+    pool = make_pool([r.slot_bytes for r in table.regions], np.shape(ids)[-1], rng)
+    before = [raw.clone() for raw in raws] + [pool.buf.clone()]
+    with pytest.raises(KVError, match=message) as err:
+        getattr(host_copier(mode), op)(table, ids, pool.addrs)
+    assert err.value.code is Code.INVALID_ARGUMENT
+    assert all(torch.equal(a, b) for a, b in zip([*raws, pool.buf], before, strict=True))
+    # the table is not poisoned: the next good request works
+    getattr(host_copier(mode), op)(table, np.arange(pool.addrs.shape[1]), pool.addrs)
+
+
+def test_bad_slot_shape_refused():
+    rng = np.random.default_rng(48)
+    tensors, _ = spec_layers("mla", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "mla") for t in tensors])
+    with pytest.raises(KVError, match=r"slot_addrs must have shape \(layers, blocks\) = \(3, 2\)"):
+        HostCopier().save_blocks(table, [1, 2], np.zeros((2, 2), dtype=np.uint64))
+    with pytest.raises(KVError, match="slot_addrs must be non-negative"):
+        HostCopier().save_blocks(table, [1, 2], -np.ones((3, 2), dtype=np.int64))
+
+
+def test_empty_request_moves_nothing():
+    rng = np.random.default_rng(49)
+    tensors, _ = spec_layers("kv_first", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "kv_first") for t in tensors])
+    empty = np.zeros((3, 0), dtype=np.uint64)
+    assert HostCopier().save_blocks(table, np.array([], dtype=np.int64), empty) == 0
+    assert HostCopier().load_blocks(RegionTable([]), [], np.zeros((0, 0), np.uint64)) == 0
+
+
+# ---------------------------------------------------------------- random geometry
+
+_kinds = st.sampled_from(LAYOUTS)
+_dtypes = st.sampled_from([torch.float16, torch.uint8])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.lists(
+        st.tuples(_kinds, _dtypes, st.integers(1, 5), st.integers(1, 3), st.integers(1, 9)),
+        min_size=1,
+        max_size=4,
+    ),
+    seed=st.integers(0, 2**31),
+    nb=st.integers(1, 12),
+    mode=st.sampled_from(list(HOST_MODES)),
+)
+def test_blocks_random_geometry(layout, seed, nb, mode):
+    rng = np.random.default_rng(seed)
+    layers = [
+        make_layer(_spec(k, o, dt, num_blocks=nb + 2, bs=bs, h=h, d=d, offset=int(rng.integers(3))
+                         * torch.empty(0, dtype=dt).element_size()), rng)
+        for (k, o), dt, bs, h, d in layout
+    ]  # fmt: skip
+    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
+    kinds = [k for (k, _), *_ in layout]
+    ids = rng.permutation(nb + 2)[:nb]
+    roundtrip(tensors, kinds, raws, host_copier(mode), rng, ids, pool_gap=int(rng.integers(17)))

@@ -1,0 +1,262 @@
+"""CudaCopier's blocks path without a GPU: the real kernel code, run on the host.
+
+copy.cu's work is __host__ __device__, so nvcc builds it into a host library
+that runs every thread of every CTA of a launch one after another (threads of
+the kernel never depend on each other). A stand-in for CuPy whose "device"
+memory is host memory hands CudaCopier's launches to that library, so what is
+checked byte for byte against the torch oracle is CudaCopier's own packing of
+block ids, slot addresses and layer rows, and the kernel's address arithmetic.
+On a GPU, tests/copy/test_copy.py and the marked tests below run the real thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.copy import RegionTable, region_from_tensor
+from kvstore.copy.cuda import (
+    BLOCKS_KERNEL_NAME,
+    KERNEL_NAME,
+    KERNELS_DIR,
+    CudaCopier,
+    blocks_launch,
+    layer_rows,
+)
+from kvstore.copy.testing import reference_gather
+from kvstore.wire.errors import KVError
+from tests.copy.test_blocks import paged_layers, roundtrip, spec_layers
+from tests.copy.test_copy import FP8, LAYOUTS, _spec, make_layer
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+HAS_CUDA = torch.cuda.is_available()
+
+EMULATOR = r"""
+#include "copy.cu"
+
+// Every thread of every CTA of one kvstore_copy_blocks launch, one after another.
+extern "C" int emulate_blocks(const LayerDesc* layers, unsigned num_layers, const u64* inputs,
+                              u64 blocks, u64 total, u64 chunk, unsigned group, unsigned save,
+                              unsigned grid, unsigned nthreads) {
+    const long long* ids = reinterpret_cast<const long long*>(inputs);
+    for (unsigned cta = 0; cta < grid; ++cta)
+        for (unsigned tid = 0; tid < nthreads; ++tid)
+            copy_blocks_thread(layers, num_layers, ids, inputs + blocks, blocks, total, chunk,
+                               group, save, cta, grid, tid, nthreads);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> ctypes.CDLL:
+    out = tmp_path_factory.mktemp("emu")
+    src, lib = out / "emulator.cu", out / "emulator.so"
+    src.write_text(EMULATOR)
+    cmd = [NVCC, "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-I{KERNELS_DIR}", "-o",
+           str(lib), str(src)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return ctypes.CDLL(str(lib))
+
+
+class HostArray:
+    """A 'device' array that is host memory (what the stand-in CuPy allocates)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+        self.size = host.size
+        self.data = types.SimpleNamespace(copy_from_host_async=self._copy_from_host)
+
+    def __getitem__(self, key) -> HostArray:
+        return HostArray(self.host[key])
+
+    def _copy_from_host(self, ptr: int, nbytes: int, stream=None) -> None:
+        ctypes.memmove(self.host.ctypes.data, ptr, nbytes)
+
+    @property
+    def ptr(self) -> int:
+        return self.host.ctypes.data
+
+
+class Launches:
+    """The kernel functions of the stand-in module; the blocks kernel runs on the emulator."""
+
+    def __init__(self, emulator: ctypes.CDLL, sms: int, per_sm: int) -> None:
+        self.emulate = emulator.emulate_blocks
+        self.emulate.restype = ctypes.c_int
+        self.grids: list[tuple[int, int]] = []  # (grid, items) per blocks launch
+        self.sms, self.per_sm = sms, per_sm
+
+    def function(self, name: str):
+        if name == BLOCKS_KERNEL_NAME:
+            return _Kernel(self._blocks)
+        assert name == KERNEL_NAME
+        return _Kernel(lambda *a, **k: pytest.fail("the chunks kernel was launched"))
+
+    def _blocks(self, grid, block, args, stream=None):
+        rows, num_layers, inputs, blocks, total, chunk, group, save = args
+        assert stream is not None and block[0] % int(group) == 0 and int(group) >= 32
+        assert 1 <= grid[0] <= self.sms * self.per_sm
+        c = ctypes
+        self.emulate(c.c_void_p(rows.ptr), c.c_uint(int(num_layers)), c.c_void_p(inputs.ptr),
+                     c.c_uint64(int(blocks)), c.c_uint64(int(total)), c.c_uint64(int(chunk)),
+                     c.c_uint(int(group)), c.c_uint(int(save)), c.c_uint(grid[0]),
+                     c.c_uint(block[0]))  # fmt: skip
+        self.grids.append((grid[0], int(total)))
+
+
+class _Kernel:
+    """A launchable function with the handle CuPy's occupancy query takes."""
+
+    def __init__(self, run) -> None:
+        self.run, self.ptr = run, 1234
+
+    def __call__(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+
+class Stream:
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.waited: list[object] = []
+
+    def record(self):
+        return types.SimpleNamespace(synchronize=lambda: None)
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, emulator):
+    """CuPy as far as CudaCopier uses it, host memory standing in for the device's."""
+    launches = Launches(emulator, sms=3, per_sm=2)
+    fake = types.SimpleNamespace(
+        uint64=np.uint64,
+        empty=lambda n, dtype: HostArray(np.zeros(n, dtype=dtype)),
+        asarray=lambda a: HostArray(np.ascontiguousarray(a)),
+        RawModule=lambda code, options=(): types.SimpleNamespace(get_function=launches.function),
+        cuda=types.SimpleNamespace(
+            Device=lambda i=0: _Device(launches.sms),
+            Stream=Stream,
+            get_current_stream=Stream,
+            alloc_pinned_memory=bytearray,
+            driver=types.SimpleNamespace(
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda fn, threads, smem: launches.per_sm
+            ),
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return launches
+
+
+class _Device(contextlib.nullcontext):
+    def __init__(self, sms: int) -> None:
+        super().__init__()
+        self.attributes = {"MultiProcessorCount": sms}
+
+
+@pytest.mark.parametrize("kind,order", LAYOUTS)
+def test_cuda_blocks_every_layout(fake_cupy, kind, order):
+    rng = np.random.default_rng(60)
+    tensors, raws = spec_layers(kind, order, torch.bfloat16, rng)
+    roundtrip(tensors, [kind] * 3, raws, CudaCopier(0), rng, rng.permutation(20)[:9])
+    assert len(fake_cupy.grids) == 2  # one launch per save, one per load
+
+
+def test_cuda_blocks_paged_views_unaligned_and_mixed(fake_cupy):
+    rng = np.random.default_rng(61)
+    tensors, raw = paged_layers(4, 16, rng, lead=6)
+    roundtrip(tensors, ["paged"] * 4, [raw], CudaCopier(0), rng, [3, 15, 0, 7, 8], pool_gap=5,
+              pool_base=3)  # fmt: skip
+    odd = _spec("kv_first", "HND_view", FP8, num_blocks=12, bs=3, h=1, d=7, offset=1)
+    mla = _spec("mla", "NHD", torch.float16, num_blocks=12, h=1, d=36)
+    layers = [make_layer(odd, rng), make_layer(mla, rng)]
+    roundtrip([t for t, _ in layers], ["kv_first", "mla"], [r for _, r in layers], CudaCopier(0),
+              rng, [11, 2, 5], pool_gap=3, pool_base=5)  # fmt: skip
+
+
+def test_cuda_blocks_large_segments_use_the_whole_cta_and_a_persistent_grid(fake_cupy):
+    """32 KiB segments: groups of 256 threads, items of 32 KiB, grid capped at SMs x occupancy
+    (6 here) while there are far more items; every byte still lands."""
+    rng = np.random.default_rng(62)
+    spec = _spec("kv_first", "NHD", torch.float16, num_blocks=10, bs=16, h=8, d=128)
+    layers = [make_layer(spec, rng) for _ in range(2)]
+    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
+    table = roundtrip(tensors, ["kv_first"] * 2, raws, CudaCopier(0), rng, [9, 0, 4, 5])
+    assert blocks_launch(table, 256) == (256, 32 << 10, 2 * 2 * 1)
+    assert fake_cupy.grids == [(6, 4 * 4), (6, 4 * 4)]
+
+
+def test_cuda_blocks_table_rows_uploaded_once(fake_cupy):
+    """The layer rows go to the device on first use of a table and are reused after."""
+    rng = np.random.default_rng(63)
+    tensors, _ = spec_layers("mla", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "mla") for t in tensors])
+    copier, uploads = CudaCopier(0), []
+    real_asarray = sys.modules["cupy"].asarray
+    sys.modules["cupy"].asarray = lambda a: uploads.append(a.shape) or real_asarray(a)
+    pool = torch.zeros(3 * 4 * table.regions[0].slot_bytes, dtype=torch.uint8)
+    for ids in ([1, 2, 3, 4], [7, 0, 9, 5], [19, 18, 17, 16]):
+        slots = pool.data_ptr() + table.regions[0].slot_bytes * np.arange(12).reshape(3, 4)
+        copier.save_blocks(table, ids, slots.astype(np.uint64), wait=True)
+        images = reference_gather(tensors, ["mla"] * 3, ids)
+        assert torch.equal(pool.view(3, 4, -1), torch.stack(images))
+    assert uploads == [(3, 8)]
+    launch = blocks_launch(table, 256)
+    assert layer_rows(table, launch)[:, 6].tolist() == [0, 1, 2]  # first item of each layer
+
+
+def test_cuda_blocks_refuses_repeated_ids_before_any_launch(fake_cupy):
+    rng = np.random.default_rng(64)
+    tensors, _ = spec_layers("kv_first", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "kv_first") for t in tensors])
+    slots = np.arange(9, dtype=np.uint64).reshape(3, 3) * 4096 + (1 << 40)  # never touched
+    with pytest.raises(KVError, match=r"block_ids\[2\] = 4 repeats block_ids\[0\]"):
+        CudaCopier(0).load_blocks(table, [4, 9, 4], slots)
+    assert fake_cupy.grids == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind,order", LAYOUTS)
+def test_cuda_blocks_on_the_gpu(kind, order):
+    """The real kernel: save_blocks / load_blocks with wait=True, byte-exact on the device."""
+    rng = np.random.default_rng(65)
+    specs = [_spec(kind, order, torch.bfloat16, num_blocks=30 + i, bs=16, h=2, d=64)
+             for i in range(3)]  # fmt: skip
+    layers = [make_layer(s, rng, "cuda") for s in specs]
+    copier = _WaitingCopier(CudaCopier(0))
+    roundtrip([t for t, _ in layers], [kind] * 3, [r for _, r in layers], copier, rng,
+              rng.permutation(30)[:17], device="cuda")  # fmt: skip
+
+
+class _WaitingCopier:
+    """CudaCopier's blocks calls that return once the bytes are in place."""
+
+    def __init__(self, copier: CudaCopier) -> None:
+        self.copier = copier
+
+    def save_blocks(self, *args):
+        return self.copier.save_blocks(*args, wait=True)
+
+    def load_blocks(self, *args):
+        return self.copier.load_blocks(*args, wait=True)
