@@ -7,6 +7,8 @@ raw ucxx moving the same bytes between the same two processes.
     python bench/transfer.py --transport-only          # the transfer engine alone (stubs)
     python bench/transfer.py --mem cuda                # GPU pools, GPU host only
     UCX_MM_ERROR_HANDLING=y python bench/transfer.py   # same-host peers over shared memory
+    python bench/transfer.py --quick --out bench/results/transfer_rma.json  # with one-sided
+    python bench/transfer.py --no-rma                  # two-sided fetches only
 
 With the project's UCX defaults (kvstore/transfer/ucx.py) same-host peers talk
 over tcp; UCX_MM_ERROR_HANDLING=y lets them use shared memory (and its risk).
@@ -37,6 +39,8 @@ untimed) before each op:
   fetch        StoreNode.prefetch of the next set's hashes (TIMED: the measured work)
   raw_one      the same total bytes as ONE ucxx message, serving pool to fetching
                pool, request round trip included (the old bench's baseline)
+  fetch_rma    (one-sided rows) the same, the fetching node's Fetcher reading
+               one-sided (REQUEST with the rma flag, grant, NIXL READ, commit, RELEASE)
   raw_seg      the same bytes as the same number of messages of the same sizes as
                the last fetch sent (recorded by the serving PeerServer), all posted
                at once, request round trip included
@@ -80,6 +84,15 @@ source "stub"; a PNG of the same name is drawn beside it):
     device_copy_gbps, ratio_device_copy   --mem cuda: one in-process device copy of
                                 the same bytes, and gbps / that
     verified, verified_fetches  every byte of every fetch (warm-up included) compared
+    rma                         (host store rows, nixl installed, not --no-rma) the
+                                same sets fetched one-sided, op fetch_rma interleaved
+                                with the others: gbps, ms_p10_p50_p90,
+                                two_sided_ms_p10_p50_p90, raw_one_ms_p10_p50_p90,
+                                ratio_ceiling_p10_p50_p90 (ceiling / one-sided, per
+                                repeat), speedup_vs_two_sided_p10_p50_p90
+  control_floor[]  fetches of 1 and 2,048 slots of 16 KiB: mem, source, slots,
+               slot_bytes, total_bytes, repeats, {op}_ms_p10_p50_p90 per op (fetch,
+               fetch_rma, raw_one, raw_seg), verified_fetches
   latency[]    per sweep, the TP2 prefix: transport, mem, source, model, block_tokens,
                slot_bytes, slots_per_block, num_blocks, total_bytes, iters,
                p50_ms, p99_ms, min_ms (fetch), ceiling_p50_ms, ratio_ceiling
@@ -113,13 +126,15 @@ from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
 from kvstore.testing.store import Rank, make_rank, make_store
-from kvstore.transfer import PeerServer, SlotTable
+from kvstore.transfer import PeerServer, SlotTable, rma
+from kvstore.transfer.onesided import RmaReader
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 from kvstore.wire.peers import PeerPrefix
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STUB_NS = "bench.0000000000000000"
 SLOT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+FLOOR_SLOT = 16 << 10  # control floor: fetches of 1 and 2,048 slots of this size
 SLOTS_PER_BLOCK = 16  # throughput rows (TP1); the latency case uses 64 (32 layers x TP2)
 # Latency case: Llama-3-8B-like, 32 layers, 8 KV heads x 128 dim, fp16,
 # 16-token blocks, TP2: each rank holds 4 heads of K and V of one layer:
@@ -137,7 +152,9 @@ NOTE = (
     "ONE raw ucxx message, segments_gbps = as the same messages the fetch sent, "
     "ceiling = per repeat the faster of the two; ratio = gbps / baseline_gbps (old "
     "definition), ratio_ceiling = median over interleaved repeats of ceiling time / fetch "
-    "time; every fetched byte verified; fields: bench/transfer.py docstring"
+    "time; every fetched byte verified; rma: the same sets fetched one-sided (NIXL "
+    "READ into reserved slots), interleaved with the rest; control_floor: 1- and "
+    "2048-slot fetches, ms p10/p50/p90 per op; fields: bench/transfer.py docstring"
 )
 
 
@@ -322,7 +339,8 @@ class StoreFetching:
     """The fetching node: a registered instance of the same layout, a Fetcher whose one
     peer is the serving node, and a pool that holds exactly one set."""
 
-    def __init__(self, device: str, shape: Shape, address: str):
+    def __init__(self, device: str, shape: Shape, address: str, one_sided: bool = False):
+        """``one_sided``: also a Fetcher that reads one-sided (the pool registered with NIXL)."""
         self.node = new_node(device, shape.nbytes)
         self.ranks = register(self.node, "fetch", shape, device, cache=1)
         self.namespace = self.node.registry.instances["fetch"].seal.final_namespace
@@ -334,10 +352,30 @@ class StoreFetching:
 
         index = self.node.index
         sink = StoreSink(index, self.node.registry)
-        self.node.fetcher = Fetcher(index, sink, find_peers, timeout_s=60)
+        self.fetchers = {False: Fetcher(index, sink, find_peers, timeout_s=60)}
+        self.endpoint = None
+        if one_sided:
+            region = rma.Region(self.buffer.data_ptr(), self.buffer.nbytes)
+            self.endpoint = rma.RmaEndpoint(region)
+            reader = RmaReader(self.endpoint)
+            self.fetchers[True] = Fetcher(index, sink, find_peers, timeout_s=60, rma=reader)
 
-    async def fetch(self, namespace: str, hashes: list[int]) -> int:
-        return (await self.node.prefetch(namespace, hashes)).fetched_blocks
+    async def fetch(self, namespace: str, hashes: list[int], one_sided: bool = False) -> int:
+        self.node.fetcher = self.fetchers[one_sided]
+        n = (await self.node.prefetch(namespace, hashes)).fetched_blocks
+        if one_sided and self.fetchers[True].stats().fetches_failed_rma:
+            raise AssertionError("a one-sided read failed (retried two-sided)")
+        return n
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    def forget(self, shape: Shape) -> None:
+        """Drop the fetched blocks when the pool holds both sets (small fetches), so the
+        next fetch of a set does fetch (larger ones evict the other set)."""
+        if 2 * shape.nbytes <= self.buffer.nbytes:
+            self.node.index.clear(self.namespace)
 
     def offsets(self, namespace: str, hashes: list[int]) -> np.ndarray:
         return block_offsets(self.node, namespace, hashes)
@@ -507,7 +545,10 @@ async def _serve(ctrl: Any, opts: dict) -> None:
     settle_torch(device)
     side_class = StoreServing if opts["source"] == "store" else StubServing
     side = side_class(device, opts["serve_bytes"], opts["layers_by_name"])
-    server = RecordingPeerServer(side.source, timeout_s=60)
+    endpoint = None
+    if opts["rma"]:  # the serving pool registered once, as a store server does
+        endpoint = rma.RmaEndpoint(rma.Region(side.buffer.data_ptr(), side.buffer.nbytes))
+    server = RecordingPeerServer(side.source, timeout_s=60, rma=endpoint)
     await server.start()
     raw_views: list[Any] = []  # raw_seg: the last fetch's message sizes, from the pool start
 
@@ -577,6 +618,7 @@ class Row:
     ratio_device_copy: float | None = None
     verified: bool = False
     verified_fetches: int = 0
+    rma: dict | None = None  # one-sided fetches of the same sets (one_sided_fields)
 
 
 def fetch_main(result: Any, ctrl: Any, env: dict, opts: dict) -> None:
@@ -614,24 +656,38 @@ class Bench:
     async def run(self, shape: Shape, repeats: int, seed: int) -> dict:
         """Prepare ``shape`` on both nodes, warm up, time ``repeats`` interleaved repeats."""
         namespace, self.sets = ask(self.ctrl, "prepare", asdict(shape))
-        side_class = StoreFetching if self.opts["source"] == "store" else StubFetching
-        self.side = side_class(self.device, shape, self.opts["address"])
+        one_sided = self.opts["rma"]
+        if getattr(self, "side", None) is not None and hasattr(self.side, "close"):
+            self.side.close()
+        if one_sided:
+            self.side = StoreFetching(self.device, shape, self.opts["address"], one_sided=True)
+        elif self.opts["source"] == "store":
+            self.side = StoreFetching(self.device, shape, self.opts["address"])
+        else:
+            self.side = StubFetching(self.device, shape, self.opts["address"])
         if self.side.namespace != namespace:
             raise AssertionError(f"namespaces differ: {self.side.namespace} vs {namespace}")
         self.shape, self.namespace, self.verified, self.messages = shape, namespace, 0, []
         buffer = self.side.buffer
         scratch = torch.empty_like(buffer) if self.device != "cpu" else None
-        for k in (0, 1):  # warm-up; from here on the fetching pool is full
+        self.turn = 0  # the set the next fetch asks for: A, B, A, ...
+        for _ in (0, 1):  # warm-up; from here on the fetching pool is full
             self.poison()
-            await self.fetch(k)
+            await self.fetch()
+        if one_sided:
+            for _ in (0, 1):
+                self.poison()
+                await self.fetch(one_sided=True)
         await self.raw_one()
         await self.raw_seg()
         evictions = self.side.evictions()
         ops = {
-            "fetch": lambda r: self.fetch(r % 2),
+            "fetch": lambda r: self.fetch(),
             "raw_one": lambda r: self.raw_one(),
             "raw_seg": lambda r: self.raw_seg(),
         }
+        if one_sided:
+            ops["fetch_rma"] = lambda r: self.fetch(one_sided=True)
         if scratch is not None:
             ops["device_copy"] = lambda r: self.device_copy(scratch)
         times: dict[str, list[float]] = {name: [] for name in ops}
@@ -642,7 +698,7 @@ class Bench:
                 times[name].append(await ops[name](r))
         return {
             "times": times,
-            "messages": int(statistics.median(self.messages[2:])),
+            "messages": int(statistics.median(self.messages[2:] or self.messages)),
             "evictions": self.side.evictions() - evictions,
             "verified_fetches": self.verified,
         }
@@ -651,11 +707,18 @@ class Bench:
         self.side.buffer[: self.shape.nbytes].fill_(POISON)
         self.sync()
 
-    async def fetch(self, k: int) -> float:
-        """Timed: fetch set ``k``. Then, untimed: compare every byte, learn the messages."""
+    async def fetch(self, one_sided: bool = False) -> float:
+        """Timed: fetch the next set (two-sided, or one-sided). Then, untimed: compare
+        every byte, learn the messages (of a two-sided fetch)."""
+        k, self.turn = self.turn, 1 - self.turn
         hashes = self.sets[k]
+        if hasattr(self.side, "forget"):
+            self.side.forget(self.shape)
         start = time.perf_counter()
-        n = await self.side.fetch(self.namespace, hashes)
+        if one_sided:
+            n = await self.side.fetch(self.namespace, hashes, one_sided=True)
+        else:
+            n = await self.side.fetch(self.namespace, hashes)
         self.sync()
         elapsed = time.perf_counter() - start
         if n != len(hashes):
@@ -663,7 +726,8 @@ class Bench:
         offsets = self.side.offsets(self.namespace, hashes)
         check_slots(self.side.buffer, self.shape, offsets, k, f"fetched set {k}")
         self.verified += 1
-        self.messages.append(len(ask(self.ctrl, "segments")))
+        if not one_sided:
+            self.messages.append(len(ask(self.ctrl, "segments")))
         return elapsed
 
     async def raw_one(self) -> float:
@@ -722,6 +786,26 @@ def spread(r: np.ndarray) -> dict:
     }
 
 
+def p10_p50_p90(x: np.ndarray, scale: float = 1.0) -> list[float]:
+    return [round(scale * float(q), 3) for q in np.quantile(x, [0.1, 0.5, 0.9])]
+
+
+def one_sided_fields(shape: Shape, times: dict[str, list[float]]) -> dict | None:
+    """The one-sided fetch against the two-sided one and the raw ceiling, per repeat."""
+    if "fetch_rma" not in times:
+        return None
+    t = ratios(times)
+    one_sided = np.asarray(times["fetch_rma"])
+    return {
+        "gbps": round(shape.nbytes / float(np.median(one_sided)) / 1e9, 3),
+        "ms_p10_p50_p90": p10_p50_p90(one_sided, 1e3),
+        "two_sided_ms_p10_p50_p90": p10_p50_p90(t["fetch"], 1e3),
+        "raw_one_ms_p10_p50_p90": p10_p50_p90(t["one"], 1e3),
+        "ratio_ceiling_p10_p50_p90": p10_p50_p90(t["ceiling"] / one_sided),
+        "speedup_vs_two_sided_p10_p50_p90": p10_p50_p90(t["fetch"] / one_sided),
+    }
+
+
 def make_row(opts: dict, shape: Shape, out: dict) -> Row:
     t, nbytes = ratios(out["times"]), shape.nbytes
     gbps = {k: nbytes / float(np.median(t[k])) / 1e9 for k in ("fetch", "one", "seg", "ceiling")}
@@ -750,6 +834,7 @@ def make_row(opts: dict, shape: Shape, out: dict) -> Row:
         verified=True,
         verified_fetches=out["verified_fetches"],
         **spread(t["r"]),
+        rma=one_sided_fields(shape, out["times"]),
     )
     if "device_copy" in out["times"]:
         dc = nbytes / statistics.median(out["times"]["device_copy"]) / 1e9
@@ -781,6 +866,7 @@ def make_latency(opts: dict, shape: Shape, out: dict) -> dict:
         "layers_by_name": opts["layers_by_name"],
         "verified": True,
         "verified_fetches": out["verified_fetches"],
+        "rma": one_sided_fields(shape, out["times"]),
     }
 
 
@@ -800,6 +886,8 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         print_row(row)
     shape = Shape(**opts["latency_shape"])
     latency = make_latency(opts, shape, await bench.run(shape, opts["latency_iters"], seed=99))
+    if latency["rma"]:
+        print(f"      one-sided: {latency['rma']}", flush=True)
     print(
         f"  latency {shape.blocks}-block TP2 prefix ({shape.nbytes >> 20} MiB, "
         f"{latency['messages']} msgs): p50 {latency['p50_ms']} ms  p99 {latency['p99_ms']} ms"
@@ -807,13 +895,31 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         f" [{latency['ratio_ceiling_min_max'][0]}-{latency['ratio_ceiling_min_max'][1]}])",
         flush=True,
     )
+    floor = []
+    for i, shape in enumerate(Shape(**s) for s in opts["floor_shapes"]):
+        out = await bench.run(shape, opts["floor_repeats"], seed=200 + i)
+        floor.append({"slots": shape.blocks * shape.per_block, **floor_fields(shape, out)})
+        print(f"  control floor {floor[-1]}", flush=True)
     raw_ep.abort()
     await close_endpoints()
     return {
         "rows": [asdict(r) for r in rows],
         "latency": latency,
+        "control_floor": floor,
         "active_transports": sorted(ucxx.get_active_transports()),
         "server_active_transports": server_tls,
+    }
+
+
+def floor_fields(shape: Shape, out: dict) -> dict:
+    """Small fetches: wall time p10/p50/p90 (ms) of each op, interleaved."""
+    t = out["times"]
+    return {
+        "slot_bytes": shape.slot,
+        "total_bytes": shape.nbytes,
+        "repeats": len(t["fetch"]),
+        **{f"{op}_ms_p10_p50_p90": p10_p50_p90(np.asarray(x), 1e3) for op, x in t.items()},
+        "verified_fetches": out["verified_fetches"],
     }
 
 
@@ -829,6 +935,8 @@ def print_row(row: Row) -> None:
         f" fetch/1 msg {row.ratio:.2f}",
         flush=True,
     )
+    if row.rma:
+        print(f"      one-sided: {row.rma}", flush=True)
 
 
 def _quantile(sorted_samples: list[float], q: float) -> float:
@@ -873,6 +981,9 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
         "latency_iters": args.latency_iters,
         "shapes": [asdict(s) for s in rows],
         "latency_shape": asdict(latency),
+        "floor_shapes": [asdict(Shape(FLOOR_SLOT, 1, 1, 1)), asdict(Shape(FLOOR_SLOT, 16, 1, 128))],
+        "floor_repeats": args.floor_repeats or (15 if args.quick else 40),
+        "rma": one_sided_on(args),
         "fetch_device": fetch_device,
         "serve_device": serve_device,
         "serve_bytes": 2 * max(s.nbytes for s in [*rows, latency]),  # sets A and B
@@ -903,6 +1014,11 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
                 p.kill()
     out["env"] = env
     return out
+
+
+def one_sided_on(args: argparse.Namespace) -> bool:
+    """One-sided rows: host pools of real store nodes, NIXL installed, not --no-rma."""
+    return not args.no_rma and args.mem == "host" and args.source == "store" and rma.available().ok
 
 
 def _gpu_count() -> int:
@@ -949,6 +1065,12 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
         + kept(old.get("ucx", [])),
         "rows": [r for s in sweeps for r in s["rows"]] + kept(old.get("rows", [])),
         "latency": [s["latency"] for s in sweeps] + kept(old.get("latency", [])),
+        "control_floor": [
+            {"mem": args.mem, "source": args.source, **f}
+            for s in sweeps
+            for f in s.get("control_floor", [])
+        ]
+        + kept(old.get("control_floor", [])),
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc["rows"], doc["latency"], path.with_suffix(".png"))
@@ -1049,6 +1171,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="interleaved repeats per row (default 15; quick 7)")
     p.add_argument(
         "--latency-iters", type=int, help="latency samples, interleaved (default 100; quick 20)"
+    )
+    p.add_argument(
+        "--no-rma",
+        action="store_true",
+        help="no one-sided (NIXL) fetches; by default host-memory store rows time them too",
+    )
+    p.add_argument(
+        "--floor-repeats",
+        type=int,
+        help="control-floor samples, interleaved (default 40; quick 15)",
     )
     p.add_argument(
         "--out",

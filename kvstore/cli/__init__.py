@@ -174,6 +174,12 @@ def add_serve(sub) -> None:
         help="do not serve or fetch blocks between store servers over UCX",
     )
     p.add_argument(
+        "--no-rma",
+        action="store_true",
+        help="fetch and serve peer blocks two-sided only: no one-sided NIXL reads "
+        "(they are used by default with host-memory pools when nixl is installed)",
+    )
+    p.add_argument(
         "--ucx-port",
         type=int,
         default=0,
@@ -350,6 +356,7 @@ async def _serve(args) -> None:
             router_address=args.router,
             etcd=etcd_config(args),
             transfer=not args.no_transfer,
+            rma=not args.no_rma,
             ucx_port=args.ucx_port,
             peers=tuple(args.peer),
             fetch_timeout_s=args.fetch_timeout,

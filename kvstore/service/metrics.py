@@ -41,6 +41,7 @@ COUNTERS = frozenset({
     "blocks_ingested", "rejected_registrations", "load_reports", "hit_reports",
     "hit_blocks_predicted", "hit_blocks_reported", "worker_recreations",
     "resyncs_requested", "event_subscribers_cut", "auth_failures", "fetches_failed_auth",
+    "fetches_rma", "fetches_failed_rma", "rma_leases", "rma_leases_expired",
     # RouterStats.dropped_by: one counter per kvstore.router.drops.DropCause
     "stale_generation", "sequence_gap", "stale_sequence", "unknown_worker",
     "not_indexable", "undecodable", "other_kv_group",

@@ -34,8 +34,9 @@ from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
 from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
-from kvstore.transfer import PeerServer
+from kvstore.transfer import PeerServer, rma
 from kvstore.transfer.handshake import PeerSecret
+from kvstore.transfer.onesided import RmaReader
 from kvstore.transfer.ucx import LOOPBACK_DEVICE, restrict_net_devices
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -72,6 +73,7 @@ class ServerConfig:
     router_address: str = ""
     etcd: EtcdConfig | None = None  # register in etcd, publish to every router replica there
     transfer: bool = False  # run a UCX listener and fetch missing blocks from peers
+    rma: bool = True  # with transfer: one-sided NIXL reads where both ends allow them
     ucx_port: int = 0
     peers: tuple[str, ...] = ()  # explicit UCX peer addresses when no router answers
     fetch_timeout_s: float = 10.0
@@ -137,15 +139,24 @@ class StoreServer:
         self.registry = Registry(mapper=attach)
         self.index = BlockIndex(pools, on_event=self._on_event)
         self.peer_server: PeerServer | None = None
+        if config.transfer and is_loopback(config.host):  # before UCX and NIXL's UCX start
+            restrict_net_devices(LOOPBACK_DEVICE)  # bind what is advertised (§8)
+        self.rma = rma_endpoint(pools) if config.transfer and config.rma else None
         fetcher = source = None
         if config.transfer:
             source = StoreSource(self.index)
             self.peer_server = PeerServer(
-                source, config.host, config.ucx_port, secret=config.peer_secret
+                source, config.host, config.ucx_port, secret=config.peer_secret, rma=self.rma
             )
             sink = StoreSink(self.index, self.registry)
+            reader = RmaReader(self.rma) if self.rma is not None else None
             fetcher = Fetcher(
-                self.index, sink, self._find_peers, config.fetch_timeout_s, config.peer_secret
+                self.index,
+                sink,
+                self._find_peers,
+                config.fetch_timeout_s,
+                config.peer_secret,
+                reader,
             )
         copiers = {d: copier_for(d) for d in self.devices}
         self.node = StoreNode(self.registry, self.index, copiers, fetcher, source)
@@ -191,8 +202,6 @@ class StoreServer:
         security.check_exposure(self.config.host, self.config.insecure)
         self.config.check_peer_exposure()
         if self.peer_server is not None:  # first: Stats reports its address
-            if is_loopback(self.config.host):  # before UCX starts: bind what is advertised
-                restrict_net_devices(LOOPBACK_DEVICE)
             await self.peer_server.start()
             log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -274,11 +283,33 @@ class StoreServer:
         if self.peer_server is not None:
             await self.peer_server.stop()
             await stop_ucx()
+        if self.rma is not None:
+            self.rma.close()
+            self.rma = None
         if self.server:
             await self.server.stop(grace)
         if self.embedded_router is not None:
             await self.embedded_router.close()
         log.info("kvstore store server stopped")
+
+
+def rma_endpoint(pools: dict[str, SlotPool]) -> rma.RmaEndpoint | None:
+    """The pool registered with NIXL for one-sided reads (docs/design.md §4), or
+    None (logged why): NIXL missing, or pools on GPUs (VRAM registration is not
+    built: those fetch two-sided). A host pool is one allocation: one region."""
+    if list(pools) != ["cpu"]:
+        log.info("one-sided peer reads off: pools on %s (host pools only)", ",".join(pools))
+        return None
+    ok = rma.available()
+    if not ok:
+        log.info("one-sided peer reads off: %s", ok.reason)
+        return None
+    pool = pools["cpu"]
+    try:
+        return rma.RmaEndpoint(rma.Region(pool.base, pool.pool_bytes))
+    except (KVError, RuntimeError) as exc:
+        log.warning("one-sided peer reads off: NIXL failed to start: %s", exc)
+        return None
 
 
 async def stop_ucx() -> None:

@@ -18,6 +18,9 @@
   (or ``--peer``) listed for its namespace AND that proved the secret on the
   connection before any request went out (docs/design.md §8); a peer that
   cannot is skipped like a failed one and counted in ``fetches_failed_auth``.
+  With an :class:`~kvstore.transfer.onesided.RmaReader` the bytes are read
+  one-sided where the peer allows it; a failed one-sided read is counted in
+  ``fetches_failed_rma`` and retried once two-sided from the same peer.
 
 The transfer engine (:mod:`kvstore.transfer`) moves slots and knows nothing of
 blocks; these adapters are the only place the two meet.
@@ -37,8 +40,9 @@ from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, Lease
 from kvstore.store.registry import Registry
 from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, worker_recreations
-from kvstore.transfer.errors import PeerUnauthenticated
+from kvstore.transfer.errors import PeerUnauthenticated, RmaFailed
 from kvstore.transfer.handshake import PeerSecret
+from kvstore.transfer.onesided import RmaReader
 from kvstore.wire.errors import KVError, invalid, precondition, unavailable
 from kvstore.wire.peers import PeerPrefix
 
@@ -191,6 +195,8 @@ class FetcherStats:
     # This process's UCX worker found wedged and recreated (kvstore.transfer, "Peer death").
     worker_recreations: int = 0
     fetches_failed_auth: int = 0  # a peer did not prove the cluster secret
+    fetches_rma: int = 0  # fetches whose bytes were read one-sided
+    fetches_failed_rma: int = 0  # one-sided reads that failed (then retried two-sided)
 
 
 class Fetcher:
@@ -203,13 +209,17 @@ class Fetcher:
         find_peers: FindPeers,
         timeout_s: float = 10.0,
         secret: PeerSecret | None = None,
+        rma: RmaReader | None = None,
     ):
-        """``secret``: the cluster secret each peer must prove (None: no handshake)."""
+        """``secret``: the cluster secret each peer must prove (None: no handshake);
+        ``rma``: read one-sided from peers that allow it (None: two-sided only)."""
         self.index = index
         self.sink = sink
         self.find_peers = find_peers
         self.timeout_s = timeout_s
         self.secret = secret
+        self.rma = rma
+        self._failed_rma = 0
         self._running: dict[tuple, asyncio.Task[FetchResult]] = {}
         self._fetched = 0
         # By cause, the most specific first (PeerUnauthenticated is a PeerUnavailable).
@@ -222,6 +232,8 @@ class Fetcher:
             self._failed[PeerTimeout],
             worker_recreations(),
             self._failed[PeerUnauthenticated],
+            self.rma.reads if self.rma is not None else 0,
+            self._failed_rma,
         )
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
@@ -247,9 +259,7 @@ class Fetcher:
         for peer in peers[:2]:  # the best, then one retry elsewhere
             want = missing[: peer.prefix_blocks] if peer.prefix_blocks else missing
             try:
-                n = await fetch(
-                    peer.ucx_address, namespace, want, self.sink, self.timeout_s, self.secret
-                )
+                n = await self._fetch_from(peer, namespace, want)
             except (PeerUnavailable, PeerTimeout) as err:
                 self._failed[next(c for c in self._failed if isinstance(err, c))] += 1
                 log.warning(
@@ -265,3 +275,16 @@ class Fetcher:
             log.info("fetched %d/%d blocks of %s from %s", n, len(missing), namespace, peer.node_id)
             return FetchResult(0, n, peer.node_id)
         raise last or unavailable("no peer could serve the fetch")
+
+    async def _fetch_from(self, peer: PeerPrefix, namespace: str, want: list[int]) -> int:
+        """One peer: one-sided where it allows it; a failed one-sided read once more
+        two-sided (the reservation of the failed read is already aborted)."""
+        address, sink = peer.ucx_address, self.sink
+        try:
+            return await fetch(
+                address, namespace, want, sink, self.timeout_s, self.secret, self.rma
+            )
+        except RmaFailed as err:
+            self._failed_rma += 1
+            log.warning("one-sided fetch from %s failed (%s); retrying two-sided", address, err)
+        return await fetch(address, namespace, want, sink, self.timeout_s, self.secret)

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.transfer.errors import PeerUnavailable, ProtocolError
+from kvstore.transfer.errors import PeerUnavailable, ProtocolError, RmaFailed
 from kvstore.transfer.handshake import PeerSecret, authenticate_peer
+from kvstore.transfer.onesided import RmaReader
 from kvstore.transfer.slots import (
     Reservation,
     SlotSink,
@@ -41,6 +42,7 @@ from kvstore.transfer.wire import (
     decode_error,
     decode_offer,
     encode_go,
+    encode_release,
     encode_request,
 )
 from kvstore.wire.errors import Code, KVError, invalid
@@ -70,6 +72,7 @@ async def fetch(
     sink: SlotSink,
     timeout_s: float = 10.0,
     secret: PeerSecret | None = None,
+    rma: RmaReader | None = None,
 ) -> int:
     """Pull the longest prefix of ``hashes`` the peer holds into slots of ``sink``.
 
@@ -81,6 +84,11 @@ async def fetch(
     With ``secret``, a new connection first runs the handshake: a peer that does
     not prove the cluster secret is refused (PeerUnauthenticated) before any
     request is sent, so no byte of it reaches the sink.
+
+    With ``rma`` the fetch reads one-sided when the peer hands out a card and
+    grants the read (else two-sided, as without it); a failed one-sided read
+    raises RmaFailed (a PeerUnavailable) with the reservation aborted, or kept
+    for good when a read might still land in it.
     """
     hashes = _check_fetch_args(namespace, hashes, timeout_s)
     if not hashes:
@@ -92,7 +100,9 @@ async def fetch(
     try:
         if secret is not None and not conn.authenticated:
             await authenticate_peer(conn, secret, deadline)
-        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline)
+        if rma is not None and await rma.peer(conn, deadline) is None:
+            rma = None  # the peer offers no one-sided reads
+        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, rma)
         reusable = True
         return fetched
     finally:
@@ -100,20 +110,28 @@ async def fetch(
 
 
 async def _fetch_on(
-    conn: Conn, namespace: str, hashes: list[int], sink: SlotSink, deadline: float
+    conn: Conn,
+    namespace: str,
+    hashes: list[int],
+    sink: SlotSink,
+    deadline: float,
+    rma: RmaReader | None,
 ) -> int:
-    request = frame_sends(conn, Kind.REQUEST, encode_request(namespace, hashes))
-    kind, _, body = await _recv_reply(conn, deadline, request)
+    body = encode_request(namespace, hashes, rma=rma is not None)
+    kind, _, body = await _recv_reply(conn, deadline, frame_sends(conn, Kind.REQUEST, body))
     if kind is Kind.ERROR:
         raise decode_error(body, conn.peer)
-    offer = _decode_offer(conn, body, len(hashes))
+    offer = _decode_offer(conn, body, len(hashes), rma is not None)
     if not offer.num_blocks:
         return 0
     try:
         reservation = sink.reserve(namespace, hashes[: offer.num_blocks], offer.slot_sizes)
     except BaseException:
-        await _cancel_offer(conn, deadline)
+        await _release_grant(conn, offer, deadline)
         raise
+    if offer.grant is not None and rma is not None:
+        await _read_one_sided(conn, rma, reservation, offer, deadline)
+        return offer.num_blocks
     try:
         table = _reserved_table(reservation, offer)
         order = transfer_order(table.counts.tolist(), offer.lanes)
@@ -130,12 +148,50 @@ async def _fetch_on(
     return offer.num_blocks
 
 
-async def _cancel_offer(conn: Conn, deadline: float) -> None:
-    """GO(0): the peer releases its lease and the endpoint stays reusable."""
+async def _read_one_sided(
+    conn: Conn, rma: RmaReader, reservation: Reservation, offer: Offer, deadline: float
+) -> None:
+    """Read the granted slots into the reservation, commit, RELEASE the lease.
+    On failure the reservation is aborted (kept for good if a read may still
+    land in it) and the endpoint aborted, which releases the peer's lease."""
+    assert offer.grant is not None
     try:
-        await send_frame(conn, Kind.GO, deadline, body=encode_go(0))
+        table = _reserved_table(reservation, offer)
+        await rma.read(conn.peer, table, offer.grant, offer.lanes, deadline)
+    except BaseException as e:
+        conn.abort()
+        if isinstance(e, RmaFailed) and e.unsettled:
+            log.error("one-sided read from %s unsettled: its slots stay reserved", conn.peer)
+        else:
+            reservation.abort()
+        raise
+    reservation.commit()
+    _send_release(conn, encode_release(offer.grant.lease_id), deadline)
+
+
+def _send_release(conn: Conn, body: bytes, deadline: float) -> None:
+    """RELEASE, one-way: the fetch is done once it is posted. Frames on an endpoint
+    arrive in order, so the peer sees it before the next REQUEST; a send that
+    fails aborts the endpoint (the peer then releases on close)."""
+    # Tasks now, so that they post before any later frame on this endpoint.
+    posted = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.RELEASE, body)]
+    send = asyncio.ensure_future(run_ops(conn, posted, deadline, "sending RELEASE"))
+    send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
+    conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]
+    conn.unsettled.append(send)  # the endpoint is not idle until it is sent
+
+
+async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:
+    """RELEASE after a one-sided read, else GO(0) to cancel an offer: the peer
+    releases its lease and the endpoint stays reusable."""
+    if offer.grant is None:
+        kind, body = Kind.GO, encode_go(0)
+    else:
+        kind, body = Kind.RELEASE, encode_release(offer.grant.lease_id)
+    try:
+        await send_frame(conn, kind, deadline, body=body)
     except KVError:
-        conn.abort()  # the caller reports the sink's error, not this one
+        conn.abort()  # the caller reports its own outcome; the peer releases on close
 
 
 def _reserved_table(reservation: Reservation, offer: Offer) -> SlotTable:
@@ -160,9 +216,9 @@ async def _recv_reply(
         raise PeerUnavailable(f"peer {conn.peer}: bad reply: {e}") from None
 
 
-def _decode_offer(conn: Conn, body: bytes, requested: int) -> Offer:
+def _decode_offer(conn: Conn, body: bytes, requested: int, rma: bool) -> Offer:
     try:
-        return decode_offer(body, requested)
+        return decode_offer(body, requested, rma)
     except ProtocolError as e:
         conn.abort()
         raise PeerUnavailable(f"peer {conn.peer}: bad offer: {e}") from None

@@ -27,6 +27,20 @@ class ProtocolError(Exception):
     """A frame that breaks the wire protocol (bad magic, kind, size or body)."""
 
 
+class VersionMismatch(ProtocolError):
+    """A frame of another protocol version (the peer is told which one we speak)."""
+
+
 class PeerUnauthenticated(PeerUnavailable):
     """The peer did not prove the cluster secret (or refused our proof): no byte of
     it is accepted (docs/design.md §8)."""
+
+
+class RmaFailed(PeerUnavailable):
+    """A one-sided read failed after the reservation: it was aborted, or, when
+    ``unsettled``, left reserved for good (a read may still land in it). The
+    fetch may be retried two-sided."""
+
+    def __init__(self, message: str, unsettled: bool = False):
+        super().__init__(message)
+        self.unsettled = unsettled

@@ -225,7 +225,7 @@ def check_runs(runs: SlotRuns, local: Region, remote: Region) -> None:
     if not 0 < n <= MAX_RUNS_PER_READ:
         raise invalid(f"runs: {n} runs, need 1..{MAX_RUNS_PER_READ}")
     for field, addrs, region in (("remote", runs.remote, remote), ("local", runs.local, local)):
-        bad = _outside(addrs, runs.nbytes, region)
+        bad = outside(addrs, runs.nbytes, region)
         if len(bad):
             i = int(bad[0])
             raise invalid(
@@ -234,7 +234,7 @@ def check_runs(runs: SlotRuns, local: Region, remote: Region) -> None:
             )
 
 
-def _outside(addrs: np.ndarray, nbytes: np.ndarray, region: Region) -> np.ndarray:
+def outside(addrs: np.ndarray, nbytes: np.ndarray, region: Region) -> np.ndarray:
     """Indices of runs not wholly inside ``region`` (no uint64 overflow: offsets first)."""
     base, size = np.uint64(region.addr), np.uint64(region.nbytes)
     below = addrs < base

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvstore.transfer.errors import ProtocolError
+from kvstore.transfer.errors import ProtocolError, VersionMismatch
 from kvstore.transfer.handshake import PeerSecret, authenticate_fetcher
+from kvstore.transfer.rma import RmaEndpoint, outside
 from kvstore.transfer.slots import (
     Lease,
     SlotSource,
@@ -42,10 +45,15 @@ from kvstore.transfer.wire import (
     MAX_SLOT_BYTES,
     MAX_SLOTS_PER_BLOCK,
     MAX_SLOTS_PER_FETCH,
+    PROTOCOL_VERSION,
+    FetchRequest,
+    Grant,
     Kind,
     decode_go,
+    decode_release,
     decode_request,
     decode_run_starts,
+    encode_card,
     encode_error,
     encode_layouts,
     encode_offer,
@@ -65,7 +73,9 @@ class PortLimits:
     With a cluster secret, a connection must finish the handshake within
     ``handshake_s``; it pins nothing until it has. A connection must send its
     first REQUEST within ``first_request_s`` and each later one within
-    ``idle_s``, else it is closed.
+    ``idle_s``, else it is closed. A one-sided read's lease (no GO: the
+    fetcher reads while the blocks are pinned) lasts until its RELEASE, the
+    connection's close or ``rma_lease_s``, whichever comes first.
     """
 
     max_connections: int = 256  # each costs UCX endpoint descriptors
@@ -74,6 +84,7 @@ class PortLimits:
     first_request_s: float = 5.0
     idle_s: float = 60.0
     handshake_s: float = 5.0
+    rma_lease_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class PortStats:
     refused_connections: int
     busy_refusals: int
     auth_failures: int  # connections closed for a failed or missing handshake
+    rma_leases: int = 0  # one-sided leases granted
+    rma_leases_expired: int = 0  # of those, released by expiry or close, not RELEASE
 
 
 class PeerServer:
@@ -105,7 +118,10 @@ class PeerServer:
         send_window: int = SEND_WINDOW,
         limits: PortLimits | None = None,
         secret: PeerSecret | None = None,
+        rma: RmaEndpoint | None = None,
     ):
+        """``rma``: the endpoint whose region holds the source's slots; with it,
+        authenticated fetchers get its card and may read leased slots one-sided."""
         self.source = source
         self.host = host
         self.port = port
@@ -121,6 +137,13 @@ class PeerServer:
         self._refused_connections = 0
         self._busy_refusals = 0
         self._auth_failures = 0
+        self.rma = rma
+        self._card = rma.card().encode() if rma is not None else b""
+        self._lease_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
+        self._rma_held = 0  # one-sided leases held now: the progress loop runs while > 0
+        self._rma_granted = 0
+        self._rma_expired = 0
+        self._progress: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -137,6 +160,8 @@ class PeerServer:
             self._refused_connections,
             self._busy_refusals,
             self._auth_failures,
+            self._rma_granted,
+            self._rma_expired,
         )
 
     async def start(self) -> None:
@@ -211,8 +236,16 @@ class PeerServer:
         wait_s = self.limits.first_request_s
         while conn.usable:
             deadline = asyncio.get_running_loop().time() + wait_s
-            _, _, body = await recv_frame(conn, [Kind.REQUEST], deadline)
-            await self._serve(conn, body)
+            try:
+                kind, _, body = await recv_frame(conn, [Kind.REQUEST, Kind.CARD_REQUEST], deadline)
+            except VersionMismatch as e:  # say which version this peer speaks, then close
+                message = f"{e} (this peer speaks protocol {PROTOCOL_VERSION})"
+                await self._refuse(conn, Code.FAILED_PRECONDITION, message, deadline)
+                raise
+            if kind is Kind.CARD_REQUEST:  # only here: after the handshake, to this connection
+                await send_frame(conn, Kind.CARD, deadline, body=encode_card(self._card))
+            else:
+                await self._serve(conn, body)
             wait_s = self.limits.idle_s
 
     async def _authenticate(self, conn: Conn) -> bool:
@@ -239,10 +272,12 @@ class PeerServer:
             return False
 
     async def _serve(self, conn: Conn, body: bytes) -> None:
-        """One fetch: refuse, or lease, offer, await GO, send, release."""
+        """One fetch: refuse, or lease, offer, await GO, send, release (or, one-sided:
+        lease, grant, await RELEASE)."""
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            namespace, hashes = decode_request(body)
+            request = decode_request(body)
+            namespace, hashes = request.namespace, request.hashes
         except ProtocolError as e:
             await self._refuse(conn, Code.INVALID_ARGUMENT, str(e), deadline)
             return
@@ -257,7 +292,7 @@ class PeerServer:
         held = len(lease.hashes)
         self._pinned += held
         try:
-            await self._send_lease(conn, lease, hashes, deadline)
+            await self._send_lease(conn, lease, request, deadline)
         finally:
             when_settled(conn, functools.partial(self._release, lease, held))
 
@@ -283,16 +318,21 @@ class PeerServer:
         lease.release()
 
     async def _send_lease(
-        self, conn: Conn, lease: Lease, hashes: list[int], deadline: float
+        self, conn: Conn, lease: Lease, request: FetchRequest, deadline: float
     ) -> None:
         try:
-            table = _offerable(lease, hashes)
+            table = _offerable(lease, request.hashes)
         except (KVError, ValueError) as e:
             log.error("SlotSource returned a bad lease: %s", e)
             await self._refuse(conn, Code.INTERNAL, f"bad lease: {e}", deadline)
             return
         layouts, block_layout = table.layouts()
         lanes = choose_lanes(table)
+        if request.rma and table.num_blocks and self._readable(table):
+            await self._grant(
+                conn, table, functools.partial(encode_layouts, layouts, block_layout, (), lanes)
+            )
+            return
         order = transfer_order(table.counts.tolist(), lanes)
         ptr, size, memory = table.take(order)
         mine = run_starts(ptr, size, memory)
@@ -310,6 +350,47 @@ class PeerServer:
             bounds = segment_bounds(len(order), mine, theirs)
             views = segment_views(ptr, size, memory, bounds, writable=False, owner=table.owner)
             await self._send_slots(conn, views, deadline)
+
+    def _readable(self, table: SlotTable) -> bool:
+        """Whether every slot lies in the registered region (else: two-sided)."""
+        if self.rma is None:
+            return False
+        on_host = not bool(table.memory.any())
+        sizes = table.nbytes.astype(np.uint64)
+        return on_host and not len(outside(table.ptr.astype(np.uint64), sizes, self.rma.region))
+
+    async def _grant(self, conn: Conn, table: SlotTable, offer: Any) -> None:
+        """A one-sided read: REPLY with the grant, then hold the lease until the
+        fetcher's RELEASE, its connection's close, or ``rma_lease_s``. A RELEASE
+        naming another lease closes the connection (the caller releases).
+        ``offer(grant=...)`` encodes the REPLY."""
+        lease_s = self.limits.rma_lease_s
+        grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
+        grant_reply = offer(grant=grant)
+        self._rma_granted += 1
+        self._rma_held += 1
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.ensure_future(self._progress_rma())
+        expiry = asyncio.get_running_loop().time() + lease_s
+        released = False
+        try:
+            _, _, body = await recv_frame(
+                conn, [Kind.RELEASE], expiry, after=frame_sends(conn, Kind.REPLY, grant_reply)
+            )
+            released = decode_release(body) == grant.lease_id
+        finally:
+            self._rma_held -= 1
+            self._rma_expired += not released
+        if not released:
+            raise ProtocolError(f"RELEASE names another lease than {grant.lease_id}")
+
+    async def _progress_rma(self) -> None:
+        """Progress the NIXL endpoint every millisecond while a one-sided lease is
+        held: a fetcher's first read connects through it (docs/design.md §4)."""
+        while self._rma_held > 0 and self.rma is not None:
+            for notice in self.rma.progress():
+                log.debug("rma notice from %s ignored", notice.peer)
+            await asyncio.sleep(1e-3)
 
     async def _send_slots(
         self, conn: Conn, views: list[Any], deadline: float, first: int = 0

@@ -196,7 +196,8 @@ class MemorySink:
     pool: Pool
     visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
     reservations: list[MemReservation] = field(default_factory=list)
-    on_reserve: str = ""  # "die": kill this process; "hang": block its loop
+    # "die": kill this process; "hang": block its loop; "kill:PID": kill process PID
+    on_reserve: str = ""
     lanes: int = 1
 
     def reserve(
@@ -204,6 +205,9 @@ class MemorySink:
     ) -> MemReservation:
         if self.on_reserve == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.on_reserve.startswith("kill:"):  # kill the serving peer, then go on
+            os.kill(int(self.on_reserve[5:]), signal.SIGKILL)
+            time.sleep(0.3)
         if self.on_reserve == "hang":
             time.sleep(3600)
         buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from kvstore.transfer.errors import PeerUnavailable, ProtocolError
+from kvstore.transfer.errors import PeerUnavailable, ProtocolError, VersionMismatch
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 # Raised whenever a frame's layout or the exchange changes: peers of another
 # version are refused. 4: the optional HELLO / CHALLENGE / PROOF handshake.
-PROTOCOL_VERSION = 4
+# 5: one-sided reads (CARD_REQUEST / CARD, REQUEST's rma flag, a grant in REPLY,
+# RELEASE).
+PROTOCOL_VERSION = 5
 MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
 MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
 MAX_SLOTS_PER_FETCH = 1 << 20  # a peer trims its prefix to stay under this
@@ -37,6 +39,9 @@ MAX_REPLY_BYTES = 16 << 20
 MAX_ERROR_BYTES = 8 << 10
 MAX_GO_BYTES = 4 * MAX_SLOTS_PER_FETCH + 64
 MAX_HANDSHAKE_BYTES = 256
+MAX_CARD_FRAME_BYTES = 272 << 10  # a PeerCard (kvstore.transfer.rma.MAX_CARD_BYTES) and framing
+MAX_RELEASE_BYTES = 64
+MAX_LEASE_EXPIRY_MS = 600_000  # a one-sided lease a peer announces: at most 10 minutes
 NONCE_BYTES = 32  # fresh from os.urandom on each side of each connection
 MAC_BYTES = 32  # HMAC-SHA256
 # A control frame whose preamble and body fit this many bytes travels as one
@@ -59,6 +64,9 @@ class Kind(enum.IntEnum):
     HELLO = 5  # fetcher: [version, fetcher nonce]
     CHALLENGE = 6  # peer: [peer nonce, peer's MAC]
     PROOF = 7  # fetcher: [fetcher's MAC]
+    CARD_REQUEST = 8  # fetcher: [version]; after the handshake, once per connection
+    CARD = 9  # peer: [card] (b"" when it serves no one-sided reads)
+    RELEASE = 10  # fetcher: [lease id]; one-way, after a one-sided read
 
 
 class Preamble(NamedTuple):
@@ -69,6 +77,17 @@ class Preamble(NamedTuple):
 class FetchRequest(NamedTuple):
     namespace: str  # final namespace
     hashes: list[int]
+    rma: bool = False  # the fetcher reads one-sided if the peer grants it
+
+
+class Grant(NamedTuple):
+    """A peer's lease for a one-sided read: its id (named in RELEASE), how long the
+    peer pins the blocks without RELEASE, and where each offered slot lies in its
+    registered memory (block after block)."""
+
+    lease_id: int
+    expiry_s: float
+    addresses: np.ndarray  # uint64 per slot
 
 
 class Go(NamedTuple):
@@ -84,6 +103,9 @@ _BODY_LIMITS = {
     Kind.HELLO: MAX_HANDSHAKE_BYTES,
     Kind.CHALLENGE: MAX_HANDSHAKE_BYTES,
     Kind.PROOF: MAX_HANDSHAKE_BYTES,
+    Kind.CARD_REQUEST: MAX_RELEASE_BYTES,
+    Kind.CARD: MAX_CARD_FRAME_BYTES,
+    Kind.RELEASE: MAX_RELEASE_BYTES,
 }
 
 
@@ -106,7 +128,7 @@ def decode_preamble(raw: bytes, expect: Sequence[Kind]) -> Preamble:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+        raise VersionMismatch(f"protocol version {version}, expected {PROTOCOL_VERSION}")
     if kind not in [int(k) for k in expect]:
         raise ProtocolError(f"frame kind {kind}, expected one of {[k.name for k in expect]}")
     kind = Kind(kind)
@@ -134,18 +156,20 @@ def _unpack(body: bytes, max_len: int) -> Any:
         raise ProtocolError(f"malformed msgpack body: {e}") from None
 
 
-def encode_request(namespace: str, hashes: Sequence[int]) -> bytes:
+def encode_request(namespace: str, hashes: Sequence[int], rma: bool = False) -> bytes:
     packed = np.asarray(hashes, dtype="<u8").tobytes()
-    return msgpack.packb([PROTOCOL_VERSION, namespace, packed], use_bin_type=True)
+    return msgpack.packb([PROTOCOL_VERSION, namespace, packed, rma], use_bin_type=True)
 
 
 def decode_request(body: bytes) -> FetchRequest:
     req = _unpack(body, MAX_REQUEST_BYTES)
-    if not (isinstance(req, list) and len(req) == 3):
-        raise ProtocolError("request is not [version, namespace, hashes]")
-    version, namespace, packed = req
+    if not (isinstance(req, list) and len(req) == 4):
+        raise ProtocolError("request is not [version, namespace, hashes, rma]")
+    version, namespace, packed, rma = req
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"request version {version!r}")
+    if not isinstance(rma, bool):
+        raise ProtocolError(f"request rma flag {rma!r}, need true or false")
     check_namespace(namespace, ProtocolError)
     if not isinstance(packed, bytes) or len(packed) % 8:
         raise ProtocolError("hashes must be packed little-endian u64")
@@ -155,7 +179,7 @@ def decode_request(body: bytes) -> FetchRequest:
     hashes = np.frombuffer(packed, dtype="<u8")
     if len(np.unique(hashes)) != count:
         raise ProtocolError("hashes must be distinct")
-    return FetchRequest(namespace, hashes.tolist())
+    return FetchRequest(namespace, hashes.tolist(), rma)
 
 
 @dataclass(frozen=True)
@@ -169,6 +193,7 @@ class Offer:
     block_layout: np.ndarray  # int64 per block: index into layouts
     run_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     lanes: int = 1
+    grant: Grant | None = None  # a one-sided read was granted: no GO, no data frames
 
     @property
     def num_blocks(self) -> int:
@@ -213,27 +238,31 @@ def encode_layouts(
     block_layout: Sequence[int] | np.ndarray,
     run_starts: Sequence[int] = (),
     lanes: int = 1,
+    grant: Grant | None = None,
 ) -> bytes:
     """Each distinct layout once and an index per block, so a 64-slot x 8k-block
-    reply stays small."""
+    reply stays small; with ``grant``, its lease id, expiry (ms) and packed
+    addresses follow."""
     packed = [np.asarray(k, dtype="<u8").tobytes() for k in layouts]
-    return msgpack.packb(
-        [
-            packed,
-            np.asarray(block_layout, dtype="<u4").tobytes(),
-            lanes,
-            encode_run_starts(run_starts),
-        ],
-        use_bin_type=True,
-    )
+    reply = [
+        packed,
+        np.asarray(block_layout, dtype="<u4").tobytes(),
+        lanes,
+        encode_run_starts(run_starts),
+    ]
+    if grant is not None:
+        addresses = np.asarray(grant.addresses, dtype="<u8").tobytes()
+        reply += [grant.lease_id, round(grant.expiry_s * 1000), addresses]
+    return msgpack.packb(reply, use_bin_type=True)
 
 
-def decode_offer(body: bytes, requested: int) -> Offer:
-    """Validate everything a (possibly malicious) peer says before acting on it."""
+def decode_offer(body: bytes, requested: int, rma: bool = False) -> Offer:
+    """Validate everything a (possibly malicious) peer says before acting on it.
+    ``rma``: the request asked for a one-sided read, so a grant may follow."""
     reply = _unpack(body, MAX_REPLY_BYTES)
-    if not (isinstance(reply, list) and len(reply) == 4):
-        raise ProtocolError("reply is not [layouts, block_layout, lanes, run_starts]")
-    packed_layouts, packed_index, lanes, packed_starts = reply
+    if not (isinstance(reply, list) and len(reply) in ((4, 7) if rma else (4,))):
+        raise ProtocolError("reply is not [layouts, block_layout, lanes, run_starts(, grant)]")
+    packed_layouts, packed_index, lanes, packed_starts = reply[:4]
     if not isinstance(packed_index, bytes) or len(packed_index) % 4:
         raise ProtocolError("block_layout must be packed u32")
     index = np.frombuffer(packed_index, dtype="<u4").astype(np.int64)
@@ -256,7 +285,48 @@ def decode_offer(body: bytes, requested: int) -> Offer:
         raise ProtocolError(
             f"lanes {lanes!r} must be 1..{MAX_LANES} and divide every block's slot count"
         )
-    return Offer(layouts, index, decode_run_starts(packed_starts, num_slots), lanes)
+    grant = _decode_grant(reply[4:], num_slots) if len(reply) == 7 else None
+    return Offer(layouts, index, decode_run_starts(packed_starts, num_slots), lanes, grant)
+
+
+def _decode_grant(fields: list[Any], num_slots: int) -> Grant:
+    """Lease id (u64), expiry (1 ms .. MAX_LEASE_EXPIRY_MS), one u64 address per slot."""
+    lease_id, expiry_ms, packed = fields
+    if not (isinstance(lease_id, int) and 0 <= lease_id < 1 << 64):
+        raise ProtocolError(f"grant lease id {lease_id!r} is not a u64")
+    if not (isinstance(expiry_ms, int) and 0 < expiry_ms <= MAX_LEASE_EXPIRY_MS):
+        raise ProtocolError(f"grant expiry {expiry_ms!r} ms outside 1..{MAX_LEASE_EXPIRY_MS}")
+    if not isinstance(packed, bytes) or len(packed) != 8 * num_slots:
+        raise ProtocolError(f"grant addresses must be {num_slots} packed u64")
+    return Grant(lease_id, expiry_ms / 1000, np.frombuffer(packed, dtype="<u8").astype(np.uint64))
+
+
+def encode_card(card: bytes) -> bytes:
+    return msgpack.packb([card], use_bin_type=True)
+
+
+def decode_card(body: bytes) -> bytes:
+    """The peer's encoded PeerCard, b"" when it serves no one-sided reads (the card's
+    own fields are checked by kvstore.transfer.rma.PeerCard.decode)."""
+    card = _unpack(body, MAX_CARD_FRAME_BYTES)
+    if not (isinstance(card, list) and len(card) == 1 and isinstance(card[0], bytes)):
+        raise ProtocolError("CARD is not [card]")
+    return card[0]
+
+
+def encode_card_request() -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION], use_bin_type=True)
+
+
+def encode_release(lease_id: int) -> bytes:
+    return msgpack.packb([lease_id], use_bin_type=True)
+
+
+def decode_release(body: bytes) -> int:
+    release = _unpack(body, MAX_RELEASE_BYTES)
+    if not (isinstance(release, list) and len(release) == 1 and isinstance(release[0], int)):
+        raise ProtocolError("RELEASE is not [lease id]")
+    return release[0]
 
 
 def encode_run_starts(starts: Sequence[int]) -> bytes:

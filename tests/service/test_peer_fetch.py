@@ -212,3 +212,87 @@ def test_gpu_pools_fetch_gpu_to_gpu_every_byte():
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+# ---- one-sided reads (NIXL) between real store servers ---------------------------------
+
+
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.fixture
+def pair():
+    """``pair(a_flags, b_flags)``: stores a (serving) and b (fetching from a by --peer),
+    each with /metrics; returns ((address, client, metrics port), ...) for both."""
+    procs = []
+
+    def start(a_flags=(), b_flags=()):
+        ports = [free_port() for _ in range(6)]
+        out = []
+        for i, flags in enumerate((a_flags, b_flags)):
+            args = ["serve", "--port", str(ports[i]), "--ucx-port", str(ports[2 + i])]
+            args += ["--metrics-port", str(ports[4 + i]), "--device", "cpu"]
+            args += ["--pool-size", "64MiB", "--fetch-timeout", "5", *flags]
+            if i == 1:
+                args += ["--peer", f"127.0.0.1:{ports[2]}"]
+            procs.append(spawn(*args))
+            address = f"127.0.0.1:{ports[i]}"
+            out.append((address, ready(address, procs[-1]), ports[4 + i]))
+        return out
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def _fetch_and_compare(a_addr, b_addr, name, hashes, **layout) -> None:
+    src = WorkerGroup(a_addr, name, 2, **{**LAYOUT, **layout})
+    dst = WorkerGroup(b_addr, name, 2, **{**LAYOUT, **layout})
+    try:
+        src.each("fill", [(h, i) for i, h in enumerate(hashes)])
+        src.each("save", [(h, i) for i, h in enumerate(hashes)])
+        n = len(hashes)
+        dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes)])
+        assert dst.each("digest", list(range(16, 16 + n))) == src.each("digest", list(range(n)))
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_one_sided_fetch_between_stores_every_byte(pair):
+    """Slots of 1, 4 and 16 KiB read one-sided; each lease RELEASEd (pins back to 0)."""
+    pytest.importorskip("nixl_cu12")
+    (a_addr, a, a_metrics), (b_addr, _b, b_metrics) = pair()
+    shapes = [dict(head_dim=32), dict(head_dim=128), dict(head_dim=128, block_size=16)]
+    for k, shape in enumerate(shapes):
+        _fetch_and_compare(a_addr, b_addr, f"m{k}", [100 * k + i for i in range(10)], **shape)
+    mb, ma = scrape(b_metrics), scrape(a_metrics)
+    assert mb["kvstore_store_fetcher_fetches_rma_total"] == 3
+    assert mb["kvstore_store_fetcher_fetches_failed_rma_total"] == 0
+    assert mb["kvstore_store_fetcher_fetched_blocks_total"] == 30
+    assert ma["kvstore_peer_port_rma_leases_total"] == 3
+    assert ma["kvstore_peer_port_rma_leases_expired_total"] == 0
+    assert ma["kvstore_peer_port_pinned_blocks"] == 0
+    assert a.stats().served_blocks == 30
+
+
+@pytest.mark.parametrize("side", ["serving", "fetching"])
+def test_no_rma_on_either_side_fetches_two_sided(pair, side):
+    flags = ("--no-rma",)
+    (a_addr, _a, a_metrics), (b_addr, b, b_metrics) = (
+        pair(a_flags=flags) if side == "serving" else pair(b_flags=flags)
+    )
+    _fetch_and_compare(a_addr, b_addr, "m", [300 + i for i in range(6)])
+    mb, ma = scrape(b_metrics), scrape(a_metrics)
+    assert mb["kvstore_store_fetcher_fetches_rma_total"] == 0
+    assert mb["kvstore_store_fetcher_fetched_blocks_total"] == 6
+    assert ma["kvstore_peer_port_rma_leases_total"] == 0
+    assert b.stats().fetched_blocks == 6

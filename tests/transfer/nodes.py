@@ -13,6 +13,7 @@ come first, then the next lane's).
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -51,6 +52,7 @@ def make_server(
     timeout_s: float,
     limits: dict | None = None,
     secret: str = "",
+    rma: Any = None,
 ) -> Any:
     from kvstore.transfer import server as peer_server
     from kvstore.transfer import ucx, wire
@@ -81,6 +83,12 @@ def make_server(
             await asyncio.sleep({"hang_half": 3600, "pause_long": 3.0}.get(behaviour, 1.0))
             await super()._send_slots(conn, views[half:], deadline, first=half)
 
+        async def _grant(self, conn, table, offer):
+            if behaviour == "bad_grant":  # addresses past the registered region
+                far = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
+                return await super()._grant(conn, table, far)
+            return await super()._grant(conn, table, offer)
+
         async def _serve(self, conn, body):
             if behaviour == "mute":
                 await asyncio.sleep(3600)
@@ -107,7 +115,19 @@ def make_server(
         timeout_s=timeout_s,
         limits=peer_server.PortLimits(**(limits or {})),
         secret=peer_secret(secret),
+        rma=rma,
     )
+
+
+def _shifted_grant(offer: Any, shift: np.uint64, grant: Any) -> bytes:
+    return offer(grant=grant._replace(addresses=grant.addresses + shift))
+
+
+def rma_endpoint(mem: np.ndarray) -> Any:
+    """A NIXL endpoint with ``mem`` (a test pool) registered."""
+    from kvstore.transfer import rma
+
+    return rma.RmaEndpoint(rma.Region(mem.ctypes.data, mem.nbytes))
 
 
 # ---- a node: one spawned process driven over a pipe ------------------------------------
@@ -127,11 +147,14 @@ class NodeState:
         lanes: int = 1,
         limits: dict | None = None,
         secret: str = "",
+        rma: bool = False,
     ) -> str:
+        """``rma``: register the pool with NIXL and grant one-sided reads."""
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
-        self.server = make_server(behaviour, self.source, timeout_s, limits, secret)
+        endpoint = rma_endpoint(self.source.pool.mem) if rma else None
+        self.server = make_server(behaviour, self.source, timeout_s, limits, secret, endpoint)
         await self.server.start()
         return self.server.address
 
@@ -141,9 +164,11 @@ class NodeState:
         behaviour: str = "normal",
         slot_bytes: int = 4096,
         pool_blocks: int = 32,
+        rma: bool = False,
     ) -> tuple[str, str]:
         """Serve from a real store node (TP1, two layers) whose sealed blocks hold
-        slot_content bytes, in a pool of about ``pool_blocks`` blocks."""
+        slot_content bytes, in a pool of about ``pool_blocks`` blocks; ``rma``: its
+        pool registered with NIXL, one-sided reads granted."""
         from kvstore.store.fetch import StoreSource
         from kvstore.testing.store import make_instance, make_store
 
@@ -153,9 +178,55 @@ class NodeState:
         )
         self.seal = self.node.registry.instances["peer"].seal
         await self._save_store(hashes)
-        self.server = make_server(behaviour, StoreSource(self.node.index), 30.0)
+        endpoint = rma_endpoint(self.node.index.pool("cpu").buffer.numpy()) if rma else None
+        source = StoreSource(self.node.index)
+        self.server = make_server(behaviour, source, 30.0, rma=endpoint)
         await self.server.start()
         return self.server.address, self.seal.final_namespace
+
+    async def store_fetch(self, addresses: list[str], hashes: list[int], slot_bytes: int) -> dict:
+        """A real store node (the serving one's layout) whose Fetcher, one-sided where
+        allowed, asks ``addresses`` in turn; what it fetched, its stats, bad bytes."""
+        import dataclasses
+
+        from kvstore.store.fetch import Fetcher, StoreSink, slot_table
+        from kvstore.testing.store import make_instance, make_store
+        from kvstore.transfer.onesided import RmaReader
+        from kvstore.wire.peers import PeerPrefix
+
+        node = make_store(pool_bytes=64 * slot_bytes, slab_bytes=8 * slot_bytes)
+        self.fetching = (
+            node,
+            make_instance(  # the ranks' memory stays alive
+                node.registry, "peer", tp_size=1, layers=2, num_blocks=16, block_bytes=slot_bytes
+            ),
+        )
+        namespace = node.registry.instances["peer"].seal.final_namespace
+        pool = node.index.pool("cpu")
+        peers = [PeerPrefix(a, f"node{i}", a, 0) for i, a in enumerate(addresses)]
+
+        async def find_peers(_namespace: str, _hashes: list[int]) -> list[PeerPrefix]:
+            return peers
+
+        reader = RmaReader(rma_endpoint(pool.buffer.numpy()))
+        sink = StoreSink(node.index, node.registry)
+        fetcher = Fetcher(node.index, sink, find_peers, timeout_s=5.0, rma=reader)
+        result = await fetcher.prefetch(namespace, hashes)
+        blocks = node.index.sealed_prefix(namespace, hashes)
+        table = slot_table(node.index, blocks)
+        mem = pool.buffer.numpy()
+        starts = (table.ptr - np.uint64(pool.base)).astype(np.int64).tolist()
+        sizes = table.nbytes.tolist()
+        bad = [
+            i
+            for i, (start, size) in enumerate(zip(starts, sizes, strict=True))
+            if not np.array_equal(
+                mem[start : start + size], slot_content(hashes[i // 2], i % 2, size)
+            )
+        ]
+        stats = dataclasses.asdict(fetcher.stats())
+        used = pool.used_bytes  # the aborted reservation's slots are free again
+        return {"fetched": result.fetched_blocks, "bad": bad, "used_bytes": used, **stats}
 
     async def _save_store(self, hashes: list[int]) -> None:
         rank = self.ranks[0]
@@ -245,26 +316,32 @@ class NodeState:
         namespace: str = NS,
         fresh: bool = False,
         secret: str = "",
+        rma: bool = False,
     ) -> dict:
-        """``fresh``: drop pooled endpoints first, so that the fetch connects."""
+        """``fresh``: drop pooled endpoints first, so that the fetch connects;
+        ``rma``: register the sink's pool with NIXL and read one-sided where granted."""
         from kvstore.transfer import close_endpoints, fetch
+        from kvstore.transfer.onesided import RmaReader
         from kvstore.wire.errors import KVError
 
-        if fresh:
+        if fresh or rma:  # a new sink pool, a new NIXL agent: connect afresh
             await close_endpoints()
         sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
+        reader = RmaReader(rma_endpoint(sink.pool.mem)) if rma else None
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()
         key = peer_secret(secret)
         try:
             for _ in range(repeat):
-                n = await fetch(address, namespace, hashes, sink, timeout_s=timeout_s, secret=key)
+                n = await fetch(address, namespace, hashes, sink, timeout_s, key, reader)
                 out["n"].append(n)
         except KVError as e:
             out["error"] = type(e).__name__
             out["code"] = e.code.name
             out["message"] = e.message
         out["elapsed"] = time.monotonic() - start
+        out["rma_reads"] = reader.reads if reader is not None else 0
+        self.readers = [*getattr(self, "readers", []), reader]  # its agent outlives the fetch
         return out | sink.report()
 
     async def raw(

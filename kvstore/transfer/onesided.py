@@ -1,0 +1,140 @@
+"""The fetching side of one-sided reads: peers' cards, cached per peer, and a
+granted offer read straight into reserved slots (docs/design.md §4).
+
+    reader = RmaReader(endpoint)          # the local pool, registered once
+    await fetch(address, namespace, hashes, sink, rma=reader)
+
+:func:`kvstore.transfer.fetch` asks a peer for its card once (CARD_REQUEST,
+only on a connection whose handshake succeeded), loads it into the local NIXL
+agent and keeps it per peer address. A REQUEST with the rma flag may then be
+answered with a grant: the peer's slot addresses under a lease. The reader
+turns slots into runs (adjacent on both sides, vectorised), checks every run
+lies in both registered regions and reads them all; the caller commits, then
+RELEASEs the lease. A failed read drops the peer's card (asked again next
+time) and raises :class:`~kvstore.transfer.errors.RmaFailed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore.transfer.errors import PeerUnavailable, ProtocolError, RmaFailed
+from kvstore.transfer.rma import (
+    Peer,
+    PeerCard,
+    PendingRead,
+    ReadStats,
+    ReadUnsettled,
+    RmaEndpoint,
+    SlotRuns,
+)
+from kvstore.transfer.slots import SlotTable, run_starts, transfer_order
+from kvstore.transfer.ucx import Conn, frame_sends, recv_frame
+from kvstore.transfer.wire import NO_CAP, Grant, Kind, decode_card, encode_card_request
+from kvstore.wire.errors import KVError
+
+log = logging.getLogger(__name__)
+
+# A read must end this long before the peer's lease does (the peer's clock
+# started after ours: the grant's expiry is counted from our REQUEST).
+EXPIRY_MARGIN = 0.25  # of the lease
+
+
+def runs_for(local: SlotTable, grant: Grant, lanes: int) -> SlotRuns:
+    """The slot runs of a granted read, in transfer order: a run ends where
+    either side's memory breaks (no per-slot Python work)."""
+    order = transfer_order(local.counts.tolist(), lanes)
+    ptr, size, memory = local.take(order)
+    remote = grant.addresses[order]
+    cuts = np.union1d(
+        run_starts(ptr, size, memory, cap=NO_CAP),
+        run_starts(remote, size, np.zeros(len(size), dtype=np.int64), cap=NO_CAP),
+    )
+    starts = np.concatenate(([0], cuts)).astype(np.int64)
+    nbytes = np.add.reduceat(size.astype(np.uint64), starts) if len(size) else size
+    return SlotRuns.of(remote[starts], ptr[starts], nbytes)
+
+
+class RmaReader:
+    """One-sided reads of this process: its registered endpoint and the peers
+    whose cards it loaded (None: the peer offers no one-sided reads)."""
+
+    def __init__(self, endpoint: RmaEndpoint):
+        self.endpoint = endpoint
+        self._peers: dict[str, Peer | None] = {}
+        self.reads = 0  # one-sided reads that completed
+
+    async def peer(self, conn: Conn, deadline: float) -> Peer | None:
+        """The peer behind ``conn``, its card asked for once (the caller has run
+        the handshake on ``conn`` when a secret is configured)."""
+        if conn.peer in self._peers:
+            return self._peers[conn.peer]
+        request = frame_sends(conn, Kind.CARD_REQUEST, encode_card_request())
+        try:
+            _, _, body = await recv_frame(conn, [Kind.CARD], deadline, after=request)
+            blob = decode_card(body)
+        except ProtocolError as e:
+            conn.abort()
+            raise PeerUnavailable(f"peer {conn.peer}: bad card: {e}") from None
+        if conn.peer not in self._peers:  # another fetch may have loaded it meanwhile
+            self._peers[conn.peer] = self._load(conn.peer, blob)
+        return self._peers[conn.peer]
+
+    def _load(self, address: str, blob: bytes) -> Peer | None:
+        if not blob:
+            return None
+        try:
+            return self.endpoint.connect(PeerCard.decode(blob))
+        except KVError as e:  # a malformed card, or NIXL could not load it: two-sided
+            log.warning("peer %s: card not usable (%s); fetching two-sided", address, e)
+            return None
+
+    def forget(self, address: str) -> None:
+        """Drop a peer's card (a failed read): asked for again on the next fetch."""
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self.endpoint.forget(peer)
+
+    async def read(
+        self, address: str, local: SlotTable, grant: Grant, lanes: int, deadline: float
+    ) -> ReadStats:
+        """Read every granted slot into ``local`` before ``deadline`` and before the
+        lease ends. Raises RmaFailed (ReadUnsettled as its cause when the local
+        slots may still be written: never reuse them)."""
+        peer = self._peers.get(address)
+        loop_now = asyncio.get_running_loop().time()
+        end = min(deadline, loop_now + grant.expiry_s * (1 - EXPIRY_MARGIN))
+        try:
+            if peer is None:
+                raise PeerUnavailable(f"peer {address}: no card loaded")
+            pending = self.endpoint.start_read(peer, runs_for(local, grant, lanes))
+            stats = await _wait(pending, end, lambda: self.forget(address))
+        except ReadUnsettled as e:
+            self.forget(address)
+            raise RmaFailed(f"one-sided read from {address}: {e}", unsettled=True) from e
+        except KVError as e:  # bad runs (outside a region), peer gone, deadline
+            self.forget(address)
+            raise RmaFailed(f"one-sided read from {address}: {e.message}") from e
+        self.reads += 1
+        return stats
+
+
+async def _wait(pending: PendingRead, deadline: float, drop_peer: Callable[[], None]) -> ReadStats:
+    """Wait for a posted read. Cancelled from outside, its requests are released
+    and the peer dropped first; if a request will not release, the caller hears
+    RmaFailed(unsettled) instead of the cancellation, so the slots stay reserved."""
+    try:
+        return await pending.wait_async(deadline)
+    except KVError:
+        raise  # the read settled itself (or raised ReadUnsettled)
+    except BaseException as e:
+        settled = pending.cancel()
+        drop_peer()
+        if not settled:
+            log.error("one-sided read cancelled with a request in flight: slots kept")
+            raise RmaFailed("one-sided read cancelled in flight", unsettled=True) from e
+        raise

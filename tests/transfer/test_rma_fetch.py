@@ -1,0 +1,225 @@
+"""One-sided fetches (docs/design.md §4, "One-sided reads"): real processes, real
+UCX for the control frames, real NIXL agents reading host-memory pools.
+
+The serving node registers its pool with NIXL and grants one-sided reads; the
+fetching node registers its sink's pool, asks the peer's card once per
+connection (after the handshake when a secret is set), reads every granted
+slot straight into its reservation, commits, and RELEASEs the lease.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.transfer import rma
+from tests.transfer.nodes import HASHES, blocks_of, wait_until
+
+pytestmark = [
+    pytest.mark.timeout(90),
+    pytest.mark.skipif(not rma.available(), reason=rma.available().reason),
+]
+KIB = 1 << 10
+
+
+def port(server) -> dict:
+    return server.call("port_stats")
+
+
+def test_one_sided_fetch_every_byte_several_slot_sizes(nodes):
+    layout_a = [1, 512, 8191, 16 * KIB, 100_003, 1 << 20]
+    layout_b = [64 * KIB] * 4
+    blocks = {h: (layout_a if i % 2 else layout_b) for i, h in enumerate(HASHES[:8])}
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks, rma=True, gap_every=3)
+    out = client.call("fetch", address=address, hashes=HASHES[:8], repeat=2, rma=True)
+    assert out["error"] is None, out
+    assert out["n"] == [8, 8] and out["rma_reads"] == 2
+    assert out["visible"] == sorted(HASHES[:8]) and out["corrupt"] == []
+    assert out["states"] == ["committed", "committed"]
+    assert server.call("leases")["segments"] == []  # no slot byte went two-sided
+    # every lease RELEASEd (none expired): the pins are gone right after the read
+    assert wait_until(lambda: server.call("leases")["active"] == 0)
+    stats = port(server)
+    assert stats["rma_leases"] == 2 and stats["rma_leases_expired"] == 0
+    assert stats["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("serve_rma, fetch_rma", [(False, True), (True, False)])
+def test_fallback_two_sided_when_one_side_has_rma_off(nodes, serve_rma, fetch_rma):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:4], [32 * KIB] * 4), rma=serve_rma)
+    out = client.call("fetch", address=address, hashes=HASHES[:4], rma=fetch_rma)
+    assert out["error"] is None, out
+    assert out["n"] == [4] and out["rma_reads"] == 0 and out["corrupt"] == []
+    assert len(server.call("leases")["segments"]) >= 1  # the bytes went two-sided
+    assert port(server)["rma_leases"] == 0
+
+
+def test_lease_expires_when_the_fetcher_never_releases(nodes):
+    """A fetcher that hangs after the grant: the pin lasts rma_lease_s, not forever."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True, limits={"rma_lease_s": 1.0}
+    )
+    client.submit("fetch", address=address, hashes=HASHES[:3], rma=True, on_reserve="hang")
+    assert wait_until(lambda: port(server)["rma_leases"] == 1)
+    assert server.call("leases")["active"] == 1  # pinned while the lease lasts
+    assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
+    stats = port(server)
+    assert stats["rma_leases_expired"] == 1 and stats["pinned_blocks"] == 0
+
+
+def test_lease_released_when_the_fetcher_dies_before_release(nodes):
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True)
+    client.submit("fetch", address=address, hashes=HASHES[:3], rma=True, on_reserve="die")
+    assert wait_until(lambda: port(server)["rma_leases"] == 1)
+    assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
+    assert port(server)["rma_leases_expired"] == 1 and port(server)["pinned_blocks"] == 0
+
+
+def test_peer_killed_before_the_read_aborts_and_another_peer_serves(nodes):
+    blocks = blocks_of(HASHES[:4], [64 * KIB] * 4)
+    doomed, other, client = nodes(), nodes(), nodes()
+    a = doomed.call("serve", blocks=blocks, rma=True)
+    b = other.call("serve", blocks=blocks, rma=True)
+    out = client.call(
+        "fetch",
+        address=a,
+        hashes=HASHES[:4],
+        rma=True,
+        timeout_s=3.0,
+        on_reserve=f"kill:{doomed.proc.pid}",
+    )
+    assert out["error"] == "RmaFailed", out
+    assert out["visible"] == [] and out["states"] in (["aborted"], ["reserved"])
+    again = client.call("fetch", address=b, hashes=HASHES[:4], rma=True)
+    assert again["error"] is None and again["n"] == [4] and again["rma_reads"] == 1, again
+    assert again["corrupt"] == []
+
+
+def test_one_sided_fetch_with_the_handshake(nodes):
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:2], [8 * KIB] * 2), rma=True, secret="s" * 32
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:2], rma=True, secret="s" * 32)
+    assert out["error"] is None and out["n"] == [2] and out["rma_reads"] == 1, out
+    assert port(server)["rma_leases"] == 1
+
+
+def test_no_card_before_the_handshake(nodes):
+    """A CARD_REQUEST in place of HELLO gets no card: the connection is closed."""
+    from kvstore.transfer import wire
+
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:2], [8 * KIB] * 2), rma=True, secret="s" * 32
+    )
+    frame = b"".join(wire.encode_frame(wire.Kind.CARD_REQUEST, wire.encode_card_request()))
+    replies = client.call("raw", address=address, frames=[frame], replies=1)
+    assert replies[0][0] == "failed", replies
+    assert wait_until(lambda: port(server)["auth_failures"] == 1)
+    assert port(server)["rma_leases"] == 0
+
+
+# ---- the frames and the run arithmetic, in-process ------------------------------------------
+
+
+def test_grant_and_request_fields_are_checked():
+    import msgpack
+    import numpy as np
+
+    from kvstore.transfer import wire
+    from kvstore.transfer.errors import ProtocolError
+
+    grant = wire.Grant(7, 2.5, np.array([4096, 8192, 100], dtype=np.uint64))
+    body = wire.encode_layouts([[4096, 4096, 100]], [0], (), 1, grant)
+    offer = wire.decode_offer(body, 1, rma=True)
+    assert offer.grant.lease_id == 7 and offer.grant.expiry_s == 2.5
+    assert offer.grant.addresses.tolist() == [4096, 8192, 100]
+    with pytest.raises(ProtocolError, match="reply is not"):  # a grant nobody asked for
+        wire.decode_offer(body, 1, rma=False)
+    bad = msgpack.unpackb(body)
+    for i, value, match in [
+        (6, b"\0" * 16, "3 packed u64"),
+        (5, 0, "expiry"),
+        (5, wire.MAX_LEASE_EXPIRY_MS + 1, "expiry"),
+        (4, -1, "lease id"),
+    ]:
+        fields = list(bad)
+        fields[i] = value
+        with pytest.raises(ProtocolError, match=match):
+            wire.decode_offer(msgpack.packb(fields), 1, rma=True)
+    request = msgpack.unpackb(wire.encode_request("ns", [1, 2], rma=True))
+    assert wire.decode_request(msgpack.packb(request)).rma is True
+    request[3] = 1
+    with pytest.raises(ProtocolError, match="rma flag"):
+        wire.decode_request(msgpack.packb(request))
+    assert wire.decode_card(wire.encode_card(b"")) == b""
+    with pytest.raises(ProtocolError, match="CARD is not"):
+        wire.decode_card(msgpack.packb(["x"]))
+
+
+def test_runs_break_where_either_side_breaks():
+    import numpy as np
+
+    from kvstore.transfer.onesided import runs_for
+    from kvstore.transfer.slots import SlotTable
+    from kvstore.transfer.wire import Grant
+
+    size = np.full(6, 100, dtype=np.int64)
+    local = np.array([0, 100, 200, 300, 1000, 1100], dtype=np.uint64)  # breaks before 4
+    remote = np.array([5000, 5100, 9000, 9100, 9200, 9300], dtype=np.uint64)  # before 2
+    table = SlotTable(local, size, np.zeros(6, dtype=np.int64), np.array([3, 3]))
+    runs = runs_for(table, Grant(1, 1.0, remote), lanes=1)
+    assert runs.local.tolist() == [0, 200, 1000]
+    assert runs.remote.tolist() == [5000, 9000, 9200]
+    assert runs.nbytes.tolist() == [200, 200, 200]
+
+
+def test_a_protocol_4_request_is_refused_naming_both_versions(nodes):
+    import msgpack
+
+    from kvstore.transfer import wire
+
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [8 * KIB] * 2), rma=True)
+    body = msgpack.packb([4, "ns", b"\1" * 8], use_bin_type=True)
+    v4 = wire.PREAMBLE.pack(wire.MAGIC, 4, wire.Kind.REQUEST, 0, len(body)) + body
+    replies = client.call("raw", address=address, frames=[v4], replies=1)
+    kind, _, (code, message) = replies[0]
+    assert kind == "ERROR" and code == "FAILED_PRECONDITION", replies
+    assert "protocol version 4, expected 5" in message and "speaks protocol 5" in message
+    assert server.call("leases")["active"] == 0 and port(server)["rma_leases"] == 0
+
+
+# ---- the store's Fetcher over real store nodes ---------------------------------------------
+
+
+def test_store_fetcher_reads_one_sided_every_byte(nodes):
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True)
+    out = client.call("store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB)
+    assert out["fetched"] == 6 and out["bad"] == [], out
+    assert out["fetches_rma"] == 1 and out["fetches_failed_rma"] == 0
+    assert port(server)["rma_leases"] == 1
+    assert wait_until(lambda: port(server)["pinned_blocks"] == 0)
+
+
+def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
+    """The peer grants addresses outside its registered region: the read is refused
+    before anything is posted, the reservation aborted, and the same peer serves
+    the fetch two-sided."""
+    server, client = nodes(), nodes()
+    address, _ = server.call(
+        "serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True, behaviour="bad_grant"
+    )
+    out = client.call("store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB)
+    assert out["fetched"] == 6 and out["bad"] == [], out
+    assert out["fetches_rma"] == 0 and out["fetches_failed_rma"] == 1
+    assert out["fetches_failed_unavailable"] == 0
+    assert out["used_bytes"] == 6 * 2 * 8 * KIB  # only the committed blocks' slots
+    stats = port(server)
+    assert stats["rma_leases"] == 1 and stats["rma_leases_expired"] == 1
+    assert wait_until(lambda: port(server)["pinned_blocks"] == 0)
