@@ -203,7 +203,12 @@ class StoreServer:
         self.config.check_peer_exposure()
         if self.peer_server is not None:  # first: Stats reports its address
             await self.peer_server.start()
-            log.info("peer transfer listening on %s (UCX)", self.peer_server.address)
+            log.info(
+                "peer transfer listening on %s (UCX; %s; %s)",
+                self.peer_server.address,
+                "one-sided NIXL reads on" if self.rma is not None else "two-sided only",
+                "peers authenticated" if self.config.peer_secret else "no peer secret",
+            )
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         add_to_server(self.service, self.server)  # a request that does not parse: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -98,7 +98,11 @@ class Availability:
 
 
 def _nixl() -> Any:
-    """The NIXL Python API (the ``nixl-cu12`` wheel installs it as ``nixl_cu12``)."""
+    """The NIXL Python API (the ``nixl-cu12`` wheel installs it as ``nixl_cu12``).
+
+    NIXL logs at INFO to stdout by default (its Python and C++ halves both read
+    NIXL_LOG_LEVEL): a server's output keeps to its own log unless asked."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         import nixl_cu12 as nixl
     except ImportError:
