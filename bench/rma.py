@@ -45,6 +45,10 @@ transports (ucxx's active transports), rows[] (slot_bytes, slots, total_bytes,
 repeats, ms_p10_p50_p90 per op, gbps_p50 per op, ratio_raw_one_p10_p50_p90,
 ratio_memcpy_p10_p50_p90, ratio_1req_p10_p50_p90, verified_reads),
 control_floor, prep_per_slot.
+
+Shared with bench/transfer.py (it imports them from here): the raw ucxx baseline's
+request protocol (RAW_ONE, RAW_REQUEST_TAG, RAW_DATA_TAG), ucx_env, one_run and
+timed_read (a raw NIXL READ, its ceiling for one-sided fetches), quantiles.
 """
 
 from __future__ import annotations
@@ -63,7 +67,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transfer import RAW_DATA_TAG, RAW_ONE, RAW_REQUEST_TAG, ucx_env  # bench/ is sys.path[0]
 
 from kvstore.transfer import rma
 
@@ -74,6 +77,44 @@ POISON = 0xEE
 FLOOR_SLOT = 16 * KIB
 PREP_COUNTS = (1, 1024, 16384)
 OUT = Path(__file__).parent / "results" / "rma.json"
+# The raw ucxx baseline's protocol, shared with bench/transfer.py: a request
+# (mode, nbytes) on RAW_REQUEST_TAG, the bytes back on RAW_DATA_TAG (+ i).
+RAW_ONE = 0  # mode: the first nbytes of the serving pool as ONE message
+RAW_REQUEST_TAG, RAW_DATA_TAG = 1, 2
+
+
+# ---- shared with bench/transfer.py: the raw baselines ----------------------------------
+
+
+def ucx_env(tls: str) -> dict:
+    """The project's UCX defaults, then every UCX_* / UCXPY_* variable already set here
+    (e.g. UCX_MM_ERROR_HANDLING=y for shared memory between same-host peers)."""
+    from kvstore.transfer.ucx import UCX_DEFAULTS
+
+    env = dict(UCX_DEFAULTS)
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))})
+    if tls != "default":
+        env["UCX_TLS"] = tls
+    return env
+
+
+def one_run(remote: int, local: int, nbytes: int) -> rma.SlotRuns:
+    """``nbytes`` as ONE run: the fewest descriptors a NIXL READ of them can have."""
+    return rma.SlotRuns.of([remote], [local], [nbytes])
+
+
+def timed_read(
+    endpoint: rma.RmaEndpoint,
+    peer: rma.Peer,
+    runs: rma.SlotRuns,
+    chunk_bytes: int = rma.DEFAULT_CHUNK_BYTES,
+    timeout_s: float = 60.0,
+) -> float:
+    """Seconds one raw NIXL READ of ``runs`` takes, descriptors built and checked,
+    posted, waited (a blocking wait: nothing else runs meanwhile)."""
+    start = time.perf_counter()
+    endpoint.read(peer, runs, timeout_s, chunk_bytes=chunk_bytes)
+    return time.perf_counter() - start
 
 
 def pattern_words(first_word: int, count: int) -> np.ndarray:
@@ -160,9 +201,7 @@ class Fetching:
         self.pool[:nbytes] = POISON
 
     def nixl_read(self, runs: rma.SlotRuns, chunk: int) -> float:
-        start = time.perf_counter()
-        self.endpoint.read(self.peer, runs, 60.0, chunk_bytes=chunk)
-        return time.perf_counter() - start
+        return timed_read(self.endpoint, self.peer, runs, chunk)
 
     def check_slots(self, offsets: np.ndarray, slot: int) -> None:
         """Every fetched slot holds the serving pool's bytes at its remote offset."""
@@ -237,8 +276,7 @@ async def measure_row(f: Fetching, slot: int, total: int, repeats: int, seed: in
 
 async def control_floor(f: Fetching, repeats: int) -> dict:
     """A one-slot read, SlotRuns to done, against a one-message ucxx round trip."""
-    remote = np.uint64(f.card.region.addr)
-    local = np.uint64(f.base)
+    remote, local = f.card.region.addr, f.base
     times: dict[str, list[float]] = {"nixl_read_1slot": [], "raw_one_1slot": []}
     for r in range(repeats + 5):
         first = r % 2 == 0
@@ -247,8 +285,7 @@ async def control_floor(f: Fetching, repeats: int) -> dict:
                 t = await f.raw_one(FLOOR_SLOT)
             else:
                 start = time.perf_counter()
-                runs = rma.SlotRuns.of([remote], [local], [FLOOR_SLOT])
-                f.endpoint.read(f.peer, runs, 10.0)
+                f.endpoint.read(f.peer, one_run(remote, local, FLOOR_SLOT), 10.0)
                 t = time.perf_counter() - start
             if r >= 5:
                 times[name].append(t)

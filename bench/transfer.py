@@ -44,13 +44,23 @@ untimed) before each op:
   raw_seg      the same bytes as the same number of messages of the same sizes as
                the last fetch sent (recorded by the serving PeerServer), all posted
                at once, request round trip included
+  nixl_one     (one-sided rows) the raw NIXL ceiling: the set's bytes as ONE NIXL READ
+               (one run: a set's slots tile one stretch of the serving pool), the
+               fetching node's own agent and registered pool, a blocking wait
+  nixl_runs    (one-sided rows) the same set read as exactly the slot runs its
+               fetch_rma reads (kvstore.transfer.onesided.runs_for: the serving
+               side's lanes, into the slots the warm-up's fetch_rma of that set
+               reserved)
   device_copy  (--mem cuda) one device-to-device copy of the same bytes, in-process
 
 After every timed fetch every fetched byte is compared with the pattern: each block's
 slots are read out of the fetching pool at the offsets the index gave them (a fetch
 that moved nothing reads 0xFF). The ceiling of a repeat is the faster of raw_one and
 raw_seg; the ratio is taken per repeat (ceiling time / fetch time) and reported as its
-median, min-max and interquartile range.
+median, min-max and interquartile range. One-sided fetches read with NIXL, faster than
+any ucxx message between these processes: their ceiling is the faster of nixl_one and
+nixl_runs in the same repeat (ratio_nixl_ceiling: ceiling time / fetch_rma time). Every
+raw NIXL read's bytes are checked like a fetch's (the landing slots poisoned first).
 
 --transport-only swaps both store nodes for the stubs the transfer layer was first
 measured with (a lease that only computes where a block lies, a reservation from the
@@ -88,11 +98,20 @@ source "stub"; a PNG of the same name is drawn beside it):
                                 same sets fetched one-sided, op fetch_rma interleaved
                                 with the others: gbps, ms_p10_p50_p90,
                                 two_sided_ms_p10_p50_p90, raw_one_ms_p10_p50_p90,
-                                ratio_ceiling_p10_p50_p90 (ceiling / one-sided, per
-                                repeat), speedup_vs_two_sided_p10_p50_p90
+                                ratio_ceiling_p10_p50_p90 (ucxx ceiling / one-sided,
+                                per repeat), speedup_vs_two_sided_p10_p50_p90;
+                                nixl_one_ and nixl_runs_ms_p10_p50_p90, _gbps;
+                                nixl_ceiling_gbps, nixl_ceiling_ms_p10_p50_p90 (per
+                                repeat the faster of the two), ratio_nixl_ceiling_
+                                p10_p50_p90 (NIXL ceiling time / fetch_rma time, per
+                                repeat), over_nixl_ceiling_ms_p10_p50_p90 (fetch_rma
+                                time minus it), nixl_runs (runs of nixl_runs, set A),
+                                nixl_verified_reads
   control_floor[]  fetches of 1 and 2,048 slots of 16 KiB: mem, source, slots,
                slot_bytes, total_bytes, repeats, {op}_ms_p10_p50_p90 per op (fetch,
-               fetch_rma, raw_one, raw_seg), verified_fetches
+               fetch_rma, raw_one, raw_seg, nixl_one, nixl_runs), the nixl_ceiling_,
+               ratio_nixl_ceiling_, over_nixl_ceiling_ fields above, verified_fetches,
+               nixl_verified_reads
   latency[]    per sweep, the TP2 prefix: transport, mem, source, model, block_tokens,
                slot_bytes, slots_per_block, num_blocks, total_bytes, iters,
                p50_ms, p99_ms, min_ms (fetch), ceiling_p50_ms, ratio_ceiling
@@ -114,10 +133,19 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from rma import (  # bench/ is sys.path[0]; bench/rma.py holds what both benches share
+    RAW_DATA_TAG,
+    RAW_ONE,
+    RAW_REQUEST_TAG,
+    one_run,
+    quantiles,
+    timed_read,
+    ucx_env,
+)
 
 from kvstore.copy import copier_for, region_from_tensor
 from kvstore.store.blocks import BlockIndex
@@ -127,7 +155,9 @@ from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
 from kvstore.testing.store import Rank, make_rank, make_store
 from kvstore.transfer import PeerServer, SlotTable, rma
-from kvstore.transfer.onesided import RmaReader
+from kvstore.transfer.onesided import RmaReader, runs_for
+from kvstore.transfer.slots import choose_lanes
+from kvstore.transfer.wire import Grant
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 from kvstore.wire.peers import PeerPrefix
 
@@ -145,16 +175,19 @@ LATENCY_SLOT = 16 * (8 // LATENCY_TP) * 128 * 2 * 2
 SLAB_BYTES = DEFAULT_SLAB_BYTES  # a store server's default slab
 CACHE_BYTES = 64 << 20  # a serving rank's paged cache (blocks are saved through it in batches)
 POISON = 0xFF  # int32 -1: never a pattern word
-RAW_ONE, RAW_SEG = 0, 1
-RAW_REQUEST_TAG, RAW_DATA_TAG = 1, 2
+RAW_SEG = 1  # raw ucxx mode (RAW_ONE, the tags: bench/rma.py): the last fetch's messages
+NIXL_OPS = ("nixl_one", "nixl_runs")  # the raw one-sided ceiling's two ops
 NOTE = (
     "gbps = total_bytes / median wall time of one fetch; baseline_gbps = the same bytes as "
     "ONE raw ucxx message, segments_gbps = as the same messages the fetch sent, "
     "ceiling = per repeat the faster of the two; ratio = gbps / baseline_gbps (old "
     "definition), ratio_ceiling = median over interleaved repeats of ceiling time / fetch "
     "time; every fetched byte verified; rma: the same sets fetched one-sided (NIXL "
-    "READ into reserved slots), interleaved with the rest; control_floor: 1- and "
-    "2048-slot fetches, ms p10/p50/p90 per op; fields: bench/transfer.py docstring"
+    "READ into reserved slots), interleaved with the rest, against the raw NIXL ceiling "
+    "(per repeat the faster of ONE NIXL READ of the bytes and a READ of the fetch's own "
+    "slot runs, bytes verified): ratio_nixl_ceiling = ceiling time / fetch_rma time; "
+    "control_floor: 1- and 2048-slot fetches, ms p10/p50/p90 per op; fields: "
+    "bench/transfer.py docstring"
 )
 
 
@@ -319,7 +352,12 @@ class StoreServing:
                     await self.node.save(rank.reg.caller_id, refs)
             offsets = block_offsets(self.node, namespace, hashes)
             check_slots(self.buffer, shape, offsets, k, f"serving pool, set {k} after save")
+        self.namespace, self.sets = namespace, sets
         return namespace, sets
+
+    def offsets(self, k: int) -> np.ndarray:
+        """Where set ``k``'s slots lie in the serving pool (blocks x slots, bytes)."""
+        return block_offsets(self.node, self.namespace, self.sets[k])
 
     def _fill(
         self, rank: Rank, slots: list[int], shape: Shape, k: int, first: int, count: int
@@ -406,14 +444,18 @@ def tp_offsets(region: int, slot: int, per_block: int, tp: int, index: np.ndarra
 
 def tp_slots(pool: torch.Tensor, offsets: np.ndarray, slot: int) -> SlotTable:
     base = pool.data_ptr()
-    key = 0 if pool.device.type == "cpu" else base
+    return slot_table(base, 0 if pool.device.type == "cpu" else base, offsets, slot, pool)
+
+
+def slot_table(base: int, key: int, offsets: np.ndarray, slot: int, owner: Any = None) -> SlotTable:
+    """The slots at ``offsets`` (blocks x slots, bytes from ``base``) of memory ``key``."""
     n = offsets.size
     return SlotTable(
         np.uint64(base) + offsets.ravel().astype(np.uint64),
         np.full(n, slot, dtype=np.int64),
         np.full(n, key, dtype=np.int64),
         np.full(len(offsets), offsets.shape[1], dtype=np.int64),
-        owner=pool,
+        owner=owner,
     )
 
 
@@ -527,6 +569,29 @@ class RecordingPeerServer(PeerServer):
         await super()._send_slots(conn, views, deadline, first)
 
 
+class Progressing:
+    """The serving NIXL endpoint progressed every millisecond while it is on: during the
+    raw NIXL reads, which hold no lease, so the PeerServer (which progresses it while
+    it holds a one-sided lease) does not; as bench/rma.py's serving side does."""
+
+    def __init__(self, endpoint: rma.RmaEndpoint | None):
+        self.endpoint = endpoint
+        self.task: asyncio.Task | None = None
+
+    def set(self, on: bool) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        if on and self.endpoint is not None:
+            self.task = asyncio.ensure_future(self._run(self.endpoint))
+
+    @staticmethod
+    async def _run(endpoint: rma.RmaEndpoint) -> None:
+        while True:
+            endpoint.progress()
+            await asyncio.sleep(1e-3)
+
+
 def serve_main(ctrl: Any, env: dict, opts: dict) -> None:
     os.environ.update(env)
     code = 1
@@ -551,6 +616,7 @@ async def _serve(ctrl: Any, opts: dict) -> None:
     server = RecordingPeerServer(side.source, timeout_s=60, rma=endpoint)
     await server.start()
     raw_views: list[Any] = []  # raw_seg: the last fetch's message sizes, from the pool start
+    progressing = Progressing(endpoint)
 
     async def raw_handler(ep: Any) -> None:
         request = np.zeros(2, dtype=np.uint64)
@@ -567,7 +633,8 @@ async def _serve(ctrl: Any, opts: dict) -> None:
             ep.abort()
 
     raw = ucxx.create_listener(raw_handler, port=0)
-    ctrl.send((server.address, raw.port, sorted(ucxx.get_active_transports())))
+    card = endpoint.card().encode() if endpoint is not None else None  # nixl_one, nixl_runs
+    ctrl.send((server.address, raw.port, sorted(ucxx.get_active_transports()), card))
     loop = asyncio.get_running_loop()
     while True:
         command, arg = await loop.run_in_executor(None, ctrl.recv)
@@ -576,6 +643,11 @@ async def _serve(ctrl: Any, opts: dict) -> None:
         try:
             if command == "prepare":
                 reply: Any = await side.prepare(Shape(**arg))
+            elif command == "offsets":  # where set ``arg`` lies here (raw NIXL reads of it)
+                reply = side.offsets(arg)
+            elif command == "progress":  # on (arg True) around every raw NIXL read
+                progressing.set(arg)
+                reply = None
             else:  # "segments": sizes of the last fetch's messages; raw_seg will send them
                 reply = [int(v.nbytes) for v in server.last_views]
                 starts = np.concatenate(([0], np.cumsum(reply)[:-1])).tolist()
@@ -636,6 +708,30 @@ def fetch_main(result: Any, ctrl: Any, env: dict, opts: dict) -> None:
     os._exit(0)  # skip UCX finalizers, which can stall interpreter exit
 
 
+class NixlRead(NamedTuple):
+    """One raw NIXL READ of a set: its runs, and where the set's slots land in the
+    fetching pool (blocks x slots, bytes) for the byte check."""
+
+    runs: rma.SlotRuns
+    landing: np.ndarray
+
+
+def same_runs(remote_base: int, remote: np.ndarray, local: SlotTable, slot: int) -> rma.SlotRuns:
+    """The runs a one-sided fetch of these slots reads (onesided.runs_for): the serving
+    side's slot addresses as its grant carries them, its lanes as its offer chooses them."""
+    served = slot_table(remote_base, 0, remote, slot)
+    return runs_for(local, Grant(0, 60.0, served.ptr), choose_lanes(served))
+
+
+def one_run_read(remote_base: int, remote: np.ndarray, local_base: int, shape: Shape) -> NixlRead:
+    """The set's bytes as ONE run, when its slots tile one stretch of the serving pool
+    (they do: a set is saved in one go); slot i lands where it lay in that stretch."""
+    first = int(remote.min())
+    if int(remote.max()) + shape.slot - first != shape.nbytes:
+        raise AssertionError(f"the set spans {int(remote.max()) + shape.slot - first} bytes")
+    return NixlRead(one_run(remote_base + first, local_base, shape.nbytes), remote - first)
+
+
 def ask(ctrl: Any, command: str, arg: Any = None) -> Any:
     ctrl.send((command, arg))
     ok, reply = ctrl.recv()
@@ -647,8 +743,9 @@ def ask(ctrl: Any, command: str, arg: Any = None) -> Any:
 class Bench:
     """The fetching process's side of one sweep: the timed ops of one configuration."""
 
-    def __init__(self, ctrl: Any, raw_ep: Any, opts: dict):
-        self.ctrl, self.raw_ep, self.opts = ctrl, raw_ep, opts
+    def __init__(self, ctrl: Any, raw_ep: Any, opts: dict, card: rma.PeerCard | None = None):
+        """``card``: the serving pool's NIXL card (the raw NIXL ops read with it)."""
+        self.ctrl, self.raw_ep, self.opts, self.card = ctrl, raw_ep, opts, card
         self.device = opts["fetch_device"]
         self.sync = synchronizer(self.device)
         self.request = np.zeros(2, dtype=np.uint64)
@@ -657,29 +754,13 @@ class Bench:
         """Prepare ``shape`` on both nodes, warm up, time ``repeats`` interleaved repeats."""
         namespace, self.sets = ask(self.ctrl, "prepare", asdict(shape))
         one_sided = self.opts["rma"]
-        if getattr(self, "side", None) is not None and hasattr(self.side, "close"):
-            self.side.close()
-        if one_sided:
-            self.side = StoreFetching(self.device, shape, self.opts["address"], one_sided=True)
-        elif self.opts["source"] == "store":
-            self.side = StoreFetching(self.device, shape, self.opts["address"])
-        else:
-            self.side = StubFetching(self.device, shape, self.opts["address"])
+        self.new_side(shape, one_sided)
         if self.side.namespace != namespace:
             raise AssertionError(f"namespaces differ: {self.side.namespace} vs {namespace}")
         self.shape, self.namespace, self.verified, self.messages = shape, namespace, 0, []
         buffer = self.side.buffer
         scratch = torch.empty_like(buffer) if self.device != "cpu" else None
-        self.turn = 0  # the set the next fetch asks for: A, B, A, ...
-        for _ in (0, 1):  # warm-up; from here on the fetching pool is full
-            self.poison()
-            await self.fetch()
-        if one_sided:
-            for _ in (0, 1):
-                self.poison()
-                await self.fetch(one_sided=True)
-        await self.raw_one()
-        await self.raw_seg()
+        await self.warm_up(one_sided)
         evictions = self.side.evictions()
         ops = {
             "fetch": lambda r: self.fetch(),
@@ -688,6 +769,8 @@ class Bench:
         }
         if one_sided:
             ops["fetch_rma"] = lambda r: self.fetch(one_sided=True)
+            ops["nixl_one"] = lambda r: self.nixl("nixl_one", r)
+            ops["nixl_runs"] = lambda r: self.nixl("nixl_runs", r)
         if scratch is not None:
             ops["device_copy"] = lambda r: self.device_copy(scratch)
         times: dict[str, list[float]] = {name: [] for name in ops}
@@ -701,7 +784,70 @@ class Bench:
             "messages": int(statistics.median(self.messages[2:] or self.messages)),
             "evictions": self.side.evictions() - evictions,
             "verified_fetches": self.verified,
+            "nixl_runs": len(self.nixl_reads["nixl_runs", 0].runs.nbytes) if one_sided else 0,
+            "nixl_verified": self.nixl_verified,
         }
+
+    def new_side(self, shape: Shape, one_sided: bool) -> None:
+        """A fresh fetching side for ``shape`` (the last one's NIXL endpoint closed)."""
+        if getattr(self, "side", None) is not None and hasattr(self.side, "close"):
+            self.side.close()
+        if one_sided:
+            self.side = StoreFetching(self.device, shape, self.opts["address"], one_sided=True)
+        elif self.opts["source"] == "store":
+            self.side = StoreFetching(self.device, shape, self.opts["address"])
+        else:
+            self.side = StubFetching(self.device, shape, self.opts["address"])
+
+    async def warm_up(self, one_sided: bool) -> None:
+        """Fetch A, fetch B (and one-sided), then every raw op once; from here on the
+        fetching pool is full."""
+        self.turn = 0  # the set the next fetch asks for: A, B, A, ...
+        self.landing: dict[int, np.ndarray] = {}  # set -> its slots after its fetch_rma
+        self.nixl_verified = 0
+        for _ in (0, 1):
+            self.poison()
+            await self.fetch()
+        if one_sided:
+            for _ in (0, 1):
+                self.poison()
+                await self.fetch(one_sided=True)
+            self.plan_nixl()
+            for name in NIXL_OPS:
+                await self.nixl(name, 0)
+        await self.raw_one()
+        await self.raw_seg()
+
+    def plan_nixl(self) -> None:
+        """The raw NIXL ceiling's reads of sets A and B: the same agent and registered
+        pool as fetch_rma, each set's slots where its warm-up one-sided fetch put them."""
+        if self.card is None:
+            raise AssertionError("one-sided rows but the serving process sent no NIXL card")
+        endpoint = self.side.endpoint
+        self.peer = endpoint.connect(self.card)  # the card the Fetcher loaded too
+        remote_base, local_base = self.card.region.addr, endpoint.region.addr
+        self.nixl_reads: dict[tuple[str, int], NixlRead] = {}
+        for k in (0, 1):
+            remote = ask(self.ctrl, "offsets", k)
+            local = tp_slots(self.side.buffer, self.landing[k], self.shape.slot)
+            runs = same_runs(remote_base, remote, local, self.shape.slot)
+            self.nixl_reads["nixl_runs", k] = NixlRead(runs, self.landing[k])
+            self.nixl_reads["nixl_one", k] = one_run_read(
+                remote_base, remote, local_base, self.shape
+            )
+
+    async def nixl(self, name: str, r: int) -> float:
+        """Timed: one raw NIXL READ of set r % 2 (ONE run, or the runs its fetch reads),
+        a blocking wait. Then, untimed: every byte read compared with the pattern."""
+        k = r % 2
+        read = self.nixl_reads[name, k]
+        self.side.buffer.fill_(POISON)  # the landing slots may lie past the first nbytes
+        ask(self.ctrl, "progress", True)  # the serving side progresses, as in a lease
+        elapsed = timed_read(self.side.endpoint, self.peer, read.runs)
+        ask(self.ctrl, "progress", False)
+        check_slots(self.side.buffer, self.shape, read.landing, k, f"{name} of set {k}")
+        self.nixl_verified += 1
+        return elapsed
 
     def poison(self) -> None:
         self.side.buffer[: self.shape.nbytes].fill_(POISON)
@@ -726,7 +872,9 @@ class Bench:
         offsets = self.side.offsets(self.namespace, hashes)
         check_slots(self.side.buffer, self.shape, offsets, k, f"fetched set {k}")
         self.verified += 1
-        if not one_sided:
+        if one_sided:
+            self.landing[k] = offsets
+        else:
             self.messages.append(len(ask(self.ctrl, "segments")))
         return elapsed
 
@@ -786,23 +934,43 @@ def spread(r: np.ndarray) -> dict:
     }
 
 
-def p10_p50_p90(x: np.ndarray, scale: float = 1.0) -> list[float]:
-    return [round(scale * float(q), 3) for q in np.quantile(x, [0.1, 0.5, 0.9])]
-
-
-def one_sided_fields(shape: Shape, times: dict[str, list[float]]) -> dict | None:
-    """The one-sided fetch against the two-sided one and the raw ceiling, per repeat."""
+def one_sided_fields(shape: Shape, out: dict) -> dict | None:
+    """The one-sided fetch against the two-sided one, the raw ucxx ceiling and the raw
+    NIXL ceiling, per repeat."""
+    times = out["times"]
     if "fetch_rma" not in times:
         return None
     t = ratios(times)
     one_sided = np.asarray(times["fetch_rma"])
-    return {
+    fields = {
         "gbps": round(shape.nbytes / float(np.median(one_sided)) / 1e9, 3),
-        "ms_p10_p50_p90": p10_p50_p90(one_sided, 1e3),
-        "two_sided_ms_p10_p50_p90": p10_p50_p90(t["fetch"], 1e3),
-        "raw_one_ms_p10_p50_p90": p10_p50_p90(t["one"], 1e3),
-        "ratio_ceiling_p10_p50_p90": p10_p50_p90(t["ceiling"] / one_sided),
-        "speedup_vs_two_sided_p10_p50_p90": p10_p50_p90(t["fetch"] / one_sided),
+        "ms_p10_p50_p90": quantiles(one_sided, 1e3),
+        "two_sided_ms_p10_p50_p90": quantiles(t["fetch"], 1e3),
+        "raw_one_ms_p10_p50_p90": quantiles(t["one"], 1e3),
+        "ratio_ceiling_p10_p50_p90": quantiles(t["ceiling"] / one_sided),
+        "speedup_vs_two_sided_p10_p50_p90": quantiles(t["fetch"] / one_sided),
+    }
+    for name in NIXL_OPS:
+        x = np.asarray(times[name])
+        fields[f"{name}_ms_p10_p50_p90"] = quantiles(x, 1e3)
+        fields[f"{name}_gbps"] = round(shape.nbytes / float(np.median(x)) / 1e9, 3)
+    fields |= nixl_ceiling(shape, times)
+    fields |= {"nixl_runs": out["nixl_runs"], "nixl_verified_reads": out["nixl_verified"]}
+    return fields
+
+
+def nixl_ceiling(shape: Shape, times: dict[str, list[float]]) -> dict:
+    """fetch_rma against the per-repeat faster of nixl_one and nixl_runs (the raw NIXL
+    ceiling): its GB/s, ceiling time / fetch_rma time, and fetch_rma's time over it."""
+    if "fetch_rma" not in times:
+        return {}
+    one_sided = np.asarray(times["fetch_rma"])
+    best = np.minimum(*(np.asarray(times[name]) for name in NIXL_OPS))
+    return {
+        "nixl_ceiling_gbps": round(shape.nbytes / float(np.median(best)) / 1e9, 3),
+        "nixl_ceiling_ms_p10_p50_p90": quantiles(best, 1e3),
+        "ratio_nixl_ceiling_p10_p50_p90": quantiles(best / one_sided),
+        "over_nixl_ceiling_ms_p10_p50_p90": quantiles(one_sided - best, 1e3),
     }
 
 
@@ -834,7 +1002,7 @@ def make_row(opts: dict, shape: Shape, out: dict) -> Row:
         verified=True,
         verified_fetches=out["verified_fetches"],
         **spread(t["r"]),
-        rma=one_sided_fields(shape, out["times"]),
+        rma=one_sided_fields(shape, out),
     )
     if "device_copy" in out["times"]:
         dc = nbytes / statistics.median(out["times"]["device_copy"]) / 1e9
@@ -866,7 +1034,7 @@ def make_latency(opts: dict, shape: Shape, out: dict) -> dict:
         "layers_by_name": opts["layers_by_name"],
         "verified": True,
         "verified_fetches": out["verified_fetches"],
-        "rma": one_sided_fields(shape, out["times"]),
+        "rma": one_sided_fields(shape, out),
     }
 
 
@@ -876,9 +1044,9 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
 
     ucxx = ucxx_module()
     settle_torch(opts["fetch_device"])
-    opts["address"], raw_port, server_tls = ctrl.recv()
+    opts["address"], raw_port, server_tls, card = ctrl.recv()
     raw_ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
-    bench = Bench(ctrl, raw_ep, opts)
+    bench = Bench(ctrl, raw_ep, opts, rma.PeerCard.decode(card) if card else None)
     rows = []
     for i, shape in enumerate(Shape(**s) for s in opts["shapes"]):
         row = make_row(opts, shape, await bench.run(shape, opts["repeats"], seed=i))
@@ -918,8 +1086,10 @@ def floor_fields(shape: Shape, out: dict) -> dict:
         "slot_bytes": shape.slot,
         "total_bytes": shape.nbytes,
         "repeats": len(t["fetch"]),
-        **{f"{op}_ms_p10_p50_p90": p10_p50_p90(np.asarray(x), 1e3) for op, x in t.items()},
+        **{f"{op}_ms_p10_p50_p90": quantiles(np.asarray(x), 1e3) for op, x in t.items()},
+        **nixl_ceiling(shape, t),
         "verified_fetches": out["verified_fetches"],
+        **({"nixl_verified_reads": out["nixl_verified"]} if "fetch_rma" in t else {}),
     }
 
 
@@ -945,18 +1115,6 @@ def _quantile(sorted_samples: list[float], q: float) -> float:
 
 
 # ---- driver ---------------------------------------------------------------------------------
-
-
-def ucx_env(tls: str) -> dict:
-    """The project's UCX defaults, then every UCX_* / UCXPY_* variable already set here
-    (e.g. UCX_MM_ERROR_HANDLING=y for shared memory between same-host peers)."""
-    from kvstore.transfer.ucx import UCX_DEFAULTS
-
-    env = dict(UCX_DEFAULTS)
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))})
-    if tls != "default":
-        env["UCX_TLS"] = tls
-    return env
 
 
 def shapes(args: argparse.Namespace) -> tuple[list[Shape], Shape]:
@@ -1077,6 +1235,28 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
     print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 
+def plot_one_sided(ax: Any, ax_ratio: Any, x: list[int], rma_rows: list[dict], label: str) -> None:
+    """fetch_rma and its raw NIXL ceiling (rows that carry both), and their ratio
+    (p50, p10-p90 bars)."""
+    if not rma_rows or not all("nixl_ceiling_gbps" in r for r in rma_rows):
+        return
+    color = ax.plot(x, [r["gbps"] for r in rma_rows], "D-", label=f"fetch_rma ({label})")
+    color = color[0].get_color()
+    ceiling = [r["nixl_ceiling_gbps"] for r in rma_rows]
+    ax.plot(x, ceiling, "*:", color=color, label="raw NIXL ceiling")
+    q = [r["ratio_nixl_ceiling_p10_p50_p90"] for r in rma_rows]
+    err = [[m - lo for lo, m, _ in q], [hi - m for _, m, hi in q]]
+    ax_ratio.errorbar(
+        x,
+        [m for _, m, _ in q],
+        yerr=err,
+        fmt="D-",
+        color=color,
+        capsize=3,
+        label=f"fetch_rma / raw NIXL ({label})",
+    )
+
+
 def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -1102,6 +1282,7 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
             ax.plot(x, [r["ceiling_gbps"] for r in mine], "^:", color=color, label="raw ceiling")
         if mine and mine[0].get("device_copy_gbps"):
             ax.plot(x, [r["device_copy_gbps"] for r in mine], "v-.", color=color, label="memcpy")
+        plot_one_sided(ax, ax_ratio, x, [r.get("rma") or {} for r in mine], label)
         if all("ratio_ceiling" in r for r in mine):
             mid = [r["ratio_ceiling"] for r in mine]
             err = [
@@ -1122,14 +1303,15 @@ def plot(rows: list[dict], latency: list[dict], path: Path) -> None:
     ax.set_title("pull throughput, two processes on loopback")
     ax.legend(fontsize=6)
     ax_ratio.axhline(0.7, color="grey", linestyle=":", label="0.7 target")
-    ax_ratio.set_ylabel("fetch / raw ceiling (median, IQR over repeats)")
+    ax_ratio.set_ylabel("fetch / its raw ceiling (p50; IQR, or p10-p90 for rma)")
     ax_ratio.set_ylim(0, 1.3)
     lat = "\n".join(
         f"{x['source']}/{x['mem']}/{x['transport']}: p50 {x['p50_ms']} ms, p99 {x['p99_ms']} ms"
         for x in latency
     )
     ax_ratio.set_title(
-        f"ratio to raw ucxx; 32-block TP2 prefix (64 MiB) latency:\n{lat}", fontsize=7
+        f"fetch: ratio to raw ucxx, fetch_rma: to raw NIXL; 64 MiB TP2 prefix:\n{lat}",
+        fontsize=7,
     )
     ax_ratio.legend(fontsize=6)
     fig.tight_layout()
