@@ -22,7 +22,7 @@ from kvstore.copy.cuda import CudaCopier
 from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
-from kvstore.copy.table import BlockArgs, RegionTable, region_table
+from kvstore.copy.table import BlockArgs, RegionTable
 
 __all__ = [
     "BlockArgs",
@@ -36,7 +36,6 @@ __all__ = [
     "merge_adjacent",
     "plan",
     "region_from_tensor",
-    "region_table",
     "split_pieces",
 ]
 

@@ -12,7 +12,6 @@ come distinct from the store's pool.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -200,12 +199,3 @@ def _slots(slot_addrs: np.ndarray, num_layers: int, num_blocks: int) -> np.ndarr
     if slots.size and np.issubdtype(slots.dtype, np.signedinteger) and int(slots.min()) < 0:
         raise invalid("slot_addrs must be non-negative addresses")
     return np.ascontiguousarray(slots, dtype=U64)
-
-
-@functools.lru_cache(maxsize=256)
-def region_table(regions: tuple[LayerRegion, ...]) -> RegionTable:
-    """The shared table of these layers (for callers that keep regions, not a table).
-
-    Holding the table per registration is cheaper: this hashes every region per call.
-    """
-    return RegionTable(regions)
