@@ -9,11 +9,9 @@ in etcd or in either replica.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
-import grpc
 import pytest
 
 from kvstore.client.router_client import RouterClient
@@ -31,27 +29,6 @@ NS = "llama.0123456789abcdef"
 STORE_LEASE_S = 60  # the test holds the store's key itself; it outlives the test
 
 
-class TlsReplica(RouterThread):
-    """A router replica on etcd whose gRPC port demands client certificates."""
-
-    def __init__(self, config, security: Security):
-        self.security = security
-        super().__init__(config)
-
-    async def _serve(self) -> None:
-        self.server = grpc.aio.server()
-        self.served.start(self.server, self.security)
-        self.port = self.security.bind(self.server, "127.0.0.1:0")
-        self.address = f"127.0.0.1:{self.port}"
-        await self.server.start()
-        await self.served.announce(self.address)
-        self._stop = asyncio.Event()
-        self._ready.set()
-        await self._stop.wait()
-        await self.server.stop(grace=0.5)
-        await self.served.close()
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return Pki(tmp_path_factory.mktemp("pki"))
@@ -60,7 +37,7 @@ def pki(tmp_path_factory):
 @pytest.fixture
 def replicas(etcd_config, pki):
     security = Security(pki.server, admins=(ADMIN,))
-    pair = [TlsReplica(etcd_config, security) for _ in range(2)]
+    pair = [RouterThread(etcd_config, security=security) for _ in range(2)]
     yield pair
     for r in pair:
         r.stop()
