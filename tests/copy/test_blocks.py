@@ -17,16 +17,20 @@ from hypothesis import strategies as st
 from kvstore.copy import HostCopier, LayerRegion, RegionTable, plan, region_from_tensor
 from kvstore.copy.testing import reference_gather, reference_scatter
 from kvstore.wire.errors import Code, KVError
-from tests.copy.test_copy import (
+from tests.copy.geometry import (
     DTYPES,
-    HOST_MODES,
     LAYOUTS,
-    _spec,
+    MIXED_SPECS,
+    Geometry,
+    Layers,
     expected_pool,
-    host_copier,
+    geometries,
+    layer_spec,
     make_layer,
+    make_layers,
     make_pool,
 )
+from tests.copy.test_copy import HOST_MODES, host_copier
 
 # ---------------------------------------------------------------- layers of every kind
 
@@ -41,10 +45,11 @@ def paged_layers(num_layers: int, nb: int, rng, *, heads=2, tokens=4, d=8, lead=
     return [whole[:, layer] for layer in range(num_layers)], raw
 
 
-def spec_layers(kind: str, order: str, dtype, rng, num_layers=3, **kw):
-    """(tensors, raw buffers) of the LayerSpec kinds, each layer its own buffer."""
-    layers = [make_layer(_spec(kind, order, dtype, num_blocks=20 + i, **kw), rng) for i in range(3)]
-    return [t for t, _ in layers[:num_layers]], [raw for _, raw in layers[:num_layers]]
+def spec_layers(kind: str, order: str, dtype, rng, num_layers=3, **kw) -> Layers:
+    """Layers of one LayerSpec kind with 20, 21, 22... blocks, each layer its own buffer."""
+    specs = [layer_spec(kind, order, dtype, num_blocks=20 + i, **kw) for i in range(3)]
+    layers = make_layers(specs, rng)
+    return Layers(layers.tensors[:num_layers], layers.raws[:num_layers])
 
 
 def roundtrip(tensors, kinds, raws, copier, rng, ids, *, pool_gap=0, pool_base=0, device="cpu"):
@@ -114,15 +119,8 @@ def test_blocks_paged_views_at_storage_offsets(mode, lead):
 @pytest.mark.parametrize("mode", HOST_MODES)
 def test_blocks_mixed_kinds_odd_sizes_unaligned(mode):
     rng = np.random.default_rng(41)
-    layers = [
-        make_layer(_spec("kv_first", "HND_view", torch.bfloat16, num_blocks=16), rng),
-        make_layer(_spec("mla", "NHD", torch.float16, num_blocks=16, h=1, d=36), rng),
-        make_layer(
-            _spec("blocks_first", "NHD", torch.uint8, num_blocks=16, bs=3, h=1, d=5, offset=1), rng
-        ),
-    ]
-    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
-    roundtrip(tensors, ["kv_first", "mla", "blocks_first"], raws, host_copier(mode), rng,
+    tensors, raws = make_layers(MIXED_SPECS, rng)
+    roundtrip(tensors, [s.kind for s in MIXED_SPECS], raws, host_copier(mode), rng,
               [5, 0, 11, 2], pool_gap=3, pool_base=5)  # fmt: skip
 
 
@@ -130,9 +128,8 @@ def test_blocks_mixed_kinds_odd_sizes_unaligned(mode):
 def test_blocks_large_pieces_cut_between_threads(mode):
     """128 KiB segments: threaded modes cut the request mid-piece at 4 KiB offsets."""
     rng = np.random.default_rng(42)
-    spec = _spec("kv_first", "HND_view", torch.float16, num_blocks=8, bs=16, h=32, d=128)
-    layers = [make_layer(spec, rng) for _ in range(2)]
-    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
+    spec = layer_spec("kv_first", "HND_view", torch.float16, num_blocks=8, bs=16, h=32, d=128)
+    tensors, raws = make_layers([spec, spec], rng)
     roundtrip(tensors, ["kv_first"] * 2, raws, host_copier(mode), rng, [7, 0, 3])
 
 
@@ -230,7 +227,7 @@ def test_paged_disjoint_proof(regions, apart):
 def test_load_of_a_repeated_layer_falls_back_to_the_overlap_check():
     """Not proven apart (one layer twice): the load is refused by the sorting check."""
     rng = np.random.default_rng(46)
-    t, raw = make_layer(_spec("mla", "NHD", torch.float16), rng)
+    t, raw = make_layer(layer_spec("mla", "NHD", torch.float16), rng)
     r = region_from_tensor(t, "mla")
     table = RegionTable([r, r])
     pool = make_pool([r.slot_bytes] * 2, 3, rng)
@@ -295,29 +292,11 @@ def test_empty_request_moves_nothing():
 
 # ---------------------------------------------------------------- random geometry
 
-_kinds = st.sampled_from(LAYOUTS)
-_dtypes = st.sampled_from([torch.float16, torch.uint8])
-
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    layout=st.lists(
-        st.tuples(_kinds, _dtypes, st.integers(1, 5), st.integers(1, 3), st.integers(1, 9)),
-        min_size=1,
-        max_size=4,
-    ),
-    seed=st.integers(0, 2**31),
-    nb=st.integers(1, 12),
-    mode=st.sampled_from(list(HOST_MODES)),
-)
-def test_blocks_random_geometry(layout, seed, nb, mode):
-    rng = np.random.default_rng(seed)
-    layers = [
-        make_layer(_spec(k, o, dt, num_blocks=nb + 2, bs=bs, h=h, d=d, offset=int(rng.integers(3))
-                         * torch.empty(0, dtype=dt).element_size()), rng)
-        for (k, o), dt, bs, h, d in layout
-    ]  # fmt: skip
-    tensors, raws = [t for t, _ in layers], [r for _, r in layers]
-    kinds = [k for (k, _), *_ in layout]
-    ids = rng.permutation(nb + 2)[:nb]
-    roundtrip(tensors, kinds, raws, host_copier(mode), rng, ids, pool_gap=int(rng.integers(17)))
+@given(geometry=geometries(), mode=st.sampled_from(list(HOST_MODES)))
+def test_blocks_random_geometry(geometry: Geometry, mode):
+    rng = geometry.rng()
+    tensors, raws = make_layers(geometry.specs, rng)
+    roundtrip(tensors, geometry.kinds, raws, host_copier(mode), rng, np.array(geometry.block_ids),
+              pool_gap=geometry.pool_gap, pool_base=geometry.pool_base)  # fmt: skip

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import sys
 import types
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvstore.copy import (
     CudaCopier,
@@ -34,90 +31,21 @@ from kvstore.copy import (
 from kvstore.copy.host import native_copy_function
 from kvstore.copy.plan import check_disjoint
 from kvstore.copy.testing import reference_gather, reference_scatter
+from tests.copy.geometry import (
+    DTYPES,
+    FP8,
+    LAYOUTS,
+    MIXED_SPECS,
+    Geometry,
+    element_size,
+    expected_pool,
+    geometries,
+    layer_spec,
+    make_layer,
+    make_pool,
+)
 
-FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
 HAS_CUDA = torch.cuda.is_available()
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One layer's layout: kind, order inside a block, dtype and sizes."""
-
-    kind: str  # kv_first | blocks_first | mla
-    order: str  # NHD | HND (contiguous) | HND_view (vLLM: HND memory, NHD-shaped view)
-    dtype: torch.dtype
-    num_blocks: int
-    block_size: int
-    heads: int
-    head_dim: int
-    offset: int = 0  # bytes before the tensor in its raw buffer (odd: unaligned base)
-
-    @property
-    def nbytes(self) -> int:
-        lead = 2 if self.kind != "mla" else 1
-        sizes = (lead, self.num_blocks, self.block_size, self.heads, self.head_dim)
-        return math.prod(sizes) * _size(self.dtype)
-
-    def build(self, raw: torch.Tensor) -> torch.Tensor:
-        """View of this layer over `raw` (a uint8 buffer of offset + nbytes bytes)."""
-        flat = raw[self.offset : self.offset + self.nbytes].view(self.dtype)
-        nb, bs, h, d = self.num_blocks, self.block_size, self.heads, self.head_dim
-        if self.kind == "mla":
-            return flat.view(nb, bs, h * d)
-        inner = (bs, h, d) if self.order == "NHD" else (h, bs, d)
-        outer = (2, nb) if self.kind == "kv_first" else (nb, 2)
-        t = flat.view(*outer, *inner)
-        return t.transpose(2, 3) if self.order == "HND_view" else t
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def make_layer(spec: LayerSpec, rng: np.random.Generator, device: str = "cpu"):
-    """(tensor, raw buffer) with random bytes everywhere, including padding."""
-    raw = torch.from_numpy(rng.integers(0, 256, spec.offset + spec.nbytes + 7, dtype=np.uint8))
-    raw = raw.to(device)
-    return spec.build(raw), raw
-
-
-@dataclass
-class SlotPool:
-    """A uint8 buffer with one slot per (layer, block) at shuffled, possibly odd offsets."""
-
-    buf: torch.Tensor
-    offsets: np.ndarray  # (layers, blocks) byte offsets into buf
-
-    @property
-    def addrs(self) -> np.ndarray:
-        return (self.buf.data_ptr() + self.offsets).astype(np.uint64)
-
-
-def make_pool(
-    slot_bytes: list[int],
-    num_blocks: int,
-    rng,
-    *,
-    gap: int = 0,
-    shuffle=True,
-    base: int = 0,
-    device: str = "cpu",
-) -> SlotPool:
-    stride = max(slot_bytes) + gap
-    n = len(slot_bytes) * num_blocks
-    order = rng.permutation(n) if shuffle else np.arange(n)
-    offsets = (base + order * stride).reshape(len(slot_bytes), num_blocks).astype(np.int64)
-    buf = torch.from_numpy(rng.integers(0, 256, base + n * stride + 16, dtype=np.uint8)).to(device)
-    return SlotPool(buf, offsets)
-
-
-def expected_pool(pool: SlotPool, images: list[torch.Tensor]) -> torch.Tensor:
-    want = pool.buf.clone()
-    for layer, img in enumerate(images):
-        for i in range(img.shape[0]):
-            off = int(pool.offsets[layer, i])
-            want[off : off + img.shape[1]] = img[i]
-    return want
 
 
 # Host copier variants: every code path of HostCopier (Python loop, C memcpy, C streaming
@@ -142,32 +70,16 @@ def host_copier(mode: str) -> HostCopier:
     return HostCopier(**HOST_MODES[mode])
 
 
-LAYOUTS = [
-    ("kv_first", "NHD"),
-    ("kv_first", "HND"),
-    ("kv_first", "HND_view"),
-    ("blocks_first", "NHD"),
-    ("blocks_first", "HND"),
-    ("blocks_first", "HND_view"),
-    ("mla", "NHD"),
-]
-DTYPES = [torch.float16, torch.bfloat16, FP8]
-
-
-def _spec(kind, order, dtype, *, num_blocks=24, bs=4, h=3, d=8, offset=0) -> LayerSpec:
-    return LayerSpec(kind, order, dtype, num_blocks, bs, h, d, offset)
-
-
 # ---------------------------------------------------------------- regions
 
 
 @pytest.mark.parametrize("kind,order", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_region_geometry(kind, order, dtype):
-    spec = _spec(kind, order, dtype)
+    spec = layer_spec(kind, order, dtype)
     t, _ = make_layer(spec, np.random.default_rng(0))
     r = region_from_tensor(t, kind)
-    el = _size(dtype)
+    el = element_size(dtype)
     block_elems = spec.block_size * spec.heads * spec.head_dim
     assert r.base == t.data_ptr() and r.num_blocks == spec.num_blocks
     if kind == "kv_first":
@@ -359,7 +271,7 @@ def _roundtrip_case(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_host_every_layout_and_dtype(mode, kind, order, dtype):
     rng = np.random.default_rng(hash((kind, order, str(dtype))) % 2**32)
-    specs = [_spec(kind, order, dtype, num_blocks=20 + i) for i in range(3)]
+    specs = [layer_spec(kind, order, dtype, num_blocks=20 + i) for i in range(3)]
     _roundtrip_case(specs, host_copier(mode), rng)
 
 
@@ -371,7 +283,8 @@ def test_host_odd_sizes_and_unaligned_addresses(mode, kind, order):
     """1-byte dtype, odd segment sizes, odd tensor base and odd slot offsets: the tail path."""
     rng = np.random.default_rng(11)
     specs = [
-        _spec(kind, order, torch.uint8, num_blocks=13, bs=3, h=1, d=5, offset=o) for o in (1, 3, 0)
+        layer_spec(kind, order, torch.uint8, num_blocks=13, bs=3, h=1, d=5, offset=o)
+        for o in (1, 3, 0)
     ]
     _roundtrip_case(specs, host_copier(mode), rng, pool_gap=3, pool_base=5)
 
@@ -379,12 +292,7 @@ def test_host_odd_sizes_and_unaligned_addresses(mode, kind, order):
 @pytest.mark.parametrize("mode", HOST_MODES)
 def test_host_mixed_layouts_in_one_request(mode):
     rng = np.random.default_rng(5)
-    specs = [
-        _spec("kv_first", "HND_view", torch.bfloat16, num_blocks=16),
-        _spec("mla", "NHD", torch.float16, num_blocks=16, h=1, d=36),
-        _spec("blocks_first", "NHD", FP8, num_blocks=16, bs=2, h=3, d=7, offset=1),
-    ]
-    _roundtrip_case(specs, host_copier(mode), rng, pool_gap=1)
+    _roundtrip_case(list(MIXED_SPECS), host_copier(mode), rng, pool_gap=1)
 
 
 @pytest.mark.parametrize("mode", HOST_MODES)
@@ -392,7 +300,7 @@ def test_host_mixed_layouts_in_one_request(mode):
 def test_host_merged_runs(mode, kind):
     """Consecutive block ids into consecutive slots: merged into one copy per layer."""
     rng = np.random.default_rng(8)
-    specs = [_spec(kind, "NHD", torch.float16, num_blocks=32)]
+    specs = [layer_spec(kind, "NHD", torch.float16, num_blocks=32)]
     pieces = _roundtrip_case(specs, host_copier(mode), rng, ids=np.arange(5, 17), shuffle=False)
     assert len(pieces) == 1
 
@@ -401,7 +309,7 @@ def test_host_merged_runs(mode, kind):
 def test_host_large_pieces(mode):
     """128 KiB pieces: threaded modes cut them into 64 KiB chunks across threads."""
     rng = np.random.default_rng(9)
-    specs = [_spec("kv_first", "HND_view", torch.float16, num_blocks=8, bs=16, h=32, d=128)]
+    specs = [layer_spec("kv_first", "HND_view", torch.float16, num_blocks=8, bs=16, h=32, d=128)]
     _roundtrip_case(specs, host_copier(mode), rng, ids=[7, 0, 3])
 
 
@@ -409,7 +317,7 @@ def test_host_large_pieces(mode):
 def test_host_repeated_layer_in_save(mode):
     """One layer listed twice (two slot arrays read the same blocks)."""
     rng = np.random.default_rng(4)
-    spec = _spec("kv_first", "NHD", torch.float16)
+    spec = layer_spec("kv_first", "NHD", torch.float16)
     t, _ = make_layer(spec, rng)
     r = region_from_tensor(t, "kv_first")
     ids = np.array([5, 1, 17, 2])
@@ -421,7 +329,7 @@ def test_host_repeated_layer_in_save(mode):
 
 def test_host_load_rejects_overlapping_destinations():
     rng = np.random.default_rng(6)
-    spec = _spec("mla", "NHD", torch.float16)
+    spec = layer_spec("mla", "NHD", torch.float16)
     t, _ = make_layer(spec, rng)
     r = region_from_tensor(t, "mla")
     pool = make_pool([r.slot_bytes], 3, rng)
@@ -433,7 +341,7 @@ def test_python_and_native_backends_agree():
     if "native" not in HOST_MODES:
         pytest.skip("no C compiler")
     rng = np.random.default_rng(12)
-    spec = _spec("kv_first", "HND_view", torch.bfloat16, num_blocks=40)
+    spec = layer_spec("kv_first", "HND_view", torch.bfloat16, num_blocks=40)
     t, _ = make_layer(spec, rng)
     r = region_from_tensor(t, "kv_first")
     ids = rng.permutation(40)[:17]
@@ -460,31 +368,16 @@ def test_copier_for_devices():
         copier_for("cuda:x")
 
 
-_kinds = st.sampled_from(LAYOUTS)
-_dtypes = st.sampled_from([torch.float16, torch.bfloat16, torch.uint8])
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    layout=st.lists(
-        st.tuples(_kinds, _dtypes, st.integers(1, 5), st.integers(1, 3), st.integers(1, 9)),
-        min_size=1,
-        max_size=4,
-    ),
-    seed=st.integers(0, 2**31),
-    nb=st.integers(1, 12),
-)
-def test_host_random_geometry(layout, seed, nb):
-    rng = np.random.default_rng(seed)
-    specs = [
-        _spec(
-            k, o, dt, num_blocks=nb + 2, bs=bs, h=h, d=d, offset=int(rng.integers(0, 3)) * _size(dt)
-        )
-        for (k, o), dt, bs, h, d in layout
-    ]
-    ids = rng.permutation(nb + 2)[:nb]
+@given(geometry=geometries())
+def test_host_random_geometry(geometry: Geometry):
     _roundtrip_case(
-        specs, host_copier(list(HOST_MODES)[-1]), rng, ids=ids, pool_gap=int(rng.integers(0, 17))
+        list(geometry.specs),
+        host_copier(list(HOST_MODES)[-1]),
+        geometry.rng(),
+        ids=geometry.block_ids,
+        pool_gap=geometry.pool_gap,
+        pool_base=geometry.pool_base,
     )
 
 
@@ -562,7 +455,7 @@ def test_cuda_copier_host_side_with_fake_cupy(monkeypatch, kind, order, chunk):
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)
     rng = np.random.default_rng(31)
-    specs = [_spec(kind, order, FP8, num_blocks=12, bs=3, h=1, d=7, offset=o) for o in (1, 0)]
+    specs = [layer_spec(kind, order, FP8, num_blocks=12, bs=3, h=1, d=7, offset=o) for o in (1, 0)]
     _roundtrip_case(specs, CudaCopier(0, chunk_bytes=chunk), rng, pool_gap=5, pool_base=3)
     assert len(kernel.launches) == 2
 
@@ -573,7 +466,7 @@ def test_cuda_copier_host_side_with_fake_cupy(monkeypatch, kind, order, chunk):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_every_layout_and_dtype(kind, order, dtype):
     rng = np.random.default_rng(21)
-    specs = [_spec(kind, order, dtype, num_blocks=30 + i, bs=16, h=2, d=64) for i in range(3)]
+    specs = [layer_spec(kind, order, dtype, num_blocks=30 + i, bs=16, h=2, d=64) for i in range(3)]
     _cuda_roundtrip(specs, rng)
 
 
@@ -584,7 +477,7 @@ def test_cuda_every_layout_and_dtype(kind, order, dtype):
 def test_cuda_unaligned_tail_path(kind, chunk):
     rng = np.random.default_rng(22)
     specs = [
-        _spec(kind, "NHD", torch.uint8, num_blocks=13, bs=3, h=1, d=5 + 2 * o, offset=o)
+        layer_spec(kind, "NHD", torch.uint8, num_blocks=13, bs=3, h=1, d=5 + 2 * o, offset=o)
         for o in (1, 3, 0)
     ]
     _cuda_roundtrip(specs, rng, pool_gap=3, pool_base=5, copier_kw={"chunk_bytes": chunk})
@@ -595,7 +488,7 @@ def test_cuda_unaligned_tail_path(kind, chunk):
 def test_cuda_matches_host_and_large_pieces():
     """Pieces far larger than a chunk, many blocks: CUDA output equals the host copier's."""
     rng = np.random.default_rng(23)
-    spec = _spec("kv_first", "HND_view", torch.bfloat16, num_blocks=64, bs=16, h=8, d=128)
+    spec = layer_spec("kv_first", "HND_view", torch.bfloat16, num_blocks=64, bs=16, h=8, d=128)
     raw_gpu = torch.from_numpy(rng.integers(0, 256, spec.nbytes + 7, dtype=np.uint8)).cuda()
     t_gpu = spec.build(raw_gpu)
     t_cpu = spec.build(raw_gpu.cpu())

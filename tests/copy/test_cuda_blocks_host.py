@@ -33,8 +33,8 @@ from kvstore.copy.cuda import (
 )
 from kvstore.copy.testing import reference_gather
 from kvstore.wire.errors import KVError
+from tests.copy.geometry import FP8, LAYOUTS, layer_spec, make_layer
 from tests.copy.test_blocks import paged_layers, roundtrip, spec_layers
-from tests.copy.test_copy import FP8, LAYOUTS, _spec, make_layer
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -187,8 +187,8 @@ def test_cuda_blocks_paged_views_unaligned_and_mixed(fake_cupy):
     tensors, raw = paged_layers(4, 16, rng, lead=6)
     roundtrip(tensors, ["paged"] * 4, [raw], CudaCopier(0), rng, [3, 15, 0, 7, 8], pool_gap=5,
               pool_base=3)  # fmt: skip
-    odd = _spec("kv_first", "HND_view", FP8, num_blocks=12, bs=3, h=1, d=7, offset=1)
-    mla = _spec("mla", "NHD", torch.float16, num_blocks=12, h=1, d=36)
+    odd = layer_spec("kv_first", "HND_view", FP8, num_blocks=12, bs=3, h=1, d=7, offset=1)
+    mla = layer_spec("mla", "NHD", torch.float16, num_blocks=12, h=1, d=36)
     layers = [make_layer(odd, rng), make_layer(mla, rng)]
     roundtrip([t for t, _ in layers], ["kv_first", "mla"], [r for _, r in layers], CudaCopier(0),
               rng, [11, 2, 5], pool_gap=3, pool_base=5)  # fmt: skip
@@ -198,7 +198,7 @@ def test_cuda_blocks_large_segments_use_the_whole_cta_and_a_persistent_grid(fake
     """32 KiB segments: groups of 256 threads, items of 32 KiB, grid capped at SMs x occupancy
     (6 here) while there are far more items; every byte still lands."""
     rng = np.random.default_rng(62)
-    spec = _spec("kv_first", "NHD", torch.float16, num_blocks=10, bs=16, h=8, d=128)
+    spec = layer_spec("kv_first", "NHD", torch.float16, num_blocks=10, bs=16, h=8, d=128)
     layers = [make_layer(spec, rng) for _ in range(2)]
     tensors, raws = [t for t, _ in layers], [r for _, r in layers]
     table = roundtrip(tensors, ["kv_first"] * 2, raws, CudaCopier(0), rng, [9, 0, 4, 5])
@@ -241,7 +241,7 @@ def test_cuda_blocks_refuses_repeated_ids_before_any_launch(fake_cupy):
 def test_cuda_blocks_on_the_gpu(kind, order):
     """The real kernel: save_blocks / load_blocks with wait=True, byte-exact on the device."""
     rng = np.random.default_rng(65)
-    specs = [_spec(kind, order, torch.bfloat16, num_blocks=30 + i, bs=16, h=2, d=64)
+    specs = [layer_spec(kind, order, torch.bfloat16, num_blocks=30 + i, bs=16, h=2, d=64)
              for i in range(3)]  # fmt: skip
     layers = [make_layer(s, rng, "cuda") for s in specs]
     copier = _WaitingCopier(CudaCopier(0))
