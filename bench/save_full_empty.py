@@ -1,9 +1,11 @@
 """Save into a full pool against Save into an empty one, and the Python cost per block
 of the Save RPC (issue 11 target: full <= 1.3x empty; issue 15 item 2: per-block cost).
 
-    python bench/save_full_empty.py            # 15 interleaved repeats, about a minute
-    python bench/save_full_empty.py --quick    # 5 repeats
-    python bench/save_full_empty.py --label before --out bench/results/save_full_empty.json
+    python -m bench.save_full_empty            # 15 interleaved repeats, about a minute
+    python -m bench.save_full_empty --quick    # 5 repeats
+    python -m bench.save_full_empty --label before --out bench/results/save_full_empty.json
+
+Run from the repository root (the servers are ``python -m kvstore`` subprocesses).
 
 Two `kvstore serve` subprocesses (host pools of 8 MiB slabs, as a server runs), each
 with one TP1 rank of 32 layers registered from shared memory (1 KV head x 64, 16
@@ -37,7 +39,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -46,13 +47,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.chdir(ROOT)  # the server subprocess imports kvstore from the working directory
-
-from kvstore.client.store_client import KVLayer, RankSession, StoreClient, kv_cache_shm  # noqa: E402
-from kvstore.copy import RegionTable, copier_for, region_from_tensor  # noqa: E402
-from kvstore.demo import free_port, start_server  # noqa: E402
+from kvstore.client.store_client import KVLayer, RankSession, StoreClient, kv_cache_shm
+from kvstore.copy import RegionTable, copier_for, region_from_tensor
+from kvstore.demo import free_port, start_server
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 1, 64, 16
 SLOT = 2 * BLOCK * HEADS * HEAD_DIM * 2  # K and V, fp16

@@ -2,9 +2,10 @@
 
 Nothing on a hot path is instrumented: on each scrape the collector asks the
 core for its ``stats()`` records (the node, the block index, the pool, the
-registry, the fetcher, the peer port; or the router) and flattens their
-numeric fields into metrics named ``kvstore_<part>_<field>``. Fields that only
-grow are counters (``_total``), the rest gauges. The HTTP endpoint answers on
+registry, the fetcher, the Events fan-out, the peer port; or the router) and
+flattens their numeric fields into metrics named ``kvstore_<part>_<field>``
+(a part may have several records; their fields share the part's name).
+Fields that only grow are counters (``_total``), the rest gauges. The HTTP endpoint answers on
 the server's own event loop, so a scrape reads the records between requests,
 never in the middle of one.
 
@@ -47,7 +48,8 @@ COUNTERS = frozenset({
     "not_indexable", "undecodable", "other_kv_group",
 })  # fmt: skip
 
-Reader = Callable[[], dict[str, object]]  # part name -> stats record
+Record = object  # a dataclass stats record
+Reader = Callable[[], dict[str, Record | tuple[Record, ...]]]  # part name -> its record(s)
 
 
 class RecordCollector:
@@ -57,8 +59,8 @@ class RecordCollector:
         self.read = read
 
     def collect(self) -> Iterator[Metric]:
-        for part, record in self.read().items():
-            for name, leaf, value in flatten(record):
+        for part, records in self.read().items():
+            for name, leaf, value in flatten_all(records):
                 full = f"kvstore_{part}_{name}"
                 family = CounterMetricFamily if leaf in COUNTERS else GaugeMetricFamily
                 metric = family(full, f"{part} {name.replace('_', ' ')}")
@@ -66,7 +68,13 @@ class RecordCollector:
                 yield metric
 
 
-def flatten(record: object, prefix: str = "") -> Iterator[tuple[str, str, float]]:
+def flatten_all(records: Record | tuple[Record, ...]) -> Iterator[tuple[str, str, float]]:
+    """:func:`flatten` of one record, or of each of several."""
+    for record in records if isinstance(records, tuple) else (records,):
+        yield from flatten(record)
+
+
+def flatten(record: Record, prefix: str = "") -> Iterator[tuple[str, str, float]]:
     """(joined name, field name, number) for every numeric field of a dataclass
     record, nested records' fields joined to their parent's name."""
     for field in dataclasses.fields(record):

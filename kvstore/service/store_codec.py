@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstore._proto import store_pb2 as pb
 from kvstore.store.fetch import FetchResult
 from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
@@ -11,6 +13,9 @@ from kvstore.wire.errors import invalid
 from kvstore.wire.fingerprint import LayerGeometry
 from kvstore.wire.kv_layout import LayoutKind
 from kvstore.wire.principal import LOCAL, Principal
+
+if TYPE_CHECKING:  # the servicer imports this module
+    from kvstore.service.store_service import FanoutStats
 
 # ---------------------------------------------------------------- requests
 
@@ -129,7 +134,7 @@ def query_response(r: QueryResult) -> pb.QueryResponse:
     return pb.QueryResponse(prefix_blocks=r.prefix_blocks, lease_id=r.lease_id)
 
 
-def stats_response(s: NodeStats, ucx_address: str) -> pb.StatsResponse:
+def stats_response(s: NodeStats, fanout: FanoutStats, ucx_address: str) -> pb.StatsResponse:
     return pb.StatsResponse(
         device=",".join(s.devices),
         pool_bytes=s.pool.pool_bytes,
@@ -148,4 +153,6 @@ def stats_response(s: NodeStats, ucx_address: str) -> pb.StatsResponse:
         ucx_address=ucx_address,
         fetched_blocks=s.fetcher.fetched_blocks,
         served_blocks=s.source.served_blocks,
+        events_dropped=fanout.events_dropped,
+        event_subscribers_cut=fanout.event_subscribers_cut,
     )

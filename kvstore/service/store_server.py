@@ -176,8 +176,9 @@ class StoreServer:
             )
 
     def _stats_records(self) -> dict[str, object]:
-        """Every part's stats record, for /metrics."""
-        records: dict[str, object] = {"store": self.node.stats()}
+        """Every part's stats records, for /metrics; the Events fan-out's fields
+        are the store's (``kvstore_store_events_dropped_total``)."""
+        records: dict[str, object] = {"store": (self.node.stats(), self.service.fanout_stats())}
         if self.peer_server is not None:
             records["peer_port"] = self.peer_server.stats()
         if self.router is not None:

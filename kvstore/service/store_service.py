@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -48,7 +48,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.node = node
         self.snapshot = snapshot
         self.event_queue_max = EVENT_QUEUE_MAX  # events a subscriber may fall behind
-        self.fanout = FanoutStats()
+        self._fanout = FanoutStats()
         self.peer_server = peer_server
         self.security = security
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
@@ -159,10 +159,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Stats(self, request, context):  # noqa: ARG002 -- the servicer's signature
         ucx_address = self.peer_server.address if self.peer_server is not None else ""
-        reply = codec.stats_response(self.node.stats(), ucx_address)
-        reply.events_dropped = self.fanout.events_dropped
-        reply.event_subscribers_cut = self.fanout.subscribers_cut
-        return reply
+        return codec.stats_response(self.node.stats(), self.fanout_stats(), ucx_address)
+
+    def fanout_stats(self) -> FanoutStats:
+        """What the Events fan-out has not delivered so far (a copy; docs/design.md §6)."""
+        return replace(self._fanout)
 
     # -------------------------------------------------------------- events
 
@@ -179,8 +180,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     "event subscriber fell %d events behind; disconnecting it", queue.qsize()
                 )
                 del self._subscribers[queue]  # its handler aborts on its next event
-                self.fanout.subscribers_cut += 1
-                self.fanout.events_dropped += queue.qsize() + 1  # the queued ones and this
+                self._fanout.event_subscribers_cut += 1
+                self._fanout.events_dropped += queue.qsize() + 1  # the queued ones and this
                 continue
             queue.put_nowait(payload)
 
@@ -209,10 +210,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 @dataclass
 class FanoutStats:
-    """What the Events fan-out could not deliver."""
+    """What the Events fan-out could not deliver (docs/design.md §6); the fields
+    are named as in ``StatsResponse`` and, under the ``store`` part, on /metrics."""
 
     events_dropped: int = 0  # events cut-off subscribers did not receive
-    subscribers_cut: int = 0  # subscribers cut off for falling behind
+    event_subscribers_cut: int = 0  # subscribers cut off for falling behind
 
 
 # ------------------------------------------------------------ registration on a server

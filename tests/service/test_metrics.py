@@ -5,11 +5,15 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore._proto import store_pb2 as pb
+from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client import KVLayer, StoreClient, kv_cache_shm
+from kvstore.wire.events import StoreEvent
 from tests.conftest import ServerThread
 
 
@@ -47,6 +51,50 @@ def test_metrics_follow_the_store_and_unknown_paths_are_404():
             scrape(port, "/other")
         assert err.value.code == 404
     finally:
+        client.close()
+        server.stop()
+        shm.close()
+
+
+def test_a_cut_off_events_subscriber_is_counted_in_stats_and_metrics():
+    """An Events subscriber that falls behind is cut off; what it missed is in
+    the Stats reply and in the store's /metrics counters, the same numbers."""
+    server = ServerThread(pool_size=16 << 20, device="cpu", slab_bytes=4 << 20, metrics_port=0)
+    shm = kv_cache_shm("kv_first", num_blocks=8, block_size=16, heads=2, head_dim=64)
+    client = StoreClient(server.address)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        layer = KVLayer("model.layers.0.self_attn", shm.tensor, "kv_first", "NHD", shm)
+        session = client.register("m", "fanout", [layer], block_size=16)
+        ns = session.wait_sealed(timeout=30).final_namespace
+        session.save([(1, 0)])
+        port = server.server.metrics.port
+        before = scrape(port)
+        assert before["kvstore_store_events_dropped_total"] == 0
+        assert before["kvstore_store_event_subscribers_cut_total"] == 0
+
+        service = server.server.service
+        service.event_queue_max = 2
+        stream = pb_grpc.KVStoreStub(channel).Events(pb.EventsRequest(), timeout=60)
+        assert next(stream).snapshot  # subscribed: the snapshot came
+
+        def burst() -> None:  # five events in one loop step: the subscriber cannot keep up
+            for h in range(900, 905):
+                service.publish(StoreEvent("removed", ns, [h], "n0"))
+
+        server.call(burst)
+        with pytest.raises(grpc.RpcError) as cut:
+            list(stream)
+        assert cut.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        stats = client.stats()
+        assert (stats.event_subscribers_cut, stats.events_dropped) == (1, 3)  # 2 queued + 1
+        m = scrape(port)
+        assert m["kvstore_store_event_subscribers_cut_total"] == stats.event_subscribers_cut
+        assert m["kvstore_store_events_dropped_total"] == stats.events_dropped
+        assert m["kvstore_store_requests_hits_total"] == stats.hits  # the node's, beside them
+    finally:
+        channel.close()
         client.close()
         server.stop()
         shm.close()
