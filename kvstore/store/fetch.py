@@ -38,7 +38,7 @@ import numpy as np
 
 from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, Lease
-from kvstore.store.registry import Registry
+from kvstore.store.registry import Instance, Registry
 from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, worker_recreations
 from kvstore.transfer.errors import PeerUnauthenticated, RmaFailed
 from kvstore.transfer.handshake import PeerSecret
@@ -134,6 +134,14 @@ class StoreReservation:
     slots: SlotTable
     done: bool = False
 
+    def keep(self, num_blocks: int) -> None:
+        """Free every block past the first ``num_blocks`` (the peer offered fewer)."""
+        if num_blocks >= len(self.blocks):
+            return
+        self.index.discard(self.blocks[num_blocks:])
+        self.blocks = self.blocks[:num_blocks]
+        self.slots = self.slots.prefix(num_blocks)
+
     def commit(self) -> None:
         """Make every received block visible (a block saved meanwhile wins)."""
         if self.done:
@@ -150,30 +158,41 @@ class StoreReservation:
 
 
 class StoreSink:
-    """Reserves local slots for blocks of a namespace that a local instance serves."""
+    """Reserves local slots for blocks of a namespace that a local instance serves.
+
+    Every block of a namespace has its seal's layout, so the fetch reserves
+    ahead, while the peer prepares its answer (docs/design.md §4)."""
 
     def __init__(self, index: BlockIndex, registry: Registry):
         self.index = index
         self.registry = registry
 
+    def reserve_ahead(self, namespace: str, hashes: list[int]) -> StoreReservation:
+        """Slots for every block of ``hashes``, in the namespace's layout."""
+        inst = self._instance(namespace)
+        blocks = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
+        return StoreReservation(self.index, blocks, slot_table(self.index, blocks))
+
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
     ) -> StoreReservation:
-        inst = self.registry.sealed(namespace)
-        if inst is None or inst.seal is None:
-            raise precondition(
-                f"no sealed local instance serves namespace {namespace}; "
-                "register one before fetching its blocks"
-            )
-        expect = inst.seal.slot_bytes.tolist()
+        expect = self._instance(namespace).seal.slot_bytes.tolist()
         for i, sizes in enumerate(slot_sizes):
             if list(sizes) != expect:
                 raise invalid(
                     f"peer offered block {i} with slot sizes that do not match "
                     f"the layout of namespace {namespace}"
                 )
-        blocks = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
-        return StoreReservation(self.index, blocks, slot_table(self.index, blocks))
+        return self.reserve_ahead(namespace, hashes)
+
+    def _instance(self, namespace: str) -> Instance:
+        inst = self.registry.sealed(namespace)
+        if inst is None or inst.seal is None:
+            raise precondition(
+                f"no sealed local instance serves namespace {namespace}; "
+                "register one before fetching its blocks"
+            )
+        return inst
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from kvstore.transfer.errors import PeerUnavailable, ProtocolError, RmaFailed
 from kvstore.transfer.handshake import PeerSecret, authenticate_peer
 from kvstore.transfer.onesided import RmaReader
 from kvstore.transfer.slots import (
+    AheadSink,
     Reservation,
     SlotSink,
     SlotTable,
@@ -89,6 +90,10 @@ async def fetch(
     grants the read (else two-sided, as without it); a failed one-sided read
     raises RmaFailed (a PeerUnavailable) with the reservation aborted, or kept
     for good when a read might still land in it.
+
+    An :class:`~kvstore.transfer.slots.AheadSink` reserves every asked block's
+    slots while the peer prepares its answer, and frees those of blocks the
+    peer does not offer; a peer that offers another layout is PeerUnavailable.
     """
     hashes = _check_fetch_args(namespace, hashes, timeout_s)
     if not hashes:
@@ -118,22 +123,27 @@ async def _fetch_on(
     rma: RmaReader | None,
 ) -> int:
     body = encode_request(namespace, hashes, rma=rma is not None)
-    kind, _, body = await _recv_reply(conn, deadline, frame_sends(conn, Kind.REQUEST, body))
-    if kind is Kind.ERROR:
-        raise decode_error(body, conn.peer)
-    offer = _decode_offer(conn, body, len(hashes), rma is not None)
-    if not offer.num_blocks:
-        return 0
+    request = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REQUEST, body)]
+    ahead = await _reserve_ahead(conn, sink, namespace, hashes, request)
     try:
-        reservation = sink.reserve(namespace, hashes[: offer.num_blocks], offer.slot_sizes)
+        kind, _, body = await _recv_reply(conn, deadline, request)
+        if kind is Kind.ERROR:
+            raise decode_error(body, conn.peer)
+        offer = _decode_offer(conn, body, len(hashes), rma is not None)
     except BaseException:
-        await _release_grant(conn, offer, deadline)
+        if ahead is not None:
+            ahead.abort()  # nothing was asked to land in it yet
         raise
+    if not offer.num_blocks:
+        if ahead is not None:
+            ahead.abort()
+        return 0
+    reservation = await _reservation(conn, sink, namespace, hashes, offer, ahead, deadline)
     if offer.grant is not None and rma is not None:
         await _read_one_sided(conn, rma, reservation, offer, deadline)
         return offer.num_blocks
     try:
-        table = _reserved_table(reservation, offer)
+        table = reservation.slots
         order = transfer_order(table.counts.tolist(), offer.lanes)
         ptr, size, memory = table.take(order)
         mine = run_starts(ptr, size, memory)
@@ -148,6 +158,59 @@ async def _fetch_on(
     return offer.num_blocks
 
 
+async def _reserve_ahead(
+    conn: Conn, sink: SlotSink, namespace: str, hashes: list[int], request: list[asyncio.Task]
+) -> Reservation | None:
+    """With the REQUEST posted, reserve every asked block's slots while the peer
+    leases and answers (None: the sink learns the layout from the offer). The
+    peer may offer fewer blocks: the rest are freed then. On failure the
+    endpoint is aborted (the peer drops what it leased on the close)."""
+    if not isinstance(sink, AheadSink):
+        return None
+    try:
+        await asyncio.sleep(0)  # the REQUEST's send is posted
+        return sink.reserve_ahead(namespace, hashes)
+    except BaseException:
+        await abort_and_settle(conn, request)
+        raise
+
+
+async def _reservation(
+    conn: Conn,
+    sink: SlotSink,
+    namespace: str,
+    hashes: list[int],
+    offer: Offer,
+    ahead: Reservation | None,
+    deadline: float,
+) -> Reservation:
+    """The slots the offered blocks land in, checked against the offer: the ahead
+    reservation cut to the offer (another layout than the one reserved is the
+    peer's fault), else one made now in the offer's layout. On failure the
+    offer is declined."""
+    try:
+        if ahead is None:
+            reservation = sink.reserve(namespace, hashes[: offer.num_blocks], offer.slot_sizes)
+            if not _matches(reservation.slots, offer):
+                reservation.abort()
+                raise KVError(
+                    Code.INTERNAL,
+                    "sink reservation does not match the offer's blocks and slot sizes",
+                )
+            return reservation
+        ahead.keep(offer.num_blocks)
+        if not _matches(ahead.slots, offer):
+            ahead.abort()
+            raise PeerUnavailable(
+                f"peer {conn.peer}: offered slot sizes that do not match the layout of "
+                f"namespace {namespace}"
+            )
+        return ahead
+    except BaseException:
+        await _release_grant(conn, offer, deadline)
+        raise
+
+
 async def _read_one_sided(
     conn: Conn, rma: RmaReader, reservation: Reservation, offer: Offer, deadline: float
 ) -> None:
@@ -156,8 +219,7 @@ async def _read_one_sided(
     land in it) and the endpoint aborted, which releases the peer's lease."""
     assert offer.grant is not None
     try:
-        table = _reserved_table(reservation, offer)
-        await rma.read(conn.peer, table, offer.grant, offer.lanes, deadline)
+        await rma.read(conn.peer, reservation.slots, offer.grant, offer.lanes, deadline)
     except BaseException as e:
         conn.abort()
         if isinstance(e, RmaFailed) and e.unsettled:
@@ -194,16 +256,11 @@ async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:
         conn.abort()  # the caller reports its own outcome; the peer releases on close
 
 
-def _reserved_table(reservation: Reservation, offer: Offer) -> SlotTable:
-    """The sink's slots, checked against the offer: same blocks, same slot sizes."""
-    table = reservation.slots
-    if not np.array_equal(table.counts, offer.slot_counts) or not np.array_equal(
+def _matches(table: SlotTable, offer: Offer) -> bool:
+    """Whether ``table`` holds exactly the offered blocks' slots, of the offered sizes."""
+    return np.array_equal(table.counts, offer.slot_counts) and np.array_equal(
         table.nbytes, offer.flat_sizes()
-    ):
-        raise KVError(
-            Code.INTERNAL, "sink reservation does not match the offer's blocks and slot sizes"
-        )
-    return table
+    )
 
 
 async def _recv_reply(

@@ -4,14 +4,16 @@ granted offer read straight into reserved slots (docs/design.md §4).
     reader = RmaReader(endpoint)          # the local pool, registered once
     await fetch(address, namespace, hashes, sink, rma=reader)
 
-:func:`kvstore.transfer.fetch` asks a peer for its card once (CARD_REQUEST,
-only on a connection whose handshake succeeded), loads it into the local NIXL
-agent and keeps it per peer address. A REQUEST with the rma flag may then be
-answered with a grant: the peer's slot addresses under a lease. The reader
-turns slots into runs (adjacent on both sides, vectorised), checks every run
-lies in both registered regions and reads them all; the caller commits, then
-RELEASEs the lease. A failed read drops the peer's card (asked again next
-time) and raises :class:`~kvstore.transfer.errors.RmaFailed`.
+:func:`kvstore.transfer.fetch` asks a peer for its card once per connection
+(CARD_REQUEST, only on a connection whose handshake succeeded), loads it into
+the local NIXL agent and keeps it per peer address; a card that differs from
+the kept one (the peer restarted at the same address) replaces it. A REQUEST
+with the rma flag may then be answered with a grant: the peer's slot addresses
+under a lease. The reader turns slots into runs (adjacent on both sides,
+vectorised), checks every run lies in both registered regions and reads them
+all; the caller commits, then RELEASEs the lease. A failed read drops the
+peer's card (asked again next time) and raises
+:class:`~kvstore.transfer.errors.RmaFailed`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -59,20 +62,31 @@ def runs_for(local: SlotTable, grant: Grant, lanes: int) -> SlotRuns:
     return SlotRuns.of(remote[starts], ptr[starts], nbytes)
 
 
+class LoadedCard(NamedTuple):
+    """A peer's card as it came (compared on each new connection) and the NIXL
+    peer loaded from it (None: the peer offers no one-sided reads)."""
+
+    blob: bytes
+    peer: Peer | None
+
+
 class RmaReader:
     """One-sided reads of this process: its registered endpoint and the peers
-    whose cards it loaded (None: the peer offers no one-sided reads)."""
+    whose cards it loaded, by address."""
 
     def __init__(self, endpoint: RmaEndpoint):
         self.endpoint = endpoint
-        self._peers: dict[str, Peer | None] = {}
+        self._cards: dict[str, LoadedCard] = {}
         self.reads = 0  # one-sided reads that completed
 
     async def peer(self, conn: Conn, deadline: float) -> Peer | None:
-        """The peer behind ``conn``, its card asked for once (the caller has run
-        the handshake on ``conn`` when a secret is configured)."""
-        if conn.peer in self._peers:
-            return self._peers[conn.peer]
+        """The peer behind ``conn``, its card asked for once per connection (the
+        caller has run the handshake on ``conn`` when a secret is configured). A
+        card that changed since the last connection (the peer restarted at the
+        same address) replaces the loaded one before any read uses it."""
+        loaded = self._cards.get(conn.peer)
+        if loaded is not None and conn.card_asked:
+            return loaded.peer
         request = frame_sends(conn, Kind.CARD_REQUEST, encode_card_request())
         try:
             _, _, body = await recv_frame(conn, [Kind.CARD], deadline, after=request)
@@ -80,9 +94,12 @@ class RmaReader:
         except ProtocolError as e:
             conn.abort()
             raise PeerUnavailable(f"peer {conn.peer}: bad card: {e}") from None
-        if conn.peer not in self._peers:  # another fetch may have loaded it meanwhile
-            self._peers[conn.peer] = self._load(conn.peer, blob)
-        return self._peers[conn.peer]
+        conn.card_asked = True
+        loaded = self._cards.get(conn.peer)  # another fetch may have loaded it meanwhile
+        if loaded is None or loaded.blob != blob:
+            self.forget(conn.peer)
+            loaded = self._cards[conn.peer] = LoadedCard(blob, self._load(conn.peer, blob))
+        return loaded.peer
 
     def _load(self, address: str, blob: bytes) -> Peer | None:
         if not blob:
@@ -95,9 +112,9 @@ class RmaReader:
 
     def forget(self, address: str) -> None:
         """Drop a peer's card (a failed read): asked for again on the next fetch."""
-        peer = self._peers.pop(address, None)
-        if peer is not None:
-            self.endpoint.forget(peer)
+        loaded = self._cards.pop(address, None)
+        if loaded is not None and loaded.peer is not None:
+            self.endpoint.forget(loaded.peer)
 
     async def read(
         self, address: str, local: SlotTable, grant: Grant, lanes: int, deadline: float
@@ -105,7 +122,8 @@ class RmaReader:
         """Read every granted slot into ``local`` before ``deadline`` and before the
         lease ends. Raises RmaFailed (ReadUnsettled as its cause when the local
         slots may still be written: never reuse them)."""
-        peer = self._peers.get(address)
+        loaded = self._cards.get(address)
+        peer = loaded.peer if loaded is not None else None
         loop_now = asyncio.get_running_loop().time()
         end = min(deadline, loop_now + grant.expiry_s * (1 - EXPIRY_MARGIN))
         try:

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstore.transfer.errors import ProtocolError, VersionMismatch
 from kvstore.transfer.handshake import PeerSecret, authenticate_fetcher
-from kvstore.transfer.rma import RmaEndpoint, outside
+from kvstore.transfer.rma import RmaEndpoint, inside
 from kvstore.transfer.slots import (
     Lease,
     SlotSource,
@@ -356,8 +356,7 @@ class PeerServer:
         if self.rma is None:
             return False
         on_host = not bool(table.memory.any())
-        sizes = table.nbytes.astype(np.uint64)
-        return on_host and not len(outside(table.ptr.astype(np.uint64), sizes, self.rma.region))
+        return on_host and inside(table.ptr, table.nbytes.astype(np.uint64), self.rma.region)
 
     async def _grant(self, conn: Conn, table: SlotTable, offer: Any) -> None:
         """A one-sided read: REPLY with the grant, then hold the lease until the
@@ -366,17 +365,16 @@ class PeerServer:
         ``offer(grant=...)`` encodes the REPLY."""
         lease_s = self.limits.rma_lease_s
         grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
-        grant_reply = offer(grant=grant)
+        expiry = asyncio.get_running_loop().time() + lease_s
+        # The REPLY's send is posted first: the progress loop's first turn waits.
+        reply = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REPLY, offer(grant))]
         self._rma_granted += 1
         self._rma_held += 1
         if self._progress is None or self._progress.done():
             self._progress = asyncio.ensure_future(self._progress_rma())
-        expiry = asyncio.get_running_loop().time() + lease_s
         released = False
         try:
-            _, _, body = await recv_frame(
-                conn, [Kind.RELEASE], expiry, after=frame_sends(conn, Kind.REPLY, grant_reply)
-            )
+            _, _, body = await recv_frame(conn, [Kind.RELEASE], expiry, after=reply)
             released = decode_release(body) == grant.lease_id
         finally:
             self._rma_held -= 1
@@ -415,8 +413,8 @@ def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:
     fits = (
         (counts > 0) & (counts <= MAX_SLOTS_PER_BLOCK) & (np.cumsum(counts) <= MAX_SLOTS_PER_FETCH)
     )
-    keep = n if bool(fits.all()) else int(np.argmin(fits))
-    table = table.prefix(keep)
+    if not bool(fits.all()):
+        table = table.prefix(int(np.argmin(fits)))
     if len(table.nbytes) and not (
         int(table.nbytes.min()) > 0 and int(table.nbytes.max()) <= MAX_SLOT_BYTES
     ):

@@ -12,7 +12,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -91,6 +91,10 @@ class Reservation(Protocol):
 
     slots: SlotTable  # writable, sized as asked
 
+    def keep(self, num_blocks: int) -> None:
+        """Free the slots of every block past the first ``num_blocks``."""
+        ...
+
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
@@ -110,6 +114,20 @@ class SlotSink(Protocol):
     ) -> Reservation: ...
 
 
+@runtime_checkable
+class AheadSink(SlotSink, Protocol):
+    """A sink that knows the one layout of a namespace's blocks: a fetch reserves
+    its slots while the peer prepares the offer, then keeps what was offered."""
+
+    def reserve_ahead(self, namespace: str, hashes: list[int]) -> Reservation: ...
+
+
+def _breaks(ptr: np.ndarray, size: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    """Per slot after the first: True where it does not continue the one before."""
+    size = size.astype(np.uint64, copy=False)
+    return (ptr[1:] != ptr[:-1] + size[:-1]) | (memory[1:] != memory[:-1])
+
+
 def run_starts(
     ptr: np.ndarray, size: np.ndarray, memory: np.ndarray, cap: int | None = None
 ) -> np.ndarray:
@@ -123,8 +141,9 @@ def run_starts(
         return np.zeros(0, dtype=np.int64)
     cap = MAX_SEGMENT_BYTES if cap is None else cap
     size = size.astype(np.uint64, copy=False)
-    breaks = (ptr[1:] != ptr[:-1] + size[:-1]) | (memory[1:] != memory[:-1])
-    starts = (np.nonzero(breaks)[0] + 1).astype(np.int64)
+    starts = (np.nonzero(_breaks(ptr, size, memory))[0] + 1).astype(np.int64)
+    if cap >= NO_CAP:
+        return starts
     # Cut runs longer than cap greedily: one binary search per cut, not a walk
     # over the run's slots (a 256 MiB run of 16 KiB slots has 16384 of them).
     edges = np.concatenate(([0], starts, [n]))
@@ -171,9 +190,12 @@ def choose_lanes(table: SlotTable) -> int:
     best, fewest = 1, None
     lanes = 1
     counts = table.counts
-    while lanes <= MAX_LANES and bool(np.all(counts % lanes == 0)):
-        order = transfer_order(counts.tolist(), lanes)
-        runs = len(run_starts(*table.take(order), cap=NO_CAP))
+    listed = counts.tolist()
+    while lanes <= MAX_LANES and all(c % lanes == 0 for c in listed):
+        columns = (table.ptr, table.nbytes, table.memory)  # lanes 1: slot order
+        if lanes > 1:
+            columns = table.take(transfer_order(listed, lanes))
+        runs = int(np.count_nonzero(_breaks(*columns)))
         if fewest is None or runs < fewest:
             best, fewest = lanes, runs
         if runs == 0:

@@ -181,6 +181,10 @@ class MemReservation:
     def slots(self):
         return table_from_views(self.buffers)
 
+    def keep(self, num_blocks: int) -> None:
+        assert self.state == "reserved"
+        self.hashes, self.buffers = self.hashes[:num_blocks], self.buffers[:num_blocks]
+
     def commit(self) -> None:
         assert self.state == "reserved"
         self.state = "committed"
@@ -228,3 +232,13 @@ class MemorySink:
             "corrupt": bad,
             "states": [r.state for r in self.reservations],
         }
+
+
+@dataclass
+class AheadMemorySink(MemorySink):
+    """A MemorySink whose blocks all have ``layout``: it reserves before the offer."""
+
+    layout: list[int] = field(default_factory=list)
+
+    def reserve_ahead(self, namespace: str, hashes: list[int]) -> MemReservation:
+        return self.reserve(namespace, hashes, [self.layout] * len(hashes))

@@ -155,6 +155,8 @@ class Conn:
     active: int = 0
     # Both ends proved the cluster secret on it (kvstore.transfer.handshake).
     authenticated: bool = False
+    # The peer's card was asked for on it (kvstore.transfer.onesided).
+    card_asked: bool = False
 
     def __post_init__(self) -> None:
         worker_health().track(self)

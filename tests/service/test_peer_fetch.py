@@ -231,7 +231,7 @@ def scrape(port: int) -> dict[str, float]:
 def pair():
     """``pair(a_flags, b_flags)``: stores a (serving) and b (fetching from a by --peer),
     each with /metrics; returns ((address, client, metrics port), ...) for both."""
-    procs = []
+    procs, argv = [], []
 
     def start(a_flags=(), b_flags=()):
         ports = [free_port() for _ in range(6)]
@@ -243,10 +243,19 @@ def pair():
             if i == 1:
                 args += ["--peer", f"127.0.0.1:{ports[2]}"]
             procs.append(spawn(*args))
+            argv.append(args)
             address = f"127.0.0.1:{ports[i]}"
             out.append((address, ready(address, procs[-1]), ports[4 + i]))
         return out
 
+    def restart(i: int) -> StoreClient:
+        """Kill store ``i`` and start it again on the same ports."""
+        procs[i].kill()
+        procs[i].wait(timeout=10)
+        procs[i] = spawn(*argv[i])
+        return ready(f"127.0.0.1:{argv[i][2]}", procs[i])
+
+    start.restart = restart
     yield start
     for p in procs:
         p.kill()
@@ -284,6 +293,21 @@ def test_one_sided_fetch_between_stores_every_byte(pair):
     assert a.stats().served_blocks == 30
 
 
+def test_peer_restarted_at_the_same_address_is_read_one_sided_at_once(pair):
+    """The fetching store cached the peer's card; the peer restarts on the same
+    ports with a new NIXL agent. The next fetch's new connection asks for the
+    card again, sees it changed, loads it: no failed one-sided read."""
+    pytest.importorskip("nixl_cu12")
+    (a_addr, _a, _), (b_addr, _b, b_metrics) = pair()
+    _fetch_and_compare(a_addr, b_addr, "m0", [400 + i for i in range(4)])
+    pair.restart(0)
+    _fetch_and_compare(a_addr, b_addr, "m1", [500 + i for i in range(4)])
+    mb = scrape(b_metrics)
+    assert mb["kvstore_store_fetcher_fetches_failed_rma_total"] == 0
+    assert mb["kvstore_store_fetcher_fetches_rma_total"] == 2
+    assert mb["kvstore_store_fetcher_fetched_blocks_total"] == 8
+
+
 @pytest.mark.parametrize("side", ["serving", "fetching"])
 def test_no_rma_on_either_side_fetches_two_sided(pair, side):
     flags = ("--no-rma",)
@@ -296,3 +320,27 @@ def test_no_rma_on_either_side_fetches_two_sided(pair, side):
     assert mb["kvstore_store_fetcher_fetched_blocks_total"] == 6
     assert ma["kvstore_peer_port_rma_leases_total"] == 0
     assert b.stats().fetched_blocks == 6
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-rma",)], ids=["one-sided", "two-sided"])
+def test_peer_with_a_shorter_prefix_frees_the_slots_reserved_ahead(pair, flags):
+    """The fetching store reserves every asked block while the peer answers; the
+    peer holds 4 of 10, so the other 6 reservations are freed, none leaks."""
+    (a_addr, a, _), (b_addr, b, _) = pair(b_flags=flags)
+    hashes = [900 + i for i in range(10)]
+    src = WorkerGroup(a_addr, "short", 2, **LAYOUT)
+    dst = WorkerGroup(b_addr, "short", 2, **LAYOUT)
+    try:
+        src.each("fill", [(h, i) for i, h in enumerate(hashes[:4])])
+        src.each("save", [(h, i) for i, h in enumerate(hashes[:4])])
+        reply = b.prefetch(dst.namespace, hashes)
+        assert (reply.local_blocks, reply.fetched_blocks) == (0, 4)
+        stats = b.stats()
+        assert stats.sealed_blocks == 4 and stats.inflight_blocks == 0
+        assert stats.used_bytes == a.stats().used_bytes > 0  # the same 4 blocks, no more
+        assert b.query(dst.namespace, hashes).prefix_blocks == 4
+        dst.each("load", [(h, 16 + i) for i, h in enumerate(hashes[:4])])
+        assert dst.each("digest", list(range(16, 20))) == src.each("digest", list(range(4)))
+    finally:
+        src.close()
+        dst.close()

@@ -23,7 +23,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvstore.transfer.testing import GAP, MemorySink, MemorySource, Pool, slot_content
+from kvstore.transfer.testing import (
+    GAP,
+    AheadMemorySink,
+    MemorySink,
+    MemorySource,
+    Pool,
+    slot_content,
+)
 
 CTX = mp.get_context("spawn")
 NS = "model-a.0123456789abcdef"
@@ -317,16 +324,23 @@ class NodeState:
         fresh: bool = False,
         secret: str = "",
         rma: bool = False,
+        ahead: list[int] | None = None,
     ) -> dict:
         """``fresh``: drop pooled endpoints first, so that the fetch connects;
-        ``rma``: register the sink's pool with NIXL and read one-sided where granted."""
+        ``rma``: register the sink's pool with NIXL and read one-sided where granted;
+        ``ahead``: the sink knows every block has these slot sizes and reserves
+        before the offer (as the store's sink does)."""
         from kvstore.transfer import close_endpoints, fetch
         from kvstore.transfer.onesided import RmaReader
         from kvstore.wire.errors import KVError
 
         if fresh or rma:  # a new sink pool, a new NIXL agent: connect afresh
             await close_endpoints()
-        sink = MemorySink(Pool(pool_bytes, gap_every), on_reserve=on_reserve, lanes=lanes)
+        pool = Pool(pool_bytes, gap_every)
+        if ahead is None:
+            sink = MemorySink(pool, on_reserve=on_reserve, lanes=lanes)
+        else:
+            sink = AheadMemorySink(pool, on_reserve=on_reserve, lanes=lanes, layout=ahead)
         reader = RmaReader(rma_endpoint(sink.pool.mem)) if rma else None
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.transfer import rma
 from kvstore.wire.errors import Code, KVError
@@ -318,6 +320,27 @@ def test_runs_outside_a_region_name_the_run(remote, local, nbytes, field):
     with pytest.raises(KVError) as err:
         rma.check_runs(rma.SlotRuns.of(remote, local, nbytes), region(), region())
     assert err.value.code == Code.INVALID_ARGUMENT and field in err.value.message
+
+
+EDGES = [0, 1, 8, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 2 << 20, (1 << 63), (1 << 64) - 8]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.sampled_from(EDGES), st.integers(0, (1 << 64) - 1)),
+            st.one_of(st.sampled_from(EDGES), st.integers(0, 3 << 20)),
+        ),
+        max_size=6,
+    )
+)
+def test_inside_agrees_with_outside(runs):
+    """The quick bounds check says yes exactly when no run is outside (edges: the
+    region's ends, empty runs, sizes past the region, sums past 2^64)."""
+    addrs = np.array([a for a, _ in runs], dtype=np.uint64)
+    nbytes = np.array([n for _, n in runs], dtype=np.uint64)
+    assert rma.inside(addrs, nbytes, region()) == (not len(rma.outside(addrs, nbytes, region())))
 
 
 def test_too_many_runs_are_refused():

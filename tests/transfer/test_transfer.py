@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.transfer import rma as rma_module
 from tests.transfer.nodes import HASHES, NS, blocks_of, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -334,3 +335,31 @@ def test_transfer_racing_an_eviction_on_the_peer_is_safe(nodes):
     out = client.result(rid)
     assert out["n"] == [8] and out["corrupt"] == [] and out["visible"] == sorted(leased), out
     assert wait_until(lambda: server.call("store_state")["held"] == [])  # lease released
+
+
+@pytest.mark.parametrize("rma", [False, True], ids=["two-sided", "one-sided"])
+def test_reserved_ahead_keeps_only_what_the_peer_offers(nodes, rma):
+    """A sink that knows the layout reserves all 6 asked blocks before the offer;
+    the peer holds 4: those are committed, every byte right."""
+    if rma and not rma_module.available():
+        pytest.skip(rma_module.available().reason)
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:4], [4096] * 3), rma=rma)
+    out = client.call("fetch", address=address, hashes=HASHES[:6], rma=rma, ahead=[4096] * 3)
+    assert out["error"] is None, out
+    assert out["n"] == [4] and out["states"] == ["committed"]
+    assert out["visible"] == sorted(HASHES[:4]) and out["corrupt"] == []
+
+
+@pytest.mark.parametrize("rma", [False, True], ids=["two-sided", "one-sided"])
+def test_reserved_ahead_in_another_layout_is_the_peers_fault(nodes, rma):
+    """A peer offering slot sizes other than the namespace's layout: PeerUnavailable,
+    the reservation aborted, nothing visible, the peer's lease released."""
+    if rma and not rma_module.available():
+        pytest.skip(rma_module.available().reason)
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
+    out = client.call("fetch", address=address, hashes=HASHES[:2], rma=rma, ahead=[8192] * 3)
+    assert out["error"] == "PeerUnavailable" and "layout" in out["message"], out
+    assert out["states"] == ["aborted"] and out["visible"] == []
+    assert wait_until(lambda: server.call("leases")["active"] == 0)
