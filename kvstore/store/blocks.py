@@ -307,16 +307,20 @@ class BlockIndex:
             raise
         return blocks
 
-    def adopt(self, block: Block) -> bool:
-        """Seal a fully received detached block into the index; False (and the
-        block freed) if the index holds that block already."""
-        if block.key in self.blocks:
-            self._drop(block)
-            return False
-        block.written = block.all_slots
-        self.blocks[block.key] = block
-        self._seal([block])
-        return True
+    def adopt(self, blocks: list[Block]) -> int:
+        """Seal fully received detached blocks into the index, one STORED event
+        per namespace; a block the index holds already is freed instead. How
+        many were adopted."""
+        fresh, index = [], self.blocks
+        for block in blocks:
+            if block.key in index:
+                self._drop(block)
+                continue
+            block.written = block.all_slots
+            index[block.key] = block
+            fresh.append(block)
+        self._seal(fresh)
+        return len(fresh)
 
     def discard(self, blocks: list[Block]) -> None:
         """Free detached blocks that will not be adopted."""

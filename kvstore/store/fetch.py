@@ -147,7 +147,7 @@ class StoreReservation:
         if self.done:
             return
         self.done = True
-        kept = sum(self.index.adopt(block) for block in self.blocks)
+        kept = self.index.adopt(self.blocks)
         log.info("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
 
     def abort(self) -> None:

@@ -70,6 +70,25 @@ def test_reservation_invisible_until_commit_and_abort_frees():
     assert (ranks[1].tensors[0][:, 50] == 9).all()
 
 
+def test_commit_seals_every_fetched_block_in_one_event():
+    """A fetch of many blocks is one STORED event for the namespace (routers and
+    subscribers get one message, not one per block); a block saved meanwhile is
+    kept and left out of it."""
+    events = []
+    node = make_store(pool_bytes=256 << 10, slab_bytes=64 << 10, events=events)
+    ranks = make_instance(node.registry, "a", num_blocks=128)
+    ns = node.registry.instances["a"].seal.final_namespace
+    res = StoreSink(node.index, node.registry).reserve_ahead(ns, list(range(20, 36)))
+    run(save_all(node, ranks, [(25, 25)]))  # block 25 arrives locally first
+    before = len(events)
+    res.commit()
+    stored = [e for e in events[before:] if e.type == "stored"]
+    assert len(stored) == 1 and stored[0].namespace == ns
+    assert stored[0].block_hashes == [h for h in range(20, 36) if h != 25]
+    assert node.query(ns, list(range(20, 36))).prefix_blocks == 16
+    assert used_bytes(node) == 16 * 4 * 1024
+
+
 def test_commit_keeps_one_copy_when_the_block_arrived_meanwhile():
     node, ranks, seal = setup()
     ns = seal.final_namespace
