@@ -16,10 +16,11 @@ over tcp; UCX_MM_ERROR_HANDLING=y lets them use shared memory (and its risk).
 Two spawned processes, each with its own UCX context. The serving one holds a real
 StoreNode (kvstore.testing.store.make_store: registry, BlockIndex, one slot pool of
 8 MiB slabs like a server's, host copier) whose StoreSource a PeerServer serves. The
-fetching one holds another StoreNode with a Fetcher on a StoreSink; a fetch is
+fetching one holds another StoreNode with a Fetcher on a StoreSink, told (as a
+router would) that the serving node holds every block asked for; a fetch is
 ``StoreNode.prefetch``, the core of the Prefetch RPC and of a Load's missing prefix
-(gRPC aside): REQUEST, lease (pin) on the peer, offer, reserve detached blocks
-(evicting), GO, every slot, commit (adopt into the index), release.
+(gRPC aside): REQUEST, reserve detached blocks (evicting) while the peer leases
+(pins) and offers, GO, every slot, commit (adopt into the index), release.
 
 Configurations: throughput rows with slots of 16 KiB .. 4 MiB, 16 slots a block, TP1,
 as many blocks as --total-mib holds; then the latency case, a 32-block prefix of a
@@ -383,10 +384,11 @@ class StoreFetching:
         self.ranks = register(self.node, "fetch", shape, device, cache=1)
         self.namespace = self.node.registry.instances["fetch"].seal.final_namespace
         self.buffer = self.node.index.pool(device).buffer
-        peer = PeerPrefix("serving", "", address, 0)
 
         async def find_peers(namespace: str, hashes: list[int]) -> list[PeerPrefix]:
-            return [peer]
+            """As a router would: the serving node holds every block asked for (so
+            the fetch reserves its slots while the peer answers)."""
+            return [PeerPrefix("serving", "", address, len(hashes))]
 
         index = self.node.index
         sink = StoreSink(index, self.node.registry)
@@ -487,6 +489,9 @@ class StubSource:
 @dataclass
 class StubReservation:
     slots: SlotTable
+
+    def keep(self, num_blocks: int) -> None:
+        self.slots = self.slots.prefix(num_blocks)
 
     def commit(self) -> None:
         pass

@@ -160,8 +160,9 @@ class StoreReservation:
 class StoreSink:
     """Reserves local slots for blocks of a namespace that a local instance serves.
 
-    Every block of a namespace has its seal's layout, so the fetch reserves
-    ahead, while the peer prepares its answer (docs/design.md §4)."""
+    Every block of a namespace has its seal's layout, so a fetch from a peer the
+    router named can reserve ahead, while the peer prepares its answer
+    (docs/design.md §4, "Reserving ahead")."""
 
     def __init__(self, index: BlockIndex, registry: Registry):
         self.index = index
@@ -297,13 +298,14 @@ class Fetcher:
 
     async def _fetch_from(self, peer: PeerPrefix, namespace: str, want: list[int]) -> int:
         """One peer: one-sided where it allows it; a failed one-sided read once more
-        two-sided (the reservation of the failed read is already aborted)."""
-        address, sink = peer.ucx_address, self.sink
+        two-sided (the reservation of the failed read is already aborted). Slots
+        are reserved while the peer answers only when the router said the peer
+        holds ``want`` (a reservation evicts; a --peer may hold nothing)."""
+        address, sink, ahead = peer.ucx_address, self.sink, peer.prefix_blocks > 0
+        timeout_s, secret = self.timeout_s, self.secret
         try:
-            return await fetch(
-                address, namespace, want, sink, self.timeout_s, self.secret, self.rma
-            )
+            return await fetch(address, namespace, want, sink, timeout_s, secret, self.rma, ahead)
         except RmaFailed as err:
             self._failed_rma += 1
             log.warning("one-sided fetch from %s failed (%s); retrying two-sided", address, err)
-        return await fetch(address, namespace, want, sink, self.timeout_s, self.secret)
+        return await fetch(address, namespace, want, sink, timeout_s, secret, ahead=ahead)

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvstore.transfer.errors import PeerUnavailable, ProtocolError, RmaFailed
 from kvstore.transfer.handshake import PeerSecret, authenticate_peer
-from kvstore.transfer.onesided import RmaReader
+from kvstore.transfer.onesided import PeerReads, RmaReader
 from kvstore.transfer.slots import (
     AheadSink,
     Reservation,
@@ -74,6 +74,7 @@ async def fetch(
     timeout_s: float = 10.0,
     secret: PeerSecret | None = None,
     rma: RmaReader | None = None,
+    ahead: bool = False,
 ) -> int:
     """Pull the longest prefix of ``hashes`` the peer holds into slots of ``sink``.
 
@@ -91,9 +92,13 @@ async def fetch(
     raises RmaFailed (a PeerUnavailable) with the reservation aborted, or kept
     for good when a read might still land in it.
 
-    An :class:`~kvstore.transfer.slots.AheadSink` reserves every asked block's
-    slots while the peer prepares its answer, and frees those of blocks the
-    peer does not offer; a peer that offers another layout is PeerUnavailable.
+    With ``ahead`` (the caller knows the peer holds every block of ``hashes``:
+    the router said so) an :class:`~kvstore.transfer.slots.AheadSink` reserves
+    every block's slots while the peer prepares its answer, and frees those of
+    blocks the peer does not offer after all; a peer that offers another layout
+    is PeerUnavailable. Without it the sink reserves after the answer, for the
+    offered blocks only: a reservation evicts, and a peer that holds nothing
+    must cost the local cache nothing.
     """
     hashes = _check_fetch_args(namespace, hashes, timeout_s)
     if not hashes:
@@ -105,9 +110,9 @@ async def fetch(
     try:
         if secret is not None and not conn.authenticated:
             await authenticate_peer(conn, secret, deadline)
-        if rma is not None and await rma.peer(conn, deadline) is None:
-            rma = None  # the peer offers no one-sided reads
-        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, rma)
+        reads = await rma.peer(conn, deadline) if rma is not None else None
+        ahead_sink = sink if ahead and isinstance(sink, AheadSink) else None
+        fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, reads, ahead_sink)
         reusable = True
         return fetched
     finally:
@@ -120,16 +125,19 @@ async def _fetch_on(
     hashes: list[int],
     sink: SlotSink,
     deadline: float,
-    rma: RmaReader | None,
+    reads: PeerReads | None,
+    ahead_sink: AheadSink | None,
 ) -> int:
-    body = encode_request(namespace, hashes, rma=rma is not None)
+    """One fetch on ``conn``: one-sided with ``reads``, reserving ahead into
+    ``ahead_sink`` (both None: two-sided, reserving after the offer)."""
+    body = encode_request(namespace, hashes, rma=reads is not None)
     request = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REQUEST, body)]
-    ahead = await _reserve_ahead(conn, sink, namespace, hashes, request)
+    ahead = await _reserve_ahead(conn, ahead_sink, namespace, hashes, request)
     try:
         kind, _, body = await _recv_reply(conn, deadline, request)
         if kind is Kind.ERROR:
             raise decode_error(body, conn.peer)
-        offer = _decode_offer(conn, body, len(hashes), rma is not None)
+        offer = _decode_offer(conn, body, len(hashes), reads is not None)
     except BaseException:
         if ahead is not None:
             ahead.abort()  # nothing was asked to land in it yet
@@ -139,8 +147,8 @@ async def _fetch_on(
             ahead.abort()
         return 0
     reservation = await _reservation(conn, sink, namespace, hashes, offer, ahead, deadline)
-    if offer.grant is not None and rma is not None:
-        await _read_one_sided(conn, rma, reservation, offer, deadline)
+    if offer.grant is not None and reads is not None:
+        await _read_one_sided(conn, reads, reservation, offer, deadline)
         return offer.num_blocks
     try:
         table = reservation.slots
@@ -159,13 +167,17 @@ async def _fetch_on(
 
 
 async def _reserve_ahead(
-    conn: Conn, sink: SlotSink, namespace: str, hashes: list[int], request: list[asyncio.Task]
+    conn: Conn,
+    sink: AheadSink | None,
+    namespace: str,
+    hashes: list[int],
+    request: list[asyncio.Task],
 ) -> Reservation | None:
     """With the REQUEST posted, reserve every asked block's slots while the peer
-    leases and answers (None: the sink learns the layout from the offer). The
-    peer may offer fewer blocks: the rest are freed then. On failure the
-    endpoint is aborted (the peer drops what it leased on the close)."""
-    if not isinstance(sink, AheadSink):
+    leases and answers (None without an ahead sink: the sink reserves after the
+    offer). The peer may offer fewer blocks: the rest are freed then. On
+    failure the endpoint is aborted (the peer drops what it leased on the close)."""
+    if sink is None:
         return None
     try:
         await asyncio.sleep(0)  # the REQUEST's send is posted
@@ -200,26 +212,27 @@ async def _reservation(
             return reservation
         ahead.keep(offer.num_blocks)
         if not _matches(ahead.slots, offer):
-            ahead.abort()
             raise PeerUnavailable(
                 f"peer {conn.peer}: offered slot sizes that do not match the layout of "
                 f"namespace {namespace}"
             )
         return ahead
     except BaseException:
+        if ahead is not None:
+            ahead.abort()  # nothing was asked to land in it yet
         await _release_grant(conn, offer, deadline)
         raise
 
 
 async def _read_one_sided(
-    conn: Conn, rma: RmaReader, reservation: Reservation, offer: Offer, deadline: float
+    conn: Conn, reads: PeerReads, reservation: Reservation, offer: Offer, deadline: float
 ) -> None:
     """Read the granted slots into the reservation, commit, RELEASE the lease.
     On failure the reservation is aborted (kept for good if a read may still
     land in it) and the endpoint aborted, which releases the peer's lease."""
     assert offer.grant is not None
     try:
-        await rma.read(conn.peer, reservation.slots, offer.grant, offer.lanes, deadline)
+        await reads.read(reservation.slots, offer.grant, offer.lanes, deadline)
     except BaseException as e:
         conn.abort()
         if isinstance(e, RmaFailed) and e.unsettled:

@@ -70,6 +70,18 @@ class LoadedCard(NamedTuple):
     peer: Peer | None
 
 
+class PeerReads(NamedTuple):
+    """One-sided reads from the peer at ``address`` with the card its connection
+    brought (a failure drops that card only, not one loaded since)."""
+
+    reader: RmaReader
+    address: str
+    card: LoadedCard
+
+    async def read(self, local: SlotTable, grant: Grant, lanes: int, deadline: float) -> ReadStats:
+        return await self.reader.read(self, local, grant, lanes, deadline)
+
+
 class RmaReader:
     """One-sided reads of this process: its registered endpoint and the peers
     whose cards it loaded, by address."""
@@ -79,14 +91,18 @@ class RmaReader:
         self._cards: dict[str, LoadedCard] = {}
         self.reads = 0  # one-sided reads that completed
 
-    async def peer(self, conn: Conn, deadline: float) -> Peer | None:
-        """The peer behind ``conn``, its card asked for once per connection (the
-        caller has run the handshake on ``conn`` when a secret is configured). A
-        card that changed since the last connection (the peer restarted at the
-        same address) replaces the loaded one before any read uses it."""
+    async def peer(self, conn: Conn, deadline: float) -> PeerReads | None:
+        """Reads from the peer behind ``conn`` (None: it offers none), its card
+        asked for once per connection (the caller has run the handshake on
+        ``conn`` when a secret is configured). A card that changed since the
+        last connection (the peer restarted at the same address) replaces the
+        loaded one before any read uses it."""
         loaded = self._cards.get(conn.peer)
-        if loaded is not None and conn.card_asked:
-            return loaded.peer
+        if loaded is None or not conn.card_asked:
+            loaded = await self._ask(conn, deadline)
+        return PeerReads(self, conn.peer, loaded) if loaded.peer is not None else None
+
+    async def _ask(self, conn: Conn, deadline: float) -> LoadedCard:
         request = frame_sends(conn, Kind.CARD_REQUEST, encode_card_request())
         try:
             _, _, body = await recv_frame(conn, [Kind.CARD], deadline, after=request)
@@ -99,7 +115,7 @@ class RmaReader:
         if loaded is None or loaded.blob != blob:
             self.forget(conn.peer)
             loaded = self._cards[conn.peer] = LoadedCard(blob, self._load(conn.peer, blob))
-        return loaded.peer
+        return loaded
 
     def _load(self, address: str, blob: bytes) -> Peer | None:
         if not blob:
@@ -110,32 +126,34 @@ class RmaReader:
             log.warning("peer %s: card not usable (%s); fetching two-sided", address, e)
             return None
 
-    def forget(self, address: str) -> None:
-        """Drop a peer's card (a failed read): asked for again on the next fetch."""
+    def forget(self, address: str, card: LoadedCard | None = None) -> None:
+        """Drop a peer's card (asked for again on the next fetch); with ``card``,
+        only if it is still the one kept."""
+        if card is not None and self._cards.get(address) is not card:
+            return
         loaded = self._cards.pop(address, None)
         if loaded is not None and loaded.peer is not None:
             self.endpoint.forget(loaded.peer)
 
     async def read(
-        self, address: str, local: SlotTable, grant: Grant, lanes: int, deadline: float
+        self, reads: PeerReads, local: SlotTable, grant: Grant, lanes: int, deadline: float
     ) -> ReadStats:
         """Read every granted slot into ``local`` before ``deadline`` and before the
         lease ends. Raises RmaFailed (ReadUnsettled as its cause when the local
         slots may still be written: never reuse them)."""
-        loaded = self._cards.get(address)
-        peer = loaded.peer if loaded is not None else None
+        address, card = reads.address, reads.card
         loop_now = asyncio.get_running_loop().time()
         end = min(deadline, loop_now + grant.expiry_s * (1 - EXPIRY_MARGIN))
         try:
-            if peer is None:
+            if card.peer is None:
                 raise PeerUnavailable(f"peer {address}: no card loaded")
-            pending = self.endpoint.start_read(peer, runs_for(local, grant, lanes))
-            stats = await _wait(pending, end, lambda: self.forget(address))
+            pending = self.endpoint.start_read(card.peer, runs_for(local, grant, lanes))
+            stats = await _wait(pending, end, lambda: self.forget(address, card))
         except ReadUnsettled as e:
-            self.forget(address)
+            self.forget(address, card)
             raise RmaFailed(f"one-sided read from {address}: {e}", unsettled=True) from e
         except KVError as e:  # bad runs (outside a region), peer gone, deadline
-            self.forget(address)
+            self.forget(address, card)
             raise RmaFailed(f"one-sided read from {address}: {e.message}") from e
         self.reads += 1
         return stats

@@ -367,7 +367,8 @@ class PeerServer:
         grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
         expiry = asyncio.get_running_loop().time() + lease_s
         # The REPLY's send is posted first: the progress loop's first turn waits.
-        reply = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REPLY, offer(grant))]
+        body = offer(grant=grant)
+        reply = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REPLY, body)]
         self._rma_granted += 1
         self._rma_held += 1
         if self._progress is None or self._progress.done():

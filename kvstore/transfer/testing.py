@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.transfer.slots import SlotTable
+from kvstore.wire.errors import Code, KVError
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class MemorySink:
     pool: Pool
     visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
     reservations: list[MemReservation] = field(default_factory=list)
-    # "die": kill this process; "hang": block its loop; "kill:PID": kill process PID
+    # "die": kill this process; "hang": block its loop; "kill:PID": kill process PID;
+    # "exhausted": refuse with RESOURCE_EXHAUSTED
     on_reserve: str = ""
     lanes: int = 1
 
@@ -214,6 +216,8 @@ class MemorySink:
             time.sleep(0.3)
         if self.on_reserve == "hang":
             time.sleep(3600)
+        if self.on_reserve == "exhausted":  # as a store whose every block is pinned
+            raise KVError(Code.RESOURCE_EXHAUSTED, "test sink: no room")
         buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]
         for b, s in lane_major([len(sizes) for sizes in slot_sizes], self.lanes):
             buffers[b][s] = self.pool.alloc(slot_sizes[b][s])
@@ -239,6 +243,11 @@ class AheadMemorySink(MemorySink):
     """A MemorySink whose blocks all have ``layout``: it reserves before the offer."""
 
     layout: list[int] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)  # blocks asked of each reserve_ahead
 
     def reserve_ahead(self, namespace: str, hashes: list[int]) -> MemReservation:
+        self.ahead.append(len(hashes))
         return self.reserve(namespace, hashes, [self.layout] * len(hashes))
+
+    def report(self) -> dict:
+        return super().report() | {"ahead": self.ahead}

@@ -323,9 +323,9 @@ def test_no_rma_on_either_side_fetches_two_sided(pair, side):
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-rma",)], ids=["one-sided", "two-sided"])
-def test_peer_with_a_shorter_prefix_frees_the_slots_reserved_ahead(pair, flags):
-    """The fetching store reserves every asked block while the peer answers; the
-    peer holds 4 of 10, so the other 6 reservations are freed, none leaks."""
+def test_peer_with_a_shorter_prefix_leaves_no_slot_reserved(pair, flags):
+    """The peer (a --peer: what it holds is not known) holds 4 of 10 asked: 4 are
+    fetched and the store holds exactly their slots, nothing else reserved."""
     (a_addr, a, _), (b_addr, b, _) = pair(b_flags=flags)
     hashes = [900 + i for i in range(10)]
     src = WorkerGroup(a_addr, "short", 2, **LAYOUT)

@@ -137,6 +137,9 @@ def rma_endpoint(mem: np.ndarray) -> Any:
     return rma.RmaEndpoint(rma.Region(mem.ctypes.data, mem.nbytes))
 
 
+OWN_BLOCK = 1 << 40  # the fetching store's own blocks: hashes from here
+
+
 # ---- a node: one spawned process driven over a pipe ------------------------------------
 
 
@@ -191,9 +194,18 @@ class NodeState:
         await self.server.start()
         return self.server.address, self.seal.final_namespace
 
-    async def store_fetch(self, addresses: list[str], hashes: list[int], slot_bytes: int) -> dict:
+    async def store_fetch(
+        self,
+        addresses: list[str],
+        hashes: list[int],
+        slot_bytes: int,
+        prefix_blocks: int = 0,
+        own_blocks: int = 0,
+    ) -> dict:
         """A real store node (the serving one's layout) whose Fetcher, one-sided where
-        allowed, asks ``addresses`` in turn; what it fetched, its stats, bad bytes."""
+        allowed, asks ``addresses`` in turn; what it fetched, its stats, bad bytes.
+        ``prefix_blocks``: what a router says each peer holds (0: unknown, a --peer);
+        ``own_blocks``: blocks of its own sealed first (32 fill its pool)."""
         import dataclasses
 
         from kvstore.store.fetch import Fetcher, StoreSink, slot_table
@@ -210,7 +222,11 @@ class NodeState:
         )
         namespace = node.registry.instances["peer"].seal.final_namespace
         pool = node.index.pool("cpu")
-        peers = [PeerPrefix(a, f"node{i}", a, 0) for i, a in enumerate(addresses)]
+        caller = self.fetching[1][0].reg.caller_id
+        for first in range(0, own_blocks, 16):
+            own = range(first, min(own_blocks, first + 16))
+            await node.save(caller, [(OWN_BLOCK + h, h - first) for h in own])
+        peers = [PeerPrefix(a, f"node{i}", a, prefix_blocks) for i, a in enumerate(addresses)]
 
         async def find_peers(_namespace: str, _hashes: list[int]) -> list[PeerPrefix]:
             return peers
@@ -233,7 +249,16 @@ class NodeState:
         ]
         stats = dataclasses.asdict(fetcher.stats())
         used = pool.used_bytes  # the aborted reservation's slots are free again
-        return {"fetched": result.fetched_blocks, "bad": bad, "used_bytes": used, **stats}
+        index = node.index
+        own = sum(bool(index.sealed_prefix(namespace, [OWN_BLOCK + h])) for h in range(own_blocks))
+        return {
+            "fetched": result.fetched_blocks,
+            "bad": bad,
+            "used_bytes": used,
+            "own_blocks": own,  # of own_blocks, still sealed
+            "evictions": index.stats().evictions,
+            **stats,
+        }
 
     async def _save_store(self, hashes: list[int]) -> None:
         rank = self.ranks[0]
@@ -347,7 +372,9 @@ class NodeState:
         key = peer_secret(secret)
         try:
             for _ in range(repeat):
-                n = await fetch(address, namespace, hashes, sink, timeout_s, key, reader)
+                n = await fetch(
+                    address, namespace, hashes, sink, timeout_s, key, reader, ahead is not None
+                )
                 out["n"].append(n)
         except KVError as e:
             out["error"] = type(e).__name__

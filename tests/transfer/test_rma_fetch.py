@@ -207,6 +207,38 @@ def test_store_fetcher_reads_one_sided_every_byte(nodes):
     assert wait_until(lambda: port(server)["pinned_blocks"] == 0)
 
 
+@pytest.mark.parametrize("prefix_blocks, evicted", [(0, 0), (6, 6)], ids=["peer", "router"])
+def test_reserving_ahead_only_for_what_a_router_said_the_peer_holds(nodes, prefix_blocks, evicted):
+    """The fetching store's pool is full of its own blocks and the peer holds none
+    of the 6 asked. A --peer (nothing known): its answer comes first, nothing is
+    evicted. A router that said the peer holds 6: they were reserved while the
+    peer answered, which cost 6 local blocks (docs/design.md §4)."""
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:2], slot_bytes=8 * KIB, rma=True)
+    out = client.call(
+        "store_fetch",
+        addresses=[address],
+        hashes=HASHES[6:12],
+        slot_bytes=8 * KIB,
+        prefix_blocks=prefix_blocks,
+        own_blocks=32,
+    )
+    assert out["fetched"] == 0 and out["fetches_failed_unavailable"] == 0, out
+    assert out["evictions"] == evicted and out["own_blocks"] == 32 - evicted
+    assert out["used_bytes"] == (32 - evicted) * 2 * 8 * KIB  # nothing left reserved
+
+
+def test_store_fetch_reserved_ahead_reads_one_sided_every_byte(nodes):
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True)
+    out = client.call(
+        "store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB, prefix_blocks=6
+    )
+    assert out["fetched"] == 6 and out["bad"] == [], out
+    assert out["fetches_rma"] == 1 and out["fetches_failed_rma"] == 0
+    assert out["used_bytes"] == 6 * 2 * 8 * KIB
+
+
 def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
     """The peer grants addresses outside its registered region: the read is refused
     before anything is posted, the reservation aborted, and the same peer serves

@@ -347,6 +347,7 @@ def test_reserved_ahead_keeps_only_what_the_peer_offers(nodes, rma):
     address = server.call("serve", blocks=blocks_of(HASHES[:4], [4096] * 3), rma=rma)
     out = client.call("fetch", address=address, hashes=HASHES[:6], rma=rma, ahead=[4096] * 3)
     assert out["error"] is None, out
+    assert out["ahead"] == [6]  # reserved before the offer came
     assert out["n"] == [4] and out["states"] == ["committed"]
     assert out["visible"] == sorted(HASHES[:4]) and out["corrupt"] == []
 
@@ -362,4 +363,48 @@ def test_reserved_ahead_in_another_layout_is_the_peers_fault(nodes, rma):
     out = client.call("fetch", address=address, hashes=HASHES[:2], rma=rma, ahead=[8192] * 3)
     assert out["error"] == "PeerUnavailable" and "layout" in out["message"], out
     assert out["states"] == ["aborted"] and out["visible"] == []
+    assert wait_until(lambda: server.call("leases")["active"] == 0)
+
+
+@pytest.mark.parametrize("rma", [False, True], ids=["two-sided", "one-sided"])
+def test_reserved_ahead_for_a_peer_that_holds_none_is_aborted(nodes, rma):
+    if rma and not rma_module.available():
+        pytest.skip(rma_module.available().reason)
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
+    out = client.call("fetch", address=address, hashes=HASHES[5:8], rma=rma, ahead=[4096] * 3)
+    assert out["error"] is None and out["n"] == [0], out
+    assert out["ahead"] == [3] and out["states"] == ["aborted"] and out["visible"] == []
+
+
+def test_reserved_ahead_is_aborted_when_the_peer_refuses(nodes):
+    """The peer answers ERROR (busy: no block may be pinned): the reservation made
+    while it answered is aborted, the error is the peer's."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:2], [4096] * 3), limits={"max_pinned_blocks": 0}
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:2], ahead=[4096] * 3)
+    assert out["error"] == "PeerUnavailable" and "busy" in out["message"], out
+    assert out["ahead"] == [2] and out["states"] == ["aborted"] and out["visible"] == []
+
+
+@pytest.mark.parametrize("rma", [False, True], ids=["two-sided", "one-sided"])
+def test_reserving_ahead_fails_the_fetch_and_releases_the_peer(nodes, rma):
+    """The sink cannot reserve (every local block pinned): its error is the fetch's,
+    the endpoint is aborted, and the peer's pin (or one-sided lease) goes with it."""
+    if rma and not rma_module.available():
+        pytest.skip(rma_module.available().reason)
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
+    out = client.call(
+        "fetch",
+        address=address,
+        hashes=HASHES[:2],
+        rma=rma,
+        ahead=[4096] * 3,
+        on_reserve="exhausted",
+    )
+    assert out["code"] == "RESOURCE_EXHAUSTED" and "no room" in out["message"], out
+    assert out["states"] == [] and out["visible"] == []
     assert wait_until(lambda: server.call("leases")["active"] == 0)
