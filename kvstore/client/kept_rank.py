@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 
-from kvstore.client.store_client import KVLayer, RankSession, RankSpec, StoreClient
+from kvstore.client.store_client import KVLayer, RankSession, RankSpec, SealInfo, StoreClient
 from kvstore.wire.errors import Code, KVError
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class KeptRank:
         self._session: RankSession | None = None  # sealed
         self._namespace = ""
         self._failures = 0  # attempts failed in a row
+        self._lost = False  # a sealed session was lost and is being made again
         self._waiting = False  # logged that the other ranks are awaited
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,9 +61,16 @@ class KeptRank:
         self._thread.start()
 
     def live(self) -> RankSession | None:
-        """The sealed session, or None while the store is away."""
+        """The sealed session, or None while the store is away.
+
+        A registration whose seal arrived between two attempts (the last rank
+        came in) is live at once, not at the next retry tick: saves resume the
+        moment the instance seals.
+        """
         with self._lock:
-            session = self._session
+            session, pending = self._session, self._pending
+        if session is None and pending is not None and pending.seal is not None:
+            session = self._sealed(pending, pending.seal)
         if session is None or session.error is not None:
             return None
         return session
@@ -110,25 +118,36 @@ class KeptRank:
                 return
             pending.close()
             with self._lock:
-                self._pending = None
+                if self._pending is pending:
+                    self._pending = None
             self._failed(err)
             return
+        self._sealed(pending, seal)
+
+    def _sealed(self, pending: RankSession, seal: SealInfo) -> RankSession | None:
+        """Make ``pending`` the live session (once, whichever thread sees the seal first)."""
         with self._lock:
+            if self._pending is not pending:
+                return self._session
             self._session, self._pending = pending, None
             self._namespace = seal.final_namespace
             self._waiting = False
             failures, self._failures = self._failures, 0
+            lost, self._lost = self._lost, False
         s = self.spec
-        log.info(
-            "kvstore: %s rank %d of %s sealed as %s (%d layers, store %s%s)",
+        # back after an outage is a warning, as the loss was: the pair brackets it in the log
+        (log.warning if lost or failures else log.info)(
+            "kvstore: %s rank %d of %s sealed %sas %s (%d layers, store %s%s)",
             self.engine,
             s.rank,
             s.instance_id,
+            "again " if lost else "",
             seal.final_namespace,
             len(self.layers),
             self.client.address,
             f", after {failures} failed attempts" if failures else "",
         )
+        return pending
 
     def _awaiting_others(self, pending: RankSession) -> None:
         s = self.spec
@@ -163,6 +182,7 @@ class KeptRank:
                 continue
             with self._lock:
                 old, self._session = self._session, None
+                self._lost = self._lost or old is not None
             if old is not None:
                 old.close()
                 log.warning("kvstore: store %s lost; re-registering", self.client.address)

@@ -49,9 +49,8 @@ def step(new=(), cached=None, scheduled=None):
     )
 
 
-@pytest.fixture
-def rank(server):
-    """A sealed engine rank whose KV cache vLLM allocated through the connector's pool."""
+def engine_rank(server, tp_rank=0, tp_size=1, **timing):
+    """An engine rank whose KV cache vLLM allocated through the connector's pool, registered."""
     pool = SharedMemoryKVPool()
     with pool:
         buf = torch.zeros(2 * NB * 2 * BS * 128 * 2, dtype=torch.int8)
@@ -61,11 +60,42 @@ def rank(server):
         .view(NB, 2, BS, 128)
         for i in range(2)
     }
-    identity = RankSpec("vllm-engine-1", "tiny-0123456789abcdef", HF, BS, 0, 1, 0, 1)
-    worker = WorkerSide(StoreClient(server.address), identity, seal_timeout=10, retry_s=0.2)
+    identity = RankSpec(
+        "vllm-engine-1", "tiny-0123456789abcdef", HF, BS, tp_rank, tp_size, tp_rank, tp_size
+    )
+    worker = WorkerSide(StoreClient(server.address), identity, **timing)
     worker.register(paged_layers(views, BS, "LBHNC", pool))
+    return worker, views, buf, pool
+
+
+@pytest.fixture
+def rank(server):
+    """A sealed engine rank."""
+    worker, views, buf, pool = engine_rank(server, seal_timeout=10, retry_s=0.2)
     yield worker, views, buf
     worker.close([pool])
+
+
+def test_a_rank_that_waited_for_the_others_saves_the_moment_they_seal(server, caplog):
+    """The seal arriving between two retry ticks makes the rank live at once: a save
+    right after the last rank came in is not skipped (retry_s is a minute here)."""
+    first, *_, pool0 = engine_rank(server, 0, 2, seal_timeout=0.2, retry_s=60)
+    try:
+        assert first.load_errors == set()
+        with caplog.at_level(logging.INFO):
+            second, *_, pool1 = engine_rank(server, 1, 2, seal_timeout=10, retry_s=60)
+            try:
+                pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(3)]
+                first.save(pairs)
+                second.save(pairs)
+                stats = StoreClient(server.address).stats()
+                assert stats.sealed_instances == 1 and stats.sealed_blocks == 3
+            finally:
+                second.close([pool1])
+        sealed = [m for m in caplog.messages if "rank 0 of vllm-engine-1 sealed" in m]
+        assert len(sealed) == 1, sealed
+    finally:
+        first.close([pool0])
 
 
 def test_the_kv_pool_allocates_vllm_buffer_in_shared_memory_only():
