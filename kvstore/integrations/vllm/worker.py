@@ -147,6 +147,10 @@ class WorkerSide:
         )
         self._rank.start()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the rank is registered and sealed, waiting at most ``timeout`` s."""
+        return self._rank is not None and self._rank.wait_ready(timeout)
+
     def _live_session(self) -> RankSession | None:
         return self._rank.live() if self._rank is not None else None
 
