@@ -95,7 +95,7 @@ source "stub"; a PNG of the same name is drawn beside it):
     device_copy_gbps, ratio_device_copy   --mem cuda: one in-process device copy of
                                 the same bytes, and gbps / that
     verified, verified_fetches  every byte of every fetch (warm-up included) compared
-    rma                         (host store rows, nixl installed, not --no-rma) the
+    rma                         (store rows, nixl installed, not --no-rma) the
                                 same sets fetched one-sided, op fetch_rma interleaved
                                 with the others: gbps, ms_p10_p50_p90,
                                 two_sided_ms_p10_p50_p90, raw_one_ms_p10_p50_p90,
@@ -395,7 +395,7 @@ class StoreFetching:
         self.fetchers = {False: Fetcher(index, sink, find_peers, timeout_s=60)}
         self.endpoint = None
         if one_sided:
-            region = rma.Region(self.buffer.data_ptr(), self.buffer.nbytes)
+            region = rma.pool_region(device, self.buffer.data_ptr(), self.buffer.nbytes)
             self.endpoint = rma.RmaEndpoint(region)
             reader = RmaReader(self.endpoint)
             self.fetchers[True] = Fetcher(index, sink, find_peers, timeout_s=60, rma=reader)
@@ -617,7 +617,8 @@ async def _serve(ctrl: Any, opts: dict) -> None:
     side = side_class(device, opts["serve_bytes"], opts["layers_by_name"])
     endpoint = None
     if opts["rma"]:  # the serving pool registered once, as a store server does
-        endpoint = rma.RmaEndpoint(rma.Region(side.buffer.data_ptr(), side.buffer.nbytes))
+        region = rma.pool_region(device, side.buffer.data_ptr(), side.buffer.nbytes)
+        endpoint = rma.RmaEndpoint(region)
     server = RecordingPeerServer(side.source, timeout_s=60, rma=endpoint)
     await server.start()
     raw_views: list[Any] = []  # raw_seg: the last fetch's message sizes, from the pool start
@@ -847,6 +848,7 @@ class Bench:
         k = r % 2
         read = self.nixl_reads[name, k]
         self.side.buffer.fill_(POISON)  # the landing slots may lie past the first nbytes
+        self.sync()
         ask(self.ctrl, "progress", True)  # the serving side progresses, as in a lease
         elapsed = timed_read(self.side.endpoint, self.peer, read.runs)
         ask(self.ctrl, "progress", False)
@@ -1180,8 +1182,8 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
 
 
 def one_sided_on(args: argparse.Namespace) -> bool:
-    """One-sided rows: host pools of real store nodes, NIXL installed, not --no-rma."""
-    return not args.no_rma and args.mem == "host" and args.source == "store" and rma.available().ok
+    """One-sided rows: pools of real store nodes (host or GPU), NIXL installed, not --no-rma."""
+    return not args.no_rma and args.source == "store" and rma.available().ok
 
 
 def _gpu_count() -> int:

@@ -301,21 +301,26 @@ class StoreServer:
 
 def rma_endpoint(pools: dict[str, SlotPool]) -> rma.RmaEndpoint | None:
     """The pool registered with NIXL for one-sided reads (docs/design.md §4), or
-    None (logged why): NIXL missing, or pools on GPUs (VRAM registration is not
-    built: those fetch two-sided). A host pool is one allocation: one region."""
-    if list(pools) != ["cpu"]:
-        log.info("one-sided peer reads off: pools on %s (host pools only)", ",".join(pools))
+    None (logged why): NIXL missing or failing to register, or pools on several
+    devices (one region per store is built: those fetch two-sided). A pool is
+    one allocation: one region, host memory (DRAM) or one GPU's (VRAM)."""
+    if len(pools) != 1:
+        log.info("one-sided peer reads off: pools on %s (one pool only)", ",".join(pools))
         return None
     ok = rma.available()
     if not ok:
         log.info("one-sided peer reads off: %s", ok.reason)
         return None
-    pool = pools["cpu"]
+    ((device, pool),) = pools.items()
     try:
-        return rma.RmaEndpoint(rma.Region(pool.base, pool.pool_bytes))
-    except (KVError, RuntimeError) as exc:
-        log.warning("one-sided peer reads off: NIXL failed to start: %s", exc)
+        endpoint = rma.RmaEndpoint(rma.pool_region(device, pool.base, pool.pool_bytes))
+    except (KVError, *rma.nixl_errors()) as exc:  # e.g. a UCX without CUDA for VRAM
+        log.warning(
+            "one-sided peer reads off: NIXL could not register the %s pool: %s", device, exc
+        )
         return None
+    log.info("one-sided peer reads on: the %s pool registered with NIXL", device)
+    return endpoint
 
 
 async def stop_ucx() -> None:

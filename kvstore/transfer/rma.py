@@ -136,6 +136,16 @@ class Region(NamedTuple):
     device: int = 0  # the CUDA device for VRAM; 0 for DRAM
 
 
+def pool_region(device: str, addr: int, nbytes: int) -> Region:
+    """The region of a pool on ``device`` ("cpu": host memory, "cuda:N": GPU N's)."""
+    if device == "cpu":
+        return Region(addr, nbytes)
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise invalid(f"device: {device!r}, need cpu or cuda:N")
+    return Region(addr, nbytes, "VRAM", int(index))
+
+
 class PeerCard(NamedTuple):
     """What a peer hands out when peers meet: its agent and its registered region."""
 

@@ -176,11 +176,12 @@ def test_dead_peer_fails_within_timeout_and_leaves_nothing(cluster):
 
 @pytest.mark.gpu
 def test_gpu_pools_fetch_gpu_to_gpu_every_byte():
-    """Two servers with GPU pools and GPU workers, peers by --peer: the fetch goes
-    pool to pool over UCX (CUDA IPC on one GPU), then into the worker by the CUDA kernel."""
+    """Two servers with GPU pools and GPU workers, peers by --peer, two-sided: the fetch
+    goes pool to pool over UCX (CUDA IPC on one GPU), then into the worker by the CUDA
+    kernel."""
     ports = [free_port() for _ in range(4)]
     a_addr, b_addr = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
-    common = ("--device", "cuda:0", "--pool-size", "256MiB", "--fetch-timeout", "20")
+    common = ("--device", "cuda:0", "--pool-size", "256MiB", "--fetch-timeout", "20", "--no-rma")
     procs = [
         spawn("serve", "--port", str(ports[0]), "--ucx-port", str(ports[2]), *common),
         spawn(
@@ -229,16 +230,17 @@ def scrape(port: int) -> dict[str, float]:
 
 @pytest.fixture
 def pair():
-    """``pair(a_flags, b_flags)``: stores a (serving) and b (fetching from a by --peer),
-    each with /metrics; returns ((address, client, metrics port), ...) for both."""
+    """``pair(a_flags, b_flags, device)``: stores a (serving) and b (fetching from a by
+    --peer), pools on ``device``, each with /metrics; returns ((address, client, metrics
+    port), ...) for both."""
     procs, argv = [], []
 
-    def start(a_flags=(), b_flags=()):
+    def start(a_flags=(), b_flags=(), device="cpu"):
         ports = [free_port() for _ in range(6)]
         out = []
         for i, flags in enumerate((a_flags, b_flags)):
             args = ["serve", "--port", str(ports[i]), "--ucx-port", str(ports[2 + i])]
-            args += ["--metrics-port", str(ports[4 + i]), "--device", "cpu"]
+            args += ["--metrics-port", str(ports[4 + i]), "--device", device]
             args += ["--pool-size", "64MiB", "--fetch-timeout", "5", *flags]
             if i == 1:
                 args += ["--peer", f"127.0.0.1:{ports[2]}"]
@@ -291,6 +293,21 @@ def test_one_sided_fetch_between_stores_every_byte(pair):
     assert ma["kvstore_peer_port_rma_leases_expired_total"] == 0
     assert ma["kvstore_peer_port_pinned_blocks"] == 0
     assert a.stats().served_blocks == 30
+
+
+@pytest.mark.gpu
+def test_gpu_pools_fetch_one_sided_every_byte(pair):
+    """GPU pools registered with NIXL as VRAM: the fetch reads pool to pool one-sided
+    (CUDA IPC on one GPU), then into the workers by the CUDA kernel."""
+    pytest.importorskip("nixl_cu12")
+    (a_addr, a, a_metrics), (b_addr, _b, b_metrics) = pair(device="cuda:0")
+    _fetch_and_compare(a_addr, b_addr, "g", [700 + i for i in range(10)], device="cuda")
+    mb, ma = scrape(b_metrics), scrape(a_metrics)
+    assert mb["kvstore_store_fetcher_fetches_rma_total"] == 1
+    assert mb["kvstore_store_fetcher_fetches_failed_rma_total"] == 0
+    assert ma["kvstore_peer_port_rma_leases_total"] == 1
+    assert ma["kvstore_peer_port_pinned_blocks"] == 0
+    assert a.stats().served_blocks == 10
 
 
 def test_peer_restarted_at_the_same_address_is_read_one_sided_at_once(pair):

@@ -388,6 +388,16 @@ def test_malformed_cards_are_refused(mutate, field):
     assert err.value.code == Code.INVALID_ARGUMENT and field in err.value.message
 
 
+def test_a_pool_region_names_its_memory_and_a_gpu_card_round_trips():
+    assert rma.pool_region("cpu", 4096, 1 << 20) == rma.Region(4096, 1 << 20, "DRAM", 0)
+    gpu = rma.pool_region("cuda:3", 1 << 40, 1 << 30)
+    assert gpu == rma.Region(1 << 40, 1 << 30, "VRAM", 3)
+    assert rma.PeerCard.decode(rma.PeerCard(b"m", gpu).encode()).region == gpu
+    for bad in ("cuda", "cuda:x", "gpu:0", ""):
+        with pytest.raises(KVError, match="device"):
+            rma.pool_region(bad, 4096, 1 << 20)
+
+
 def test_without_nixl_available_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)
     monkeypatch.setitem(sys.modules, "nixl", None)
