@@ -124,6 +124,10 @@ class SlotPool:
         out = np.empty(count, dtype=np.int64)
         got = 0
         while got < count:
+            if not self._partial.get(size):
+                got += self._whole_slabs(size, out[got:])
+                if got == count:
+                    break
             slab_id = self._partial_slab(size)
             slab = self._slabs[slab_id]
             take = min(slab.top, count - got)
@@ -159,6 +163,11 @@ class SlotPool:
                     f"slot of slab {slab_id} freed as {size} bytes, allocated as {slab.slot_bytes}"
                 )
             count = end - first
+            if count == slab.capacity:  # every slot of it: straight back to the free slabs
+                slab.top = count
+                self._partial[size].pop(slab_id, None)
+                self._release_slab(slab_id, size)
+                continue
             slab.free[slab.top : slab.top + count] = idx_all[first:end][::-1]  # first on top
             slab.top += count
             self._partial[size][slab_id] = None
@@ -166,6 +175,25 @@ class SlotPool:
                 self._release_slab(slab_id, size)
         self._class_free[size] += len(offsets)
         self.used_bytes -= len(offsets) * size
+
+    def _whole_slabs(self, size: int, out: np.ndarray) -> int:
+        """Fill ``out`` with the slots of as many whole fresh slabs as fit in it
+        (vectorised: a fresh slab hands out its slots in ascending order, so a
+        save of thousands of slots costs a few numpy calls, not one per slab);
+        how many slots that was."""
+        capacity = self.slab_bytes // size
+        n = min(len(out) // capacity, len(self._free_slabs))
+        if n == 0:
+            return 0
+        self._partial.setdefault(size, {})
+        ids = [self._free_slabs.pop() for _ in range(n)]
+        for slab_id in ids:  # full: no free slot to stack, not partial
+            self._slabs[slab_id] = _Slab(size, np.empty(capacity, dtype=np.int32), 0)
+        starts = np.array(ids, dtype=np.int64)[:, None] * self.slab_bytes
+        cells = np.arange(capacity, dtype=np.int64) * size
+        out[: n * capacity] = (starts + cells).ravel()
+        self._class_free[size] = self._class_free.get(size, 0) + n * capacity
+        return n * capacity
 
     def _partial_slab(self, size: int) -> int:
         partial = self._partial.setdefault(size, {})
@@ -182,7 +210,7 @@ class SlotPool:
 
     def _release_slab(self, slab_id: int, size: int) -> None:
         slab = self._slabs.pop(slab_id)
-        del self._partial[size][slab_id]
+        self._partial[size].pop(slab_id, None)
         self._class_free[size] -= slab.capacity
         self._free_slabs.append(slab_id)
 

@@ -74,3 +74,20 @@ def test_all_or_nothing():
     assert pool.alloc(SLAB // 2, 5) is None
     assert pool.used_bytes == 0
     assert pool.alloc(SLAB + 1, 1) is None  # larger than a slab
+
+
+def test_slots_taken_together_lie_back_to_back_across_whole_slabs():
+    """Whole fresh slabs are handed out in one go; the slots still come in ascending
+    order, one run (what a peer reads in one piece), and come back whole."""
+    pool = SlotPool(8 * SLAB, slab_bytes=SLAB)
+    first = pool.alloc(4096, 40)  # 2 whole slabs of 16 slots, 8 slots of a third
+    assert first is not None
+    assert first.tolist() == [i * 4096 for i in range(40)]
+    second = pool.alloc(4096, 24)  # the third slab's other 8, then one whole slab
+    assert second is not None
+    assert second.tolist() == [i * 4096 for i in range(40, 64)]
+    pool.check()
+    pool.free(4096, first)  # two whole slabs straight back, the third stays partial
+    pool.check()
+    assert pool.alloc(SLAB, 6) is not None  # 4 free slabs + the 2 freed: the pool is full
+    assert not pool.can_alloc(SLAB, 1)
