@@ -43,7 +43,7 @@ from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, wor
 from kvstore.transfer.errors import PeerUnauthenticated, RmaFailed
 from kvstore.transfer.handshake import PeerSecret
 from kvstore.transfer.onesided import RmaReader
-from kvstore.wire.errors import KVError, invalid, precondition, unavailable
+from kvstore.wire.errors import KVError, precondition, unavailable
 from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
@@ -177,10 +177,13 @@ class StoreSink:
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
     ) -> StoreReservation:
+        """Slots for the blocks a peer offered, in the slot sizes it offered. Sizes
+        other than the namespace's layout are the peer's fault (PeerUnavailable:
+        the fetch goes to the next peer), nothing reserved."""
         expect = self._instance(namespace).seal.slot_bytes.tolist()
         for i, sizes in enumerate(slot_sizes):
             if list(sizes) != expect:
-                raise invalid(
+                raise PeerUnavailable(
                     f"peer offered block {i} with slot sizes that do not match "
                     f"the layout of namespace {namespace}"
                 )
