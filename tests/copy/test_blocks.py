@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvstore.copy import HostCopier, LayerRegion, RegionTable, plan, region_from_tensor
 from kvstore.copy.testing import reference_gather, reference_scatter
 from kvstore.wire.errors import Code, KVError
+from tests.copy.copiers import HOST_MODES, host_copier
 from tests.copy.geometry import (
     DTYPES,
     LAYOUTS,
@@ -30,7 +31,6 @@ from tests.copy.geometry import (
     make_layers,
     make_pool,
 )
-from tests.copy.test_copy import HOST_MODES, host_copier
 
 # ---------------------------------------------------------------- layers of every kind
 

@@ -28,9 +28,9 @@ from kvstore.copy import (
     region_from_tensor,
     split_pieces,
 )
-from kvstore.copy.host import native_copy_function
 from kvstore.copy.plan import check_disjoint
 from kvstore.copy.testing import reference_gather, reference_scatter
+from tests.copy.copiers import HOST_MODES, host_copier
 from tests.copy.geometry import (
     DTYPES,
     FP8,
@@ -46,28 +46,6 @@ from tests.copy.geometry import (
 )
 
 HAS_CUDA = torch.cuda.is_available()
-
-
-# Host copier variants: every code path of HostCopier (Python loop, C memcpy, C streaming
-# stores, threads splitting pieces). Native ones need a C compiler.
-HOST_MODES = {
-    "python": {"backend": "python"},
-    "python-threads": {"backend": "python", "num_threads": 3, "parallel_min_bytes": 0},
-    "native": {"backend": "native", "streaming_min_bytes": 1 << 62},
-    "native-streaming": {"backend": "native", "streaming_min_bytes": 0},
-    "native-threads": {
-        "backend": "native",
-        "num_threads": 3,
-        "parallel_min_bytes": 0,
-        "streaming_min_bytes": 0,
-    },
-}
-if native_copy_function() is None:
-    HOST_MODES = {k: v for k, v in HOST_MODES.items() if not k.startswith("native")}
-
-
-def host_copier(mode: str) -> HostCopier:
-    return HostCopier(**HOST_MODES[mode])
 
 
 # ---------------------------------------------------------------- regions
