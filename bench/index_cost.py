@@ -9,7 +9,8 @@ its per-block cost reads through the noise of a shared 2-core host: a
 holds three requests of 256 blocks x 32 layers, and every timed Save claims
 256 new blocks (evicting the 256 oldest: a cache in steady state), computes
 their slot addresses and finishes (seals) them: ``kvstore.store.node``'s
-save path minus the copy.
+save path minus the copy. The 64 KiB case allocates (and zero-fills) a 1.5 GiB
+host pool.
 
 Baseline, interleaved in random order with the index op in every repeat:
 ``memcpy``, one contiguous copy of the request's bytes (the least a Save must

@@ -69,8 +69,10 @@ class KeptRank:
         """
         with self._lock:
             session, pending = self._session, self._pending
-        if session is None and pending is not None and pending.seal is not None:
-            session = self._sealed(pending, pending.seal)
+        if session is None and pending is not None:
+            seal = pending.seal  # read once: a failing stream resets it
+            if seal is not None:
+                session = self._sealed(pending, seal)
         if session is None or session.error is not None:
             return None
         return session
@@ -78,7 +80,7 @@ class KeptRank:
     def wait_ready(self, timeout: float) -> bool:
         """True once the rank is registered and sealed, waiting at most ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while self.live() is None and time.monotonic() < deadline:
+        while self.live() is None and time.monotonic() < deadline and not self._stop.is_set():
             self._stop.wait(0.05)
         return self.live() is not None
 
@@ -109,7 +111,12 @@ class KeptRank:
                 self._failed(err)
                 return
             with self._lock:
-                self._pending = pending
+                closed = self._stop.is_set()  # close() ran while this registered
+                if not closed:
+                    self._pending = pending
+            if closed:
+                pending.close()
+                return
         try:
             seal = pending.wait_sealed(timeout)
         except KVError as err:
@@ -127,7 +134,7 @@ class KeptRank:
     def _sealed(self, pending: RankSession, seal: SealInfo) -> RankSession | None:
         """Make ``pending`` the live session (once, whichever thread sees the seal first)."""
         with self._lock:
-            if self._pending is not pending:
+            if self._pending is not pending or self._stop.is_set():
                 return self._session
             self._session, self._pending = pending, None
             self._namespace = seal.final_namespace
@@ -181,7 +188,10 @@ class KeptRank:
             if self.live() is not None:
                 continue
             with self._lock:
-                old, self._session = self._session, None
+                old = self._session
+                if old is not None and old.error is None:
+                    continue  # promoted by an engine thread meanwhile: healthy
+                self._session = None
                 self._lost = self._lost or old is not None
             if old is not None:
                 old.close()

@@ -313,8 +313,13 @@ def rma_endpoint(pools: dict[str, SlotPool]) -> rma.RmaEndpoint | None:
         return None
     ((device, pool),) = pools.items()
     try:
+        errors = (KVError, *rma.nixl_errors())
+    except ImportError as exc:  # the package imports, its bindings do not
+        log.warning("one-sided peer reads off: NIXL's bindings do not load: %s", exc)
+        return None
+    try:
         endpoint = rma.RmaEndpoint(rma.pool_region(device, pool.base, pool.pool_bytes))
-    except (KVError, *rma.nixl_errors()) as exc:  # e.g. a UCX without CUDA for VRAM
+    except errors as exc:  # e.g. a UCX without CUDA for VRAM
         log.warning(
             "one-sided peer reads off: NIXL could not register the %s pool: %s", device, exc
         )

@@ -144,7 +144,9 @@ class SlotPool:
     def free(self, nbytes: int, offsets: np.ndarray) -> None:
         """Return slots allocated with ``alloc(nbytes, ...)``: grouped by slab (a
         stable sort, keeping their order within a slab), then one slice per slab
-        touched, so a thousand evicted blocks are a few numpy calls."""
+        touched, so a thousand evicted blocks are a few numpy calls. Slots of
+        another size or more than a slab has allocated (a double free) raise
+        ValueError before anything is freed."""
         size = round_size(nbytes)
         offsets = np.asarray(offsets, dtype=np.int64)
         slab_ids = offsets // self.slab_bytes
@@ -153,15 +155,20 @@ class SlotPool:
             offsets, slab_ids = offsets[order], slab_ids[order]
         firsts = np.flatnonzero(np.diff(slab_ids, prepend=-1))
         ends = np.append(firsts[1:], len(offsets))
-        idx_all = ((offsets % self.slab_bytes) // size).astype(np.int32)
-        for slab_id, first, end in zip(
-            slab_ids[firsts].tolist(), firsts.tolist(), ends.tolist(), strict=True
-        ):
-            slab = self._slabs[slab_id]
-            if slab.slot_bytes != size:
+        runs = list(zip(slab_ids[firsts].tolist(), firsts.tolist(), ends.tolist(), strict=True))
+        for slab_id, first, end in runs:
+            slab = self._slabs.get(slab_id)
+            if slab is None or slab.slot_bytes != size:
+                held = "nothing" if slab is None else f"{slab.slot_bytes}-byte slots"
+                raise ValueError(f"slot of slab {slab_id} freed as {size} bytes, it holds {held}")
+            if slab.top + end - first > slab.capacity:
                 raise ValueError(
-                    f"slot of slab {slab_id} freed as {size} bytes, allocated as {slab.slot_bytes}"
+                    f"{end - first} slots of slab {slab_id} freed, only "
+                    f"{slab.capacity - slab.top} are allocated (a double free)"
                 )
+        idx_all = ((offsets % self.slab_bytes) // size).astype(np.int32)
+        for slab_id, first, end in runs:
+            slab = self._slabs[slab_id]
             count = end - first
             if count == slab.capacity:  # every slot of it: straight back to the free slabs
                 slab.top = count
@@ -186,7 +193,7 @@ class SlotPool:
         if n == 0:
             return 0
         self._partial.setdefault(size, {})
-        ids = [self._free_slabs.pop() for _ in range(n)]
+        ids = sorted(self._free_slabs.pop() for _ in range(n))  # ascending: one run
         for slab_id in ids:  # full: no free slot to stack, not partial
             self._slabs[slab_id] = _Slab(size, np.empty(capacity, dtype=np.int32), 0)
         starts = np.array(ids, dtype=np.int64)[:, None] * self.slab_bytes

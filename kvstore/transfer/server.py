@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstore.transfer.errors import ProtocolError, VersionMismatch
 from kvstore.transfer.handshake import PeerSecret, authenticate_fetcher
-from kvstore.transfer.rma import RmaEndpoint, inside
+from kvstore.transfer.rma import Region, RmaEndpoint, inside
 from kvstore.transfer.slots import (
     Lease,
     SlotSource,
@@ -353,10 +353,7 @@ class PeerServer:
 
     def _readable(self, table: SlotTable) -> bool:
         """Whether every slot lies in the registered region (else: two-sided)."""
-        if self.rma is None:
-            return False
-        on_host = not bool(table.memory.any())
-        return on_host and inside(table.ptr, table.nbytes.astype(np.uint64), self.rma.region)
+        return self.rma is not None and readable(table, self.rma.region)
 
     async def _grant(self, conn: Conn, table: SlotTable, offer: Any) -> None:
         """A one-sided read: REPLY with the grant, then hold the lease until the
@@ -421,3 +418,13 @@ def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:
     ):
         raise ValueError("slot size out of bounds")
     return table
+
+
+def readable(table: SlotTable, region: Region) -> bool:
+    """Whether every slot of ``table`` lies in ``region`` and in its memory: host
+    memory (memory key 0) for DRAM, the one GPU allocation the region is (its
+    base is the slots' memory key) for VRAM."""
+    key = 0 if region.mem == "DRAM" else region.addr
+    if not bool(np.all(table.memory == key)):
+        return False
+    return inside(table.ptr, table.nbytes.astype(np.uint64), region)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -91,3 +92,18 @@ def test_slots_taken_together_lie_back_to_back_across_whole_slabs():
     pool.check()
     assert pool.alloc(SLAB, 6) is not None  # 4 free slabs + the 2 freed: the pool is full
     assert not pool.can_alloc(SLAB, 1)
+
+
+def test_a_double_free_is_refused_and_changes_nothing():
+    pool = SlotPool(4 * SLAB, slab_bytes=SLAB)
+    got = pool.alloc(4096, 16)  # one whole slab
+    assert got is not None
+    other = pool.alloc(4096, 16)  # a second slab
+    assert other is not None
+    pool.free(4096, got[:1])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(4096, np.concatenate([other, got]))  # slot 0 again, after a good slab
+    pool.check()
+    assert pool.used_bytes == 31 * 4096  # the good slab was not freed either
+    with pytest.raises(ValueError, match="holds nothing"):
+        pool.free(4096, np.array([3 * SLAB]))  # a slab never used

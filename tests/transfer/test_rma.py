@@ -22,7 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.transfer import rma
+from kvstore.transfer import SlotTable, rma
+from kvstore.transfer.server import readable
 from kvstore.wire.errors import Code, KVError
 
 CTX = mp.get_context("spawn")
@@ -396,6 +397,31 @@ def test_a_pool_region_names_its_memory_and_a_gpu_card_round_trips():
     for bad in ("cuda", "cuda:x", "gpu:0", ""):
         with pytest.raises(KVError, match="device"):
             rma.pool_region(bad, 4096, 1 << 20)
+
+
+def test_a_grant_is_readable_only_in_the_registered_memory():
+    """The serving side grants one-sided reads of slots inside its region and of its
+    kind: host slots (memory key 0) for a DRAM pool, slots of that one GPU allocation
+    (key = its base) for a VRAM pool; anything else goes two-sided."""
+
+    def table(ptr, memory):
+        n = len(ptr)
+        return SlotTable(
+            np.array(ptr, dtype=np.uint64),
+            np.full(n, 4096, dtype=np.int64),
+            np.array(memory, dtype=np.int64),
+            np.array([n], dtype=np.int64),
+        )
+
+    host = rma.pool_region("cpu", 1 << 20, 1 << 20)
+    gpu = rma.pool_region("cuda:0", 1 << 40, 1 << 20)
+    inside_host, inside_gpu = [(1 << 20) + 4096 * i for i in range(3)], [(1 << 40) + 8192]
+    assert readable(table(inside_host, [0, 0, 0]), host)
+    assert readable(table(inside_gpu, [1 << 40]), gpu)
+    assert not readable(table(inside_gpu, [0]), gpu)  # host memory claimed inside a GPU's
+    assert not readable(table(inside_host, [0, 0, 1 << 20]), host)  # one slot on a GPU
+    assert not readable(table(inside_host, [1 << 40] * 3), gpu)  # outside the region
+    assert not readable(table([(2 << 20) - 2048], [0]), host)  # runs past its end
 
 
 def test_without_nixl_available_says_why(monkeypatch):
