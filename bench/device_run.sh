@@ -70,7 +70,7 @@ fi
 
 if [[ " $STEPS " == *" transfer "* ]]; then
     step "transfer bench, GPU pools (fetch vs raw ucxx vs device memcpy)"
-    run 60 python3 bench/transfer.py --mem cuda --total-mib 256 --repeats 7 --latency-iters 50
+    run 120 python3 bench/transfer.py --mem cuda --total-mib 256 --repeats 7 --latency-iters 50
     cp bench/results/transfer.json bench/results/transfer.png "$OUT/" 2>/dev/null
 fi
 

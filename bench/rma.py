@@ -62,7 +62,6 @@ import os
 import platform
 import time
 import traceback
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -428,7 +427,7 @@ def run(args: argparse.Namespace) -> dict:
         "generated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "quick": args.quick,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "nixl_version": metadata.version("nixl-cu12"),
+        "nixl_version": rma.nixl_version(),
         "sweeps": [run_sweep(name, opts, args.timeout_s) for name in args.sweeps.split(",")],
     }
 

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
 import torch
 
 from kvstore.service.store_server import ServerConfig, StoreServer
+from kvstore.transfer import rma
+
+
+def need_nixl() -> None:
+    """Skip without NIXL; under CI=true its absence fails (it is a dependency there)."""
+    ok = rma.available()
+    if not ok:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"nixl is required under CI=true: {ok.reason}")
+        pytest.skip(ok.reason)
 
 
 class ServerThread:

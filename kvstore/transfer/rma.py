@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -97,17 +98,35 @@ class Availability:
         return self.ok
 
 
+# The NIXL Python API's module in each wheel: nixl-cu12 (CUDA 12), nixl-cu13 (CUDA 13,
+# e.g. a torch cu130 GPU host), and the ``nixl`` meta-package's name for the same API.
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api")
+NIXL_DISTRIBUTIONS = ("nixl-cu12", "nixl-cu13", "nixl")
+
+
 def _nixl() -> Any:
-    """The NIXL Python API (the ``nixl-cu12`` wheel installs it as ``nixl_cu12``).
+    """The NIXL Python API, from whichever wheel is installed (NIXL_MODULES).
 
     NIXL logs at INFO to stdout by default (its Python and C++ halves both read
     NIXL_LOG_LEVEL): a server's output keeps to its own log unless asked."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        import nixl_cu12 as nixl
-    except ImportError:
-        import nixl._api as nixl  # the ``nixl`` meta-package's name for the same API
-    return nixl
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+    raise ImportError("; ".join(errors))
+
+
+def nixl_version() -> str:
+    """The installed NIXL wheel's name and version ('' without one)."""
+    for dist in NIXL_DISTRIBUTIONS:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 def nixl_errors() -> tuple[type[Exception], ...]:
@@ -123,7 +142,9 @@ def available() -> Availability:
     try:
         _nixl()
     except ImportError as err:
-        return Availability(False, f"nixl is not importable ({err}): pip install nixl-cu12")
+        return Availability(
+            False, f"nixl is not importable ({err}): pip install nixl-cu12 (nixl-cu13 on CUDA 13)"
+        )
     return Availability(True, "nixl imports")
 
 

@@ -13,7 +13,7 @@ from kvstore.client.store_client import StoreClient, call
 from kvstore.demo import free_port
 from kvstore.testing.worker import WorkerGroup
 from kvstore.wire.errors import Code, KVError
-from tests.conftest import wait_for
+from tests.conftest import need_nixl, wait_for
 
 pytest.importorskip("ucxx")
 
@@ -280,7 +280,7 @@ def _fetch_and_compare(a_addr, b_addr, name, hashes, **layout) -> None:
 
 def test_one_sided_fetch_between_stores_every_byte(pair):
     """Slots of 1, 4 and 16 KiB read one-sided; each lease RELEASEd (pins back to 0)."""
-    pytest.importorskip("nixl_cu12")
+    need_nixl()
     (a_addr, a, a_metrics), (b_addr, _b, b_metrics) = pair()
     shapes = [dict(head_dim=32), dict(head_dim=128), dict(head_dim=128, block_size=16)]
     for k, shape in enumerate(shapes):
@@ -299,7 +299,7 @@ def test_one_sided_fetch_between_stores_every_byte(pair):
 def test_gpu_pools_fetch_one_sided_every_byte(pair):
     """GPU pools registered with NIXL as VRAM: the fetch reads pool to pool one-sided
     (CUDA IPC on one GPU), then into the workers by the CUDA kernel."""
-    pytest.importorskip("nixl_cu12")
+    need_nixl()
     (a_addr, a, a_metrics), (b_addr, _b, b_metrics) = pair(device="cuda:0")
     _fetch_and_compare(a_addr, b_addr, "g", [700 + i for i in range(10)], device="cuda")
     mb, ma = scrape(b_metrics), scrape(a_metrics)
@@ -314,7 +314,7 @@ def test_peer_restarted_at_the_same_address_is_read_one_sided_at_once(pair):
     """The fetching store cached the peer's card; the peer restarts on the same
     ports with a new NIXL agent. The next fetch's new connection asks for the
     card again, sees it changed, loads it: no failed one-sided read."""
-    pytest.importorskip("nixl_cu12")
+    need_nixl()
     (a_addr, _a, _), (b_addr, _b, b_metrics) = pair()
     _fetch_and_compare(a_addr, b_addr, "m0", [400 + i for i in range(4)])
     pair.restart(0)

@@ -25,21 +25,13 @@ from hypothesis import strategies as st
 from kvstore.transfer import SlotTable, rma
 from kvstore.transfer.server import readable
 from kvstore.wire.errors import Code, KVError
+from tests.conftest import need_nixl
 
 CTX = mp.get_context("spawn")
 KIB, MIB = 1 << 10, 1 << 20
 SLOT_SIZES = (16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB)
 POISON = 0xEE
 CALL_SLACK_S = 30.0  # a node that does not answer within a call's deadline plus this hangs
-
-
-def need_nixl() -> None:
-    """Skip without NIXL; under CI=true its absence fails (it is a dependency there)."""
-    ok = rma.available()
-    if not ok:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"nixl is required under CI=true: {ok.reason}")
-        pytest.skip(ok.reason)
 
 
 def pattern(offsets: np.ndarray) -> np.ndarray:
@@ -425,8 +417,17 @@ def test_a_grant_is_readable_only_in_the_registered_memory():
 
 
 def test_without_nixl_available_says_why(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nixl_cu12", None)
-    monkeypatch.setitem(sys.modules, "nixl", None)
-    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    for name in ("nixl_cu12", "nixl_cu13", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)
     ok = rma.available()
-    assert not ok and "nixl" in ok.reason
+    assert not ok and "nixl_cu12" in ok.reason and "nixl_cu13" in ok.reason
+
+
+def test_the_cuda_13_wheel_is_found_too(monkeypatch):
+    """A CUDA 13 host has nixl-cu13, whose module is nixl_cu13."""
+    import types
+
+    fake = types.ModuleType("nixl_cu13")
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)
+    monkeypatch.setitem(sys.modules, "nixl_cu13", fake)
+    assert rma.available() and rma._nixl() is fake

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.transfer import rma
+from tests.conftest import need_nixl
 from tests.transfer.nodes import HASHES, blocks_of, wait_until
 
-pytestmark = [
-    pytest.mark.timeout(90),
-    pytest.mark.skipif(not rma.available(), reason=rma.available().reason),
-]
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(autouse=True)
+def _nixl() -> None:
+    need_nixl()
+
+
 KIB = 1 << 10
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.transfer import rma as rma_module
+from tests.conftest import need_nixl
 from tests.transfer.nodes import HASHES, NS, blocks_of, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -341,8 +341,8 @@ def test_transfer_racing_an_eviction_on_the_peer_is_safe(nodes):
 def test_reserved_ahead_keeps_only_what_the_peer_offers(nodes, rma):
     """A sink that knows the layout reserves all 6 asked blocks before the offer;
     the peer holds 4: those are committed, every byte right."""
-    if rma and not rma_module.available():
-        pytest.skip(rma_module.available().reason)
+    if rma:
+        need_nixl()
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:4], [4096] * 3), rma=rma)
     out = client.call("fetch", address=address, hashes=HASHES[:6], rma=rma, ahead=[4096] * 3)
@@ -356,8 +356,8 @@ def test_reserved_ahead_keeps_only_what_the_peer_offers(nodes, rma):
 def test_reserved_ahead_in_another_layout_is_the_peers_fault(nodes, rma):
     """A peer offering slot sizes other than the namespace's layout: PeerUnavailable,
     the reservation aborted, nothing visible, the peer's lease released."""
-    if rma and not rma_module.available():
-        pytest.skip(rma_module.available().reason)
+    if rma:
+        need_nixl()
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
     out = client.call("fetch", address=address, hashes=HASHES[:2], rma=rma, ahead=[8192] * 3)
@@ -368,8 +368,8 @@ def test_reserved_ahead_in_another_layout_is_the_peers_fault(nodes, rma):
 
 @pytest.mark.parametrize("rma", [False, True], ids=["two-sided", "one-sided"])
 def test_reserved_ahead_for_a_peer_that_holds_none_is_aborted(nodes, rma):
-    if rma and not rma_module.available():
-        pytest.skip(rma_module.available().reason)
+    if rma:
+        need_nixl()
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
     out = client.call("fetch", address=address, hashes=HASHES[5:8], rma=rma, ahead=[4096] * 3)
@@ -393,8 +393,8 @@ def test_reserved_ahead_is_aborted_when_the_peer_refuses(nodes):
 def test_reserving_ahead_fails_the_fetch_and_releases_the_peer(nodes, rma):
     """The sink cannot reserve (every local block pinned): its error is the fetch's,
     the endpoint is aborted, and the peer's pin (or one-sided lease) goes with it."""
-    if rma and not rma_module.available():
-        pytest.skip(rma_module.available().reason)
+    if rma:
+        need_nixl()
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096] * 3), rma=rma)
     out = client.call(
