@@ -637,6 +637,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "copy.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
+        "--gpu-copy",
+        choices=("pieces", "blocks"),
+        default="pieces",
+        help="e2e on a GPU: the server's --gpu-copy (how Save/Load copy in GPU pools)",
+    )
+    p.add_argument(
         "--no-streaming",
         action="store_true",
         help="host: plain memcpy only (no cache-bypassing stores), for comparison",

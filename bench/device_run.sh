@@ -66,6 +66,9 @@ if [[ " $STEPS " == *" copy "* ]]; then
     step "copy bench (CudaCopier vs contiguous device copy; Save/Load RPC)"
     run 90 python3 bench/copy_engine.py --device cuda --no-progress
     cp bench/results/copy.json bench/results/copy.png "$OUT/" 2>/dev/null
+    step "e2e Save/Load with the server copying by blocks (--gpu-copy blocks)"
+    run 60 python3 bench/copy_engine.py --device cuda --no-progress --sections e2e \
+        --gpu-copy blocks --out "$OUT/copy_e2e_blocks.json"
 fi
 
 if [[ " $STEPS " == *" transfer "* ]]; then

@@ -76,7 +76,8 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     port = free_port()
     # three requests: every Save evicts the oldest (two would let an interleaved Load of
     # the older one make it newer than the last Save, which LRU then rightly evicts)
-    proc = start_server(port, device.split(":")[0], 3 * nbytes)
+    gpu_copy = () if device == "cpu" else ("--gpu-copy", args.gpu_copy)
+    proc = start_server(port, device.split(":")[0], 3 * nbytes, *gpu_copy)
     layers = make_layers(device, 2 * SAVE_BLOCKS)
     client = StoreClient(f"127.0.0.1:{port}", timeout=120)
     sess = None
@@ -112,7 +113,10 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
         for layer in layers:
             if layer.shm is not None:
                 layer.shm.close()
-    return _rows(t, device, slot, nbytes), _meta(t, repeats, evictions)
+    rows = _rows(t, device, slot, nbytes)
+    for row in rows:  # how the server copied: always by blocks on the host
+        row["gpu_copy"] = args.gpu_copy if device != "cpu" else "blocks"
+    return rows, _meta(t, repeats, evictions)
 
 
 def _rows(t: dict[str, list[float]], device: str, slot: int, nbytes: int) -> list[dict]:

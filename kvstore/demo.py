@@ -52,7 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
+def start_server(port: int, device: str, pool_size: int, *extra: str) -> subprocess.Popen:
+    """``kvstore serve`` on ``port`` (no router, no peer transfer), ``extra`` flags added;
+    returns once it serves."""
     cmd = [
         sys.executable,
         "-m",
@@ -68,6 +70,7 @@ def start_server(port: int, device: str, pool_size: int) -> subprocess.Popen:
         "--no-transfer",
         "--log-level",
         "error",
+        *extra,
     ]
     proc = subprocess.Popen(cmd)
     client = StoreClient(f"127.0.0.1:{port}", timeout=2)

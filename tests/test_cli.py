@@ -25,9 +25,15 @@ def test_help(cmd):
 
 def test_serve_help_explains_every_flag():
     text = kvstore("serve", "--help").stdout
-    for flag in ("--host", "--port", "--pool-size", "--device", "--log-level"):
+    for flag in ("--host", "--port", "--pool-size", "--device", "--gpu-copy", "--log-level"):
         assert flag in text
     assert "127.0.0.1" in text
+
+
+def test_a_gpu_copy_path_that_does_not_exist_is_refused():
+    out = kvstore("serve", "--gpu-copy", "fast")
+    assert out.returncode == 2
+    assert "--gpu-copy" in out.stderr and "pieces" in out.stderr and "blocks" in out.stderr
 
 
 def test_bad_pool_size_is_refused():

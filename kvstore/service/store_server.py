@@ -66,6 +66,7 @@ class ServerConfig:
     port: int = 50051
     pool_size: int = 1 << 30
     device: str = "auto"
+    gpu_blocks: bool = False  # GPU pools copy by blocks (kvstore.store.copying), not pieces
     slab_bytes: int = DEFAULT_SLAB_BYTES
     node_id: str = ""
     # Standalone routers to advertise to, "HOST:PORT[,HOST:PORT...]", one at a time
@@ -159,7 +160,9 @@ class StoreServer:
                 reader,
             )
         copiers = {d: copier_for(d) for d in self.devices}
-        self.node = StoreNode(self.registry, self.index, copiers, fetcher, source)
+        self.node = StoreNode(
+            self.registry, self.index, copiers, fetcher, source, gpu_blocks=config.gpu_blocks
+        )
         self.service = KVStoreService(
             self.node, self.peer_server, config.security, self.snapshot_events
         )

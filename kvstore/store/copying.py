@@ -1,11 +1,13 @@
 """Moving one request's bytes between a worker's paged cache and the pool.
 
 A :class:`CopyJob` is planned on the event loop (which slots, which block
-ids) and run in a worker thread by :func:`copy_in_thread`. On the host it goes
-through the registration's :class:`~kvstore.copy.RegionTable` (descriptors built
-once; per request only block ids and slot addresses); on a GPU it still plans
-pieces and gets its own stream (:func:`run_copy`) until the table kernel has
-run on a GPU (docs/design.md §3).
+ids) and run in a worker thread by :func:`copy_in_thread`. By blocks (always on
+the host; on a GPU with ``kvstore serve --gpu-copy blocks``) it goes through the
+registration's :class:`~kvstore.copy.RegionTable`: descriptors built once, per
+request only block ids and slot addresses, on the copier's own stream. By
+pieces (GPUs by default, until the blocks kernel has been measured on one) it
+plans every piece and gets a stream per request (:func:`run_copy`;
+docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class CopyJob:
 
     op: str  # SAVE or LOAD
     device: str
+    by_blocks: bool  # the RegionTable path; else planned pieces
     table: RegionTable  # the caller's layers, in registration order
     block_ids: np.ndarray  # int64, one per block, in the caller's cache
     addresses: np.ndarray  # uint64 (layers, blocks): each block's slot of each layer
@@ -39,8 +42,9 @@ class CopyJob:
 
     def run(self, copier: Any) -> None:
         """Copy; returns once the bytes are in place."""
-        if self.device == "cpu":
-            getattr(copier, f"{self.op}_blocks")(self.table, self.block_ids, self.addresses)
+        if self.by_blocks:
+            copy = getattr(copier, f"{self.op}_blocks")
+            copy(self.table, self.block_ids, self.addresses, wait=True)
             return
         pieces = plan(list(self.table.regions), self.block_ids, self.addresses)
         run_copy(copier, self.device, self.op, pieces)

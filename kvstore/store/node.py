@@ -98,11 +98,15 @@ class StoreNode:
         copiers: dict[str, Any],
         fetcher: Fetcher | None = None,
         source: StoreSource | None = None,
+        *,
+        gpu_blocks: bool = False,
     ):
-        """``copiers``: the copy engine of each device of ``index``'s pools."""
+        """``copiers``: the copy engine of each device of ``index``'s pools;
+        ``gpu_blocks``: GPU pools copy by blocks too (host pools always do)."""
         self.registry = registry
         self.index = index
         self.copiers = copiers
+        self.gpu_blocks = gpu_blocks
         self.fetcher = fetcher
         self.source = source
         self.counters = Counters()
@@ -206,6 +210,7 @@ class StoreNode:
         return CopyJob(
             op,
             device,
+            device == "cpu" or self.gpu_blocks,
             caller.reg.copy_table,
             np.array(block_ids, dtype=np.int64),
             self.index.addresses(blocks, slots, device),

@@ -167,11 +167,13 @@ def test_concurrent_instances_save_and_load_every_byte(server):
 
 
 @pytest.mark.gpu
-def test_gpu_save_and_load_through_cuda_ipc():
-    """Workers with CUDA KV caches shared by IPC handle; the pool on the GPU."""
+@pytest.mark.parametrize("gpu_blocks", [False, True], ids=["pieces", "blocks"])
+def test_gpu_save_and_load_through_cuda_ipc(gpu_blocks):
+    """Workers with CUDA KV caches shared by IPC handle; the pool on the GPU; the
+    copies by planned pieces and by blocks (``--gpu-copy``)."""
     from tests.conftest import ServerThread
 
-    server = ServerThread(pool_size=256 << 20, device="cuda:0")
+    server = ServerThread(pool_size=256 << 20, device="cuda:0", gpu_blocks=gpu_blocks)
     try:
         a = WorkerGroup(server.address, "ga", 2, device="cuda", **LAYOUT)
         b = WorkerGroup(server.address, "gb", 2, device="cuda", **LAYOUT)
