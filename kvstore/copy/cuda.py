@@ -203,7 +203,8 @@ class CudaCopier:
 
     def _synced(self, nbytes: int, stream: Any | None, wait: bool) -> int:
         if wait:
-            self._pick_stream(stream).synchronize()
+            with self._cp.cuda.Device(self.device):  # the stream the work went to
+                self._pick_stream(stream).synchronize()
         return nbytes
 
     def _stream(self) -> Any:
