@@ -44,6 +44,8 @@ for m in ("torch", "cupy", "ucxx", "grpc", "google.protobuf", "blake3", "msgpack
         print(f"{m:16} IMPORT FAILED: {e!r}")
 import torch
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+from kvstore.transfer import rma
+print("nixl", rma.nixl_version() or "none (GPU pools fetch two-sided)")
 EOF
 
 step "nvcc sm_90 resource report"

@@ -7,7 +7,9 @@ from the fourth Save on, every Save of 256 new blocks evicts 256 old ones, as
 a cache in steady state does. Per repeat, in a fresh random order: a Save of
 new blocks, a Load of the previous repeat's blocks into other block ids, a
 Save whose one block is already sealed (the fixed cost of a call), the copier
-alone moving the same pieces in this process, and the ceiling (the faster of
+alone moving the same bytes in this process the way the server copies them
+(by blocks through the registration's RegionTable on the host and with
+``--gpu-copy blocks``, else by planned pieces), and the ceiling (the faster of
 a contiguous torch copy and the copier's own routine on one piece of the same
 bytes). Loaded bytes are compared with the saved ones at the end.
 """
@@ -17,12 +19,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
-from kvstore.copy import Pieces, copier_for, plan, region_from_tensor
+from kvstore.copy import Pieces, RegionTable, copier_for, plan, region_from_tensor
 from kvstore.demo import free_port, start_server
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -77,6 +80,7 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     # three requests: every Save evicts the oldest (two would let an interleaved Load of
     # the older one make it newer than the last Save, which LRU then rightly evicts)
     gpu_copy = () if device == "cpu" else ("--gpu-copy", args.gpu_copy)
+    by_blocks = device == "cpu" or args.gpu_copy == "blocks"  # how the server copies
     proc = start_server(port, device.split(":")[0], 3 * nbytes, *gpu_copy)
     layers = make_layers(device, 2 * SAVE_BLOCKS)
     client = StoreClient(f"127.0.0.1:{port}", timeout=120)
@@ -94,7 +98,7 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
                 [(_key(r - 1, b), SAVE_BLOCKS + b) for b in ids], timeout=300
             ),
             "empty_save": lambda r: sess.save([(_key(r - 1, 0), 0)]),
-            "copier_only": lambda r: local.copier.save(local.pieces),
+            "copier_only": lambda r: local.save(by_blocks),
             "one_range": lambda r: local.copier.save(local.one),
             "torch_copy": lambda r: local.dst.copy_(local.src),
         }
@@ -167,14 +171,24 @@ def _check_loaded(layers: list[KVLayer]) -> None:
 
 @dataclass
 class LocalCopies:
-    """The copier, the request's pieces into a scratch pool, and the same bytes as one piece."""
+    """The copier, the request into a scratch pool (as planned pieces, and as the
+    registration's table with block ids and slot addresses), the same bytes as one piece."""
 
-    copier: object
+    copier: Any
     pieces: Pieces
+    table: RegionTable
+    slots: np.ndarray  # (layers, blocks) slot addresses in the scratch pool
     one: Pieces
     src: torch.Tensor
     dst: torch.Tensor
     pool: torch.Tensor
+
+    def save(self, by_blocks: bool) -> None:
+        """The server's copy of the request: by blocks, or by planned pieces."""
+        if by_blocks:
+            self.copier.save_blocks(self.table, np.arange(SAVE_BLOCKS), self.slots, wait=True)
+        else:
+            self.copier.save(self.pieces)
 
 
 def _local_copies(layers: list[KVLayer], device: str, nbytes: int) -> LocalCopies:
@@ -192,4 +206,4 @@ def _local_copies(layers: list[KVLayer], device: str, nbytes: int) -> LocalCopie
         slot_addr=np.array([dst.data_ptr()], dtype=np.uint64),
         nbytes=np.array([nbytes], dtype=np.uint64),
     )
-    return LocalCopies(copier_for(device), pieces, one, src, dst, pool)
+    return LocalCopies(copier_for(device), pieces, RegionTable(regions), addrs, one, src, dst, pool)

@@ -145,7 +145,8 @@ class SlotPool:
         """Return slots allocated with ``alloc(nbytes, ...)``: grouped by slab (a
         stable sort, keeping their order within a slab), then one slice per slab
         touched, so a thousand evicted blocks are a few numpy calls. Slots of
-        another size or more than a slab has allocated (a double free) raise
+        another size, or more of a slab's slots than it has allocated (a double
+        free of that kind; a repeated slot among fewer is not caught), raise
         ValueError before anything is freed."""
         size = round_size(nbytes)
         offsets = np.asarray(offsets, dtype=np.int64)

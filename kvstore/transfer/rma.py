@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -111,12 +112,23 @@ def _nixl() -> Any:
     NIXL_LOG_LEVEL): a server's output keeps to its own log unless asked."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     errors = []
-    for name in NIXL_MODULES:
+    for name in _nixl_order():
         try:
             return importlib.import_module(name)
         except ImportError as err:
             errors.append(f"{name}: {err}")
     raise ImportError("; ".join(errors))
+
+
+def _nixl_order() -> tuple[str, ...]:
+    """NIXL_MODULES, the wheel for the CUDA major of the loaded torch first (a CUDA 13
+    host with nixl-cu12 installed too must not register VRAM through a CUDA 12 UCX)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    if not cuda:
+        return NIXL_MODULES
+    mine = f"nixl_cu{str(cuda).partition('.')[0]}"
+    return (mine, *(m for m in NIXL_MODULES if m != mine))
 
 
 def nixl_version() -> str:

@@ -431,3 +431,17 @@ def test_the_cuda_13_wheel_is_found_too(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)
     monkeypatch.setitem(sys.modules, "nixl_cu13", fake)
     assert rma.available() and rma._nixl() is fake
+
+
+def test_the_wheel_of_torchs_cuda_major_comes_first(monkeypatch):
+    """A CUDA 13 torch with both wheels installed loads nixl_cu13."""
+    import types
+
+    cu12, cu13 = types.ModuleType("nixl_cu12"), types.ModuleType("nixl_cu13")
+    fake_torch = types.SimpleNamespace(version=types.SimpleNamespace(cuda="13.0"))
+    monkeypatch.setitem(sys.modules, "nixl_cu12", cu12)
+    monkeypatch.setitem(sys.modules, "nixl_cu13", cu13)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    assert rma._nixl() is cu13
+    fake_torch.version.cuda = None  # a CPU build: the listed order
+    assert rma._nixl() is cu12
