@@ -172,8 +172,6 @@ class SlotPool:
             slab = self._slabs[slab_id]
             count = end - first
             if count == slab.capacity:  # every slot of it: straight back to the free slabs
-                slab.top = count
-                self._partial[size].pop(slab_id, None)
                 self._release_slab(slab_id, size)
                 continue
             slab.free[slab.top : slab.top + count] = idx_all[first:end][::-1]  # first on top
