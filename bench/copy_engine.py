@@ -498,7 +498,7 @@ def run_meta(args: argparse.Namespace) -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
         "loadavg_start": _loadavg(),
         "quick": args.quick,

@@ -27,7 +27,7 @@ import argparse
 import json
 import platform
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     runs = old.get("runs", {})
     runs[args.label] = {
-        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "repeats": args.repeats,
         "rows": rows,

@@ -41,7 +41,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -238,7 +238,7 @@ def main() -> None:
         "interleaved in random order; bytes verified",
     })  # fmt: skip
     doc.setdefault("runs", {})[args.label] = {
-        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "repeats": repeats, "rows": table, "slope_us_per_block": round(slope, 2),
         "intercept_ms": round(intercept, 3), **meta,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(),

@@ -1201,7 +1201,7 @@ def write_results(sweeps: list[dict], args: argparse.Namespace) -> None:
         out = [{"source": "stub", **x} for x in items]
         return [x for x in out if (x.get("mem"), x["source"]) != mine]
 
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     host = {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),

@@ -15,11 +15,10 @@ on etcd's state without ever dropping what it knew while etcd was away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Protocol
 
-from kvstore.membership.etcd import Change, Entry, Etcd
+from kvstore.membership.etcd import Change, Entry, Etcd, cancel_task
 from kvstore.wire.errors import KVError
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,5 @@ class Directory:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_task(self._task)
             self._task = None

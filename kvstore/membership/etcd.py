@@ -179,14 +179,15 @@ class Etcd:
         for attempt in range(len(self.config.endpoints)):
             client, endpoint = self._connected(), self.endpoint
             try:
-                return await asyncio.wait_for(fn(client), self.config.timeout_s)
+                async with asyncio.timeout(self.config.timeout_s):
+                    return await fn(client)
             except aetcd.ClientError as exc:
                 if LEASE_NOT_FOUND in str(exc):  # etcd answered: no other endpoint would differ
                     raise lease_gone(endpoint, what) from None
                 self._failed(client)
                 if attempt + 1 == len(self.config.endpoints):
                     raise _unreachable(endpoint, what, exc) from None
-            except (asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError) as exc:
                 self._failed(client)
                 if attempt + 1 == len(self.config.endpoints):
                     raise _unreachable(endpoint, what, exc) from None
@@ -259,11 +260,11 @@ class Etcd:
         """
         client = self._connected()
         try:
-            watch = await asyncio.wait_for(
-                client.watch_prefix(prefix.encode(), start_revision=start_revision, prev_kv=True),
-                self.config.timeout_s,
-            )
-        except (aetcd.ClientError, asyncio.TimeoutError, OSError) as exc:
+            async with asyncio.timeout(self.config.timeout_s):
+                watch = await client.watch_prefix(
+                    prefix.encode(), start_revision=start_revision, prev_kv=True
+                )
+        except (aetcd.ClientError, TimeoutError, OSError) as exc:
             self._failed(client)
             raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
         try:
@@ -278,17 +279,32 @@ class Etcd:
             raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
         finally:
             with contextlib.suppress(Exception):  # the stream may be gone already
-                await asyncio.wait_for(watch.cancel(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await watch.cancel()
         raise unavailable(f"etcd {self.endpoint}: watch {prefix} ended")
 
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):  # closing a dead channel may fail: it is closed
-                await asyncio.wait_for(client.close(), self.config.timeout_s)
+                async with asyncio.timeout(self.config.timeout_s):
+                    await client.close()
         for task in list(self._closing):
             with contextlib.suppress(Exception):
                 await task
+
+
+async def cancel_task(task: asyncio.Task, again_s: float = 0.5) -> None:
+    """Cancel ``task`` and wait for it to end (its CancelledError swallowed, any
+    other exception raised). A task that awaits aetcd can drop a cancel: aetcd
+    waits with Python 3.11's ``asyncio.wait_for``, which returns the inner result
+    when the cancel comes in the loop pass that result arrives. So the task is
+    cancelled again every ``again_s`` until it ends."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=again_s)
+    if not task.cancelled():
+        task.result()  # what it raised on the way out
 
 
 def lease_gone(endpoint: str, what: str) -> KVError:

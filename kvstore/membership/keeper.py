@@ -123,8 +123,9 @@ class LeaseKeeper:
                     leases = list(self._held)
                 failures = await asyncio.gather(*(self._refresh(etcd, lease) for lease in leases))
                 self._report([f for f in failures if f is not None], len(leases))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), max(0.0, tick - time.monotonic()))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, tick - time.monotonic())):
+                        await self._stop.wait()
         finally:
             await etcd.close()
 

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TypeVar
 
-from kvstore.membership.etcd import Etcd, is_lease_gone
+from kvstore.membership.etcd import Etcd, cancel_task, is_lease_gone
 from kvstore.membership.keeper import LeaseKeeper
 from kvstore.wire.errors import Code, KVError, unavailable
 
@@ -164,9 +164,7 @@ class KeyLease:
     async def release(self, revoke: bool = True) -> None:
         """Stop holding; with ``revoke`` also end the lease (its keys vanish now)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_task(self._task)
             self._task = None
         lease, self.lease = self.lease, 0
         if lease:

@@ -223,8 +223,9 @@ class WorkerMirror:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._tick.wait(), remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._tick.wait()
         return True
 
 

@@ -8,10 +8,10 @@ add up to ``RouterStats.events_dropped``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from enum import Enum
+from enum import StrEnum
 
 
-class DropCause(str, Enum):
+class DropCause(StrEnum):
     """One reason an event is not indexed; the value names its counter."""
 
     STALE_GENERATION = "stale_generation"  # the publishing store's (node, generation) is gone

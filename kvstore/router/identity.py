@@ -29,7 +29,7 @@ KV transfer: that also needs the same final namespace (layout fingerprint).
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 import blake3
@@ -44,7 +44,7 @@ EXPLICIT_SCOPE_MARKER = "kvstore/explicit-scope/v1"
 ID_BYTES = 16
 
 
-class IdentityAlgorithm(str, Enum):
+class IdentityAlgorithm(StrEnum):
     """Which material names a cache domain: the display name or the checksum."""
 
     R2 = "r2"  # display name (default)

@@ -144,7 +144,8 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
             status, body = self._answer(head)
             writer.write(
                 f"HTTP/1.0 {status}\r\nContent-Type: {CONTENT_TYPE}\r\n"
@@ -152,7 +153,7 @@ class MetricsServer:
                 + body
             )
             await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # a slow, short or oversized request gets no answer
         except OSError as exc:
             log.debug("metrics client went away: %s", exc)

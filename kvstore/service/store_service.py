@@ -101,8 +101,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             changed = asyncio.Event()
             self._seal_waiters.add(changed)
             try:
-                await asyncio.wait_for(changed.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await changed.wait()
+            except TimeoutError:
                 pass
             finally:
                 self._seal_waiters.discard(changed)

@@ -33,7 +33,7 @@ class Pki:
         self.dir = Path(directory) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._cert = (
             x509.CertificateBuilder()
             .subject_name(_name(name))
@@ -52,7 +52,7 @@ class Pki:
     def issue(self, cn: str) -> TlsFiles:
         """A key and certificate with subject CN ``cn`` (SAN 127.0.0.1, localhost)."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         san = x509.SubjectAlternativeName(
             [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         )

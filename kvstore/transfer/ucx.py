@@ -421,7 +421,7 @@ async def connect(address: str, deadline: float) -> Conn:
     health.connecting += 1
     try:
         ep = await _create_endpoint(ucxx, host, port, remaining)
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         health.connect_timed_out(address)
         raise PeerTimeout(f"peer {address}: connect did not finish in {remaining:.1f}s") from None
     except Exception as e:
