@@ -36,6 +36,13 @@ def test_a_gpu_copy_path_that_does_not_exist_is_refused():
     assert "--gpu-copy" in out.stderr and "pieces" in out.stderr and "blocks" in out.stderr
 
 
+@pytest.mark.parametrize("device", ["tpu:0", "cuda:x", "npu"])
+def test_a_device_that_is_no_device_name_is_refused_naming_the_flag(device):
+    out = kvstore("serve", "--device", device, "--no-transfer", "--port=0")
+    assert out.returncode == 2, out.stderr
+    assert f"--device {device!r}: expected auto, cpu, cuda or cuda:N" in out.stderr
+
+
 def test_bad_pool_size_is_refused():
     out = kvstore("serve", "--pool-size", "lots")
     assert out.returncode == 2

@@ -23,6 +23,7 @@ from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
 from kvstore.copy.table import BlockArgs, RegionTable
+from kvstore.wire.devices import Device
 
 __all__ = [
     "BlockArgs",
@@ -43,11 +44,5 @@ __all__ = [
 @functools.cache
 def copier_for(device: str) -> HostCopier | CudaCopier:
     """The shared copier for "cpu", "cuda" or "cuda:N" (one instance per device)."""
-    if device == "cpu":
-        return HostCopier()
-    if device == "cuda" or device.startswith("cuda:"):
-        index = device.partition(":")[2]
-        if index and not index.isdigit():
-            raise ValueError(f"bad device {device!r}; expected 'cpu' or 'cuda:N'")
-        return CudaCopier(int(index or 0))
-    raise ValueError(f"bad device {device!r}; expected 'cpu' or 'cuda:N'")
+    where = Device.parse(device)
+    return HostCopier() if where.is_host else CudaCopier(where.gpu)

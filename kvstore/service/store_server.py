@@ -38,6 +38,7 @@ from kvstore.transfer import PeerServer, rma
 from kvstore.transfer.handshake import PeerSecret
 from kvstore.transfer.onesided import RmaReader
 from kvstore.transfer.ucx import LOOPBACK_DEVICE, restrict_net_devices
+from kvstore.wire.devices import Device
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
@@ -110,20 +111,23 @@ class ServerConfig:
 
 
 def resolve_devices(device: str) -> list[str]:
-    """``auto``: every GPU when present, else the host. Also cpu, cuda, cuda:N."""
+    """``auto``: every GPU when present, else the host; ``cuda``: every GPU. Also
+    cpu and cuda:N. ValueError names what is wrong with ``--device``."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
+    try:
+        where = Device.parse(device)
+    except ValueError:
+        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if where.is_host:
         return ["cpu"]
     if not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is visible")
     if device == "cuda":
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if device.startswith("cuda:") and device[5:].isdigit():
-        if int(device[5:]) >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} devices")
-        return [device]
-    raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if where.gpu >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} devices")
+    return [str(where)]
 
 
 class StoreServer:

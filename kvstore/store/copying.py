@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.copy import plan
+from kvstore.wire.devices import Device
 
 if TYPE_CHECKING:
     from kvstore.copy import RegionTable
@@ -79,12 +80,13 @@ def run_copy(copier: Any, device: str, op: str, pieces: Any) -> None:
     The CUDA copier only enqueues; each call gets its own stream on its device
     so concurrent requests overlap and each waits for just its own copy.
     """
-    if device == "cpu":
+    gpu = Device.parse(device).gpu
+    if gpu is None:
         getattr(copier, op)(pieces)
         return
     import cupy
 
-    with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
+    with cupy.cuda.Device(gpu):
         stream = cupy.cuda.Stream(non_blocking=True)
         getattr(copier, op)(pieces, stream)
         stream.synchronize()

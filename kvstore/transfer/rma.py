@@ -54,6 +54,7 @@ import numpy as np
 
 from kvstore.transfer.errors import PeerTimeout, PeerUnavailable
 from kvstore.transfer.wire import MAX_SLOTS_PER_FETCH
+from kvstore.wire.devices import Device
 from kvstore.wire.errors import Code, KVError, invalid
 
 log = logging.getLogger(__name__)
@@ -99,43 +100,51 @@ class Availability:
         return self.ok
 
 
-# The NIXL Python API's module in each wheel: nixl-cu12 (CUDA 12), nixl-cu13 (CUDA 13,
-# e.g. a torch cu130 GPU host), and the ``nixl`` meta-package's name for the same API.
-NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api")
-NIXL_DISTRIBUTIONS = ("nixl-cu12", "nixl-cu13", "nixl")
+class NixlWheel(NamedTuple):
+    """One wheel NIXL's Python API comes in."""
+
+    distribution: str  # what pip installs
+    module: str  # where its Python API is
+    cuda: str  # the CUDA major it is built for ('': the meta-package, any)
+
+
+NIXL_WHEELS = (
+    NixlWheel("nixl-cu12", "nixl_cu12", "12"),
+    NixlWheel("nixl-cu13", "nixl_cu13", "13"),  # e.g. a torch cu130 GPU host
+    NixlWheel("nixl", "nixl._api", ""),
+)
 
 
 def _nixl() -> Any:
-    """The NIXL Python API, from whichever wheel is installed (NIXL_MODULES).
+    """The NIXL Python API, from whichever wheel is installed (NIXL_WHEELS).
 
     NIXL logs at INFO to stdout by default (its Python and C++ halves both read
     NIXL_LOG_LEVEL): a server's output keeps to its own log unless asked."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     errors = []
-    for name in _nixl_order():
+    for wheel in _nixl_order():
         try:
-            return importlib.import_module(name)
+            return importlib.import_module(wheel.module)
         except ImportError as err:
-            errors.append(f"{name}: {err}")
+            errors.append(f"{wheel.module}: {err}")
     raise ImportError("; ".join(errors))
 
 
-def _nixl_order() -> tuple[str, ...]:
-    """NIXL_MODULES, the wheel for the CUDA major of the loaded torch first (a CUDA 13
+def _nixl_order() -> list[NixlWheel]:
+    """NIXL_WHEELS, the one for the CUDA major of the loaded torch first (a CUDA 13
     host with nixl-cu12 installed too must not register VRAM through a CUDA 12 UCX)."""
     torch = sys.modules.get("torch")
     cuda = getattr(getattr(torch, "version", None), "cuda", None)
-    if not cuda:
-        return NIXL_MODULES
-    mine = f"nixl_cu{str(cuda).partition('.')[0]}"
-    return (mine, *(m for m in NIXL_MODULES if m != mine))
+    major = str(cuda).partition(".")[0] if cuda else None
+    return sorted(NIXL_WHEELS, key=lambda wheel: wheel.cuda != major)
 
 
 def nixl_version() -> str:
-    """The installed NIXL wheel's name and version ('' without one)."""
-    for dist in NIXL_DISTRIBUTIONS:
+    """The installed NIXL wheel's name and version ('' without one), in the
+    order it is imported."""
+    for wheel in _nixl_order():
         try:
-            return f"{dist} {metadata.version(dist)}"
+            return f"{wheel.distribution} {metadata.version(wheel.distribution)}"
         except metadata.PackageNotFoundError:
             continue
     return ""
@@ -170,13 +179,12 @@ class Region(NamedTuple):
 
 
 def pool_region(device: str, addr: int, nbytes: int) -> Region:
-    """The region of a pool on ``device`` ("cpu": host memory, "cuda:N": GPU N's)."""
-    if device == "cpu":
+    """The region of a pool on ``device`` ("cpu": host memory, "cuda:N": GPU N's);
+    ValueError for another name."""
+    where = Device.parse(device)
+    if where.is_host:
         return Region(addr, nbytes)
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        raise invalid(f"device: {device!r}, need cpu or cuda:N")
-    return Region(addr, nbytes, "VRAM", int(index))
+    return Region(addr, nbytes, "VRAM", where.gpu)
 
 
 class PeerCard(NamedTuple):

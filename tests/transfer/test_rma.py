@@ -386,8 +386,9 @@ def test_a_pool_region_names_its_memory_and_a_gpu_card_round_trips():
     gpu = rma.pool_region("cuda:3", 1 << 40, 1 << 30)
     assert gpu == rma.Region(1 << 40, 1 << 30, "VRAM", 3)
     assert rma.PeerCard.decode(rma.PeerCard(b"m", gpu).encode()).region == gpu
-    for bad in ("cuda", "cuda:x", "gpu:0", ""):
-        with pytest.raises(KVError, match="device"):
+    assert rma.pool_region("cuda", 4096, 1 << 20) == rma.Region(4096, 1 << 20, "VRAM", 0)
+    for bad in ("cuda:x", "gpu:0", ""):
+        with pytest.raises(ValueError, match="device"):
             rma.pool_region(bad, 4096, 1 << 20)
 
 
@@ -445,3 +446,16 @@ def test_the_wheel_of_torchs_cuda_major_comes_first(monkeypatch):
     assert rma._nixl() is cu13
     fake_torch.version.cuda = None  # a CPU build: the listed order
     assert rma._nixl() is cu12
+
+
+def test_nixl_is_imported_from_the_wheel_for_the_loaded_torchs_cuda_first(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert [w.distribution for w in rma._nixl_order()] == ["nixl-cu13", "nixl-cu12", "nixl"]
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert [w.distribution for w in rma._nixl_order()] == ["nixl-cu12", "nixl-cu13", "nixl"]
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: as listed
+    assert rma._nixl_order() == list(rma.NIXL_WHEELS)
+    if rma.available():
+        assert rma.nixl_version().split()[0] in {w.distribution for w in rma.NIXL_WHEELS}
