@@ -41,8 +41,12 @@ __all__ = [
 ]
 
 
-@functools.cache
 def copier_for(device: str) -> HostCopier | CudaCopier:
-    """The shared copier for "cpu", "cuda" or "cuda:N" (one instance per device)."""
-    where = Device.parse(device)
+    """The shared copier for "cpu", "cuda" or "cuda:N" (one instance per device:
+    "cuda" and "cuda:0" are one)."""
+    return _copier(Device.parse(device))
+
+
+@functools.cache
+def _copier(where: Device) -> HostCopier | CudaCopier:
     return HostCopier() if where.is_host else CudaCopier(where.gpu)

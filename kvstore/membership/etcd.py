@@ -179,7 +179,7 @@ class Etcd:
         for attempt in range(len(self.config.endpoints)):
             client, endpoint = self._connected(), self.endpoint
             try:
-                async with asyncio.timeout(self.config.timeout_s):
+                async with bounded(self.config.timeout_s):
                     return await fn(client)
             except aetcd.ClientError as exc:
                 if LEASE_NOT_FOUND in str(exc):  # etcd answered: no other endpoint would differ
@@ -260,7 +260,7 @@ class Etcd:
         """
         client = self._connected()
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with bounded(self.config.timeout_s):
                 watch = await client.watch_prefix(
                     prefix.encode(), start_revision=start_revision, prev_kv=True
                 )
@@ -287,22 +287,43 @@ class Etcd:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):  # closing a dead channel may fail: it is closed
-                async with asyncio.timeout(self.config.timeout_s):
+                async with bounded(self.config.timeout_s):
                     await client.close()
         for task in list(self._closing):
             with contextlib.suppress(Exception):
-                await task
+                async with asyncio.timeout(self.config.timeout_s):
+                    await task
 
 
-async def cancel_task(task: asyncio.Task, again_s: float = 0.5) -> None:
-    """Cancel ``task`` and wait for it to end (its CancelledError swallowed, any
-    other exception raised). A task that awaits aetcd can drop a cancel: aetcd
-    waits with Python 3.11's ``asyncio.wait_for``, which returns the inner result
-    when the cancel comes in the loop pass that result arrives. So the task is
-    cancelled again every ``again_s`` until it ends."""
-    while not task.done():
+@contextlib.asynccontextmanager
+async def bounded(seconds: float) -> AsyncIterator[None]:
+    """``asyncio.timeout(seconds)`` around an aetcd call, and a cancel it dropped
+    raised after all. aetcd waits with Python 3.11's ``asyncio.wait_for``, which
+    returns the inner result when the cancel comes in the very loop pass that
+    result arrives: the cancel is lost, though the task still counts it."""
+    task = asyncio.current_task()
+    asked = task.cancelling() if task is not None else 0
+    async with asyncio.timeout(seconds):
+        yield
+    if task is not None and task.cancelling() > asked:
+        raise asyncio.CancelledError
+
+
+async def cancel_task(task: asyncio.Task, again_s: float = 5.0) -> None:
+    """Cancel ``task`` and wait for it to end: a CancelledError of its own is
+    swallowed, any other exception raised; a cancel of the caller is passed on
+    to ``task`` and raised. :func:`bounded` catches the cancels aetcd drops; as a
+    backstop a task still running after ``again_s`` is cancelled again (longer
+    than any cleanup a cancel starts: an etcd call is bounded by its timeout)."""
+    try:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=again_s)
+            if not task.done():
+                log.warning("a task dropped a cancel; cancelling it again: %r", task)
+    except asyncio.CancelledError:
         task.cancel()
-        await asyncio.wait([task], timeout=again_s)
+        raise
     if not task.cancelled():
         task.result()  # what it raised on the way out
 

@@ -116,7 +116,12 @@ NIXL_WHEELS = (
 
 
 def _nixl() -> Any:
-    """The NIXL Python API, from whichever wheel is installed (NIXL_WHEELS).
+    """The NIXL Python API, from whichever wheel is installed (NIXL_WHEELS)."""
+    return _loaded()[1]
+
+
+def _loaded() -> tuple[NixlWheel, Any]:
+    """The first wheel of :func:`_nixl_order` whose module imports, and that module.
 
     NIXL logs at INFO to stdout by default (its Python and C++ halves both read
     NIXL_LOG_LEVEL): a server's output keeps to its own log unless asked."""
@@ -124,7 +129,7 @@ def _nixl() -> Any:
     errors = []
     for wheel in _nixl_order():
         try:
-            return importlib.import_module(wheel.module)
+            return wheel, importlib.import_module(wheel.module)
         except ImportError as err:
             errors.append(f"{wheel.module}: {err}")
     raise ImportError("; ".join(errors))
@@ -140,14 +145,15 @@ def _nixl_order() -> list[NixlWheel]:
 
 
 def nixl_version() -> str:
-    """The installed NIXL wheel's name and version ('' without one), in the
-    order it is imported."""
-    for wheel in _nixl_order():
-        try:
-            return f"{wheel.distribution} {metadata.version(wheel.distribution)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return ""
+    """The name and version of the NIXL wheel one-sided reads load ('' without one)."""
+    try:
+        wheel, _ = _loaded()
+    except ImportError:
+        return ""
+    try:
+        return f"{wheel.distribution} {metadata.version(wheel.distribution)}"
+    except metadata.PackageNotFoundError:  # importable, not installed by pip
+        return wheel.distribution
 
 
 def nixl_errors() -> tuple[type[Exception], ...]:
@@ -179,8 +185,8 @@ class Region(NamedTuple):
 
 
 def pool_region(device: str, addr: int, nbytes: int) -> Region:
-    """The region of a pool on ``device`` ("cpu": host memory, "cuda:N": GPU N's);
-    ValueError for another name."""
+    """The region of a pool on ``device`` (a :class:`~kvstore.wire.devices.Device`
+    name: "cpu" is host memory, "cuda" or "cuda:N" a GPU's); ValueError for another."""
     where = Device.parse(device)
     if where.is_host:
         return Region(addr, nbytes)

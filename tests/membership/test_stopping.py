@@ -13,6 +13,7 @@ put the answer and the cancel in one loop pass, so they are deterministic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -51,6 +52,19 @@ def test_an_etcd_call_cancelled_as_etcd_answers_ends_cancelled():
     assert cancelled_as_it_answers(call)
 
 
+def test_a_cancel_the_etcd_library_drops_is_raised_after_all():
+    """aetcd waits with asyncio.wait_for, which on 3.11 drops such a cancel."""
+
+    async def call(answer):
+        etcd = Etcd(NOWHERE)
+        try:
+            return await etcd._call("get k", lambda client: asyncio.wait_for(answer, 10))
+        finally:
+            await etcd.close()
+
+    assert cancelled_as_it_answers(call)
+
+
 def test_an_etcd_call_answered_before_any_cancel_returns_the_answer():
     async def go():
         etcd = Etcd(NOWHERE)
@@ -82,6 +96,26 @@ def test_a_task_that_drops_a_cancel_is_cancelled_again_until_it_ends():
 
     assert asyncio.run(go())
     assert dropped == [True]
+
+
+def test_a_cancel_of_the_caller_is_passed_on_to_the_task():
+    async def drops_the_first_cancel():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+        await asyncio.sleep(60)
+
+    async def go():
+        task = asyncio.create_task(drops_the_first_cancel())
+        await asyncio.sleep(0)
+        stopper = asyncio.create_task(cancel_task(task, again_s=60))
+        await asyncio.sleep(0.05)  # the task dropped the first cancel
+        stopper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopper
+        await asyncio.sleep(0)
+        return task.done()
+
+    assert asyncio.run(go())
 
 
 def test_cancel_task_raises_what_the_task_raised():
