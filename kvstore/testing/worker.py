@@ -195,7 +195,9 @@ def _run(rank: WorkerRank, op: str, arg):
 class WorkerProcess:
     """Parent-side handle of a worker rank running in its own process."""
 
-    def __init__(self, spec: WorkerSpec, timeout: float = 60.0):
+    def __init__(self, spec: WorkerSpec, timeout: float = 60.0, *, wait: bool = True):
+        """Start the rank's process; with ``wait``, return once it has registered
+        (else :meth:`start_all` reads its answer)."""
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.timeout = timeout
@@ -207,7 +209,21 @@ class WorkerProcess:
             name=f"kvstore-worker-{spec.instance_id}-{spec.tp_rank}",
         )
         self.proc.start()
-        self.session = self.reply()
+        self.session = self.reply() if wait else None
+
+    @classmethod
+    def start_all(cls, specs: list[WorkerSpec], timeout: float = 60.0) -> list[WorkerProcess]:
+        """Several ranks, their processes started at once (their imports overlap,
+        so they register in no set order), each registered when this returns."""
+        workers = [cls(spec, timeout, wait=False) for spec in specs]
+        try:
+            for w in workers:
+                w.session = w.reply()
+        except BaseException:
+            for w in workers:
+                w.kill()
+            raise
+        return workers
 
     def send(self, op: str, arg=None) -> None:
         """Send one command without waiting (pair it with :meth:`reply`)."""
@@ -253,10 +269,12 @@ class WorkerGroup:
         seal_timeout: float = 60.0,
         **spec,
     ):
-        self.workers = [
-            WorkerProcess(WorkerSpec(address, instance_id, client_namespace, rank, tp_size, **spec))
-            for rank in range(tp_size)
-        ]
+        self.workers = WorkerProcess.start_all(
+            [
+                WorkerSpec(address, instance_id, client_namespace, rank, tp_size, **spec)
+                for rank in range(tp_size)
+            ]
+        )
         self.seal = self.workers[0].call("wait_sealed", seal_timeout)
         self.namespace: str = self.seal["final_namespace"]
 

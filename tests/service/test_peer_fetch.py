@@ -80,9 +80,8 @@ def cluster():
                     "5",
                 )
             )
-            address = f"127.0.0.1:{port}"
-            stores.append((address, ready(address, procs[-1]), procs[-1]))
-        yield stores
+            stores.append((f"127.0.0.1:{port}", procs[-1]))  # the three start at once
+        yield [(address, ready(address, proc), proc) for address, proc in stores]
     finally:
         for p in procs:
             p.kill()
@@ -237,8 +236,7 @@ def pair():
 
     def start(a_flags=(), b_flags=(), device="cpu"):
         ports = [free_port() for _ in range(6)]
-        out = []
-        for i, flags in enumerate((a_flags, b_flags)):
+        for i, flags in enumerate((a_flags, b_flags)):  # both start at once
             args = ["serve", "--port", str(ports[i]), "--ucx-port", str(ports[2 + i])]
             args += ["--metrics-port", str(ports[4 + i]), "--device", device]
             args += ["--pool-size", "64MiB", "--fetch-timeout", "5", *flags]
@@ -246,9 +244,10 @@ def pair():
                 args += ["--peer", f"127.0.0.1:{ports[2]}"]
             procs.append(spawn(*args))
             argv.append(args)
-            address = f"127.0.0.1:{ports[i]}"
-            out.append((address, ready(address, procs[-1]), ports[4 + i]))
-        return out
+        addresses = [f"127.0.0.1:{ports[i]}" for i in range(2)]
+        return [
+            (a, ready(a, p), ports[4 + i]) for i, (a, p) in enumerate(zip(addresses, procs[-2:]))
+        ]
 
     def restart(i: int) -> StoreClient:
         """Kill store ``i`` and start it again on the same ports."""

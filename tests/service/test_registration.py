@@ -17,8 +17,12 @@ def spec(server, instance, tp_rank, tp_size=2, **kw):
 
 
 def start_instance(server, instance, tp_size=2, order=None, **kw):
-    order = order if order is not None else range(tp_size)
-    workers = {r: WorkerProcess(spec(server, instance, r, tp_size, **kw)) for r in order}
+    """The ranks of one instance: registered in ``order``, else started at once."""
+    if order is None:
+        specs = [spec(server, instance, r, tp_size, **kw) for r in range(tp_size)]
+        workers = dict(enumerate(WorkerProcess.start_all(specs)))
+    else:
+        workers = {r: WorkerProcess(spec(server, instance, r, tp_size, **kw)) for r in order}
     seals = {r: w.call("wait_sealed", 20) for r, w in workers.items()}
     return workers, seals
 
