@@ -54,27 +54,36 @@ FindPeers = Callable[[str, list[int]], Awaitable[list[PeerPrefix]]]
 def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
     """Every slot of ``blocks``, block after block, as a transfer reads or writes it
     (straight in the pool). Vectorised over blocks: a fetch of thousands of slots
-    builds no per-slot object."""
-    counts = np.fromiter((len(b.slot_bytes) for b in blocks), dtype=np.int64, count=len(blocks))
+    builds no per-slot object, and blocks of one layout placed alike (a fetch's,
+    as a rule) share one row of bases, repeated."""
     if not blocks:
         empty = np.zeros(0, dtype=np.int64)
-        return SlotTable(empty.astype(np.uint64), empty, empty, counts, owner=index)
-    rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    bases, memory = [], []
-    for block in blocks:
-        devices = tuple(block.devices)
-        row = rows.get(devices)
-        if row is None:
-            row = rows[devices] = _slot_bases(index, block)
-        bases.append(row[0])
-        memory.append(row[1])
+        return SlotTable(empty.astype(np.uint64), empty, empty, empty, owner=index)
     offsets = np.concatenate([b.offsets for b in blocks]).astype(np.uint64)
+    first, n = blocks[0], len(blocks)
+    if all(b.devices == first.devices and b.slot_bytes is first.slot_bytes for b in blocks):
+        base, memory = _slot_bases(index, first)
+        return SlotTable(
+            np.tile(base, n) + offsets,
+            np.tile(first.slot_bytes.astype(np.int64), n),
+            np.tile(memory, n),
+            np.full(n, len(first.slot_bytes), dtype=np.int64),
+            owner=index,  # keeps the pools, and so the slots' memory, alive
+        )
+    rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    bases, memories = [], []
+    for block in blocks:
+        row = rows.get(block.devices)
+        if row is None:
+            row = rows[block.devices] = _slot_bases(index, block)
+        bases.append(row[0])
+        memories.append(row[1])
     return SlotTable(
         np.concatenate(bases) + offsets,
         np.concatenate([b.slot_bytes for b in blocks]).astype(np.int64),
-        np.concatenate(memory),
-        counts,
-        owner=index,  # keeps the pools, and so the slots' memory, alive
+        np.concatenate(memories),
+        np.fromiter((len(b.slot_bytes) for b in blocks), dtype=np.int64, count=n),
+        owner=index,
     )
 
 
