@@ -43,6 +43,16 @@ def test_a_device_that_is_no_device_name_is_refused_naming_the_flag(device):
     assert f"--device {device!r}: expected auto, cpu, cuda or cuda:N" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_a_port_another_server_holds_is_refused_not_shared(server, command):
+    """gRPC binds with SO_REUSEPORT by default: without BIND_OPTIONS a second server
+    would share the port and the kernel would split callers between the two."""
+    extra = ["--no-transfer"] if command == "serve" else []
+    out = kvstore(command, "--port", str(server.port), *extra)
+    assert out.returncode == 1, out.stderr
+    assert f"cannot bind 127.0.0.1:{server.port} (is another server on it?)" in out.stderr
+
+
 def test_bad_pool_size_is_refused():
     out = kvstore("serve", "--pool-size", "lots")
     assert out.returncode == 2

@@ -389,7 +389,12 @@ async def _serve(args) -> None:
     except ValueError as exc:
         logging.getLogger("kvstore").error("%s", exc)
         return 2
-    await serve_until_signal(server)
+    try:
+        await serve_until_signal(server)
+    except OSError as exc:  # a port in use
+        logging.getLogger("kvstore").error("kvstore serve: %s", exc)
+        await server.stop(grace=0)
+        return 1
 
 
 def _peer_secret(args: argparse.Namespace):

@@ -202,7 +202,11 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    asyncio.run(_serve(served, args, guard))
+    try:
+        asyncio.run(_serve(served, args, guard))
+    except OSError as exc:  # a port in use
+        log.error("kvstore router: %s", exc)
+        return 1
     return 0
 
 

@@ -27,7 +27,7 @@ from kvstore.service.router_link import (
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
-from kvstore.service.tls import Security, is_loopback
+from kvstore.service.tls import BIND_OPTIONS, Security, is_loopback
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -217,14 +217,16 @@ class StoreServer:
                 "one-sided NIXL reads on" if self.rma is not None else "two-sided only",
                 "peers authenticated" if self.config.peer_secret else "no peer secret",
             )
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, *BIND_OPTIONS])
         add_to_server(self.service, self.server)  # a request that does not parse: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.embedded_router is not None:
             self.embedded_router.start(self.server, security)
         self.port = security.bind(self.server, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(
+                f"cannot bind {self.config.host}:{self.config.port} (is another server on it?)"
+            )
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()

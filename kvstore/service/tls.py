@@ -28,6 +28,11 @@ from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
+# Every kvstore gRPC server is built with these: its port is its own. gRPC sets
+# SO_REUSEPORT by default, so a second server started on a port in use would
+# bind it too, and the kernel would split callers between the two, silently.
+BIND_OPTIONS = [("grpc.so_reuseport", 0)]
+
 
 def is_loopback(host: str) -> bool:
     """Does ``host`` (an address or a name) resolve to loopback addresses only?"""
@@ -68,14 +73,19 @@ class Security:
         )
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
-        """Add ``address`` to ``server`` (TLS when configured); the bound port, 0 on failure."""
-        if self.tls is None:
-            return server.add_insecure_port(address)
-        ca, cert, key = self.tls.read()
-        credentials = grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=ca, require_client_auth=True
-        )
-        return server.add_secure_port(address, credentials)
+        """Add ``address`` to ``server`` (TLS when configured); the bound port, 0 on
+        failure (e.g. the port is taken: servers are built with BIND_OPTIONS)."""
+        try:
+            if self.tls is None:
+                return server.add_insecure_port(address)
+            ca, cert, key = self.tls.read()
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True
+            )
+            return server.add_secure_port(address, credentials)
+        except RuntimeError as exc:  # grpcio's "Failed to bind to address ..."
+            log.debug("cannot bind %s: %s", address, exc)
+            return 0
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """Who is calling: its certificate CN with TLS, else LOCAL.
