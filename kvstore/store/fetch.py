@@ -73,9 +73,10 @@ def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
     rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     bases, memories = [], []
     for block in blocks:
-        row = rows.get(block.devices)
+        placement = (block.devices, len(block.slot_bytes))
+        row = rows.get(placement)
         if row is None:
-            row = rows[block.devices] = _slot_bases(index, block)
+            row = rows[placement] = _slot_bases(index, block)
         bases.append(row[0])
         memories.append(row[1])
     return SlotTable(

@@ -215,8 +215,10 @@ class WorkerProcess:
     def start_all(cls, specs: list[WorkerSpec], timeout: float = 60.0) -> list[WorkerProcess]:
         """Several ranks, their processes started at once (their imports overlap,
         so they register in no set order), each registered when this returns."""
-        workers = [cls(spec, timeout, wait=False) for spec in specs]
+        workers: list[WorkerProcess] = []
         try:
+            for spec in specs:
+                workers.append(cls(spec, timeout, wait=False))
             for w in workers:
                 w.session = w.reply()
         except BaseException:
@@ -275,7 +277,12 @@ class WorkerGroup:
                 for rank in range(tp_size)
             ]
         )
-        self.seal = self.workers[0].call("wait_sealed", seal_timeout)
+        try:
+            self.seal = self.workers[0].call("wait_sealed", seal_timeout)
+        except BaseException:
+            for w in self.workers:
+                w.kill()
+            raise
         self.namespace: str = self.seal["final_namespace"]
 
     def each(self, op: str, arg=None) -> list:

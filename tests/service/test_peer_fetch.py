@@ -10,7 +10,7 @@ import pytest
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.store_client import StoreClient, call
-from kvstore.demo import free_port
+from kvstore.demo import free_ports
 from kvstore.testing.worker import WorkerGroup
 from kvstore.wire.errors import Code, KVError
 from tests.conftest import need_nixl, wait_for
@@ -56,13 +56,12 @@ def wait_healthy(address: str, proc: subprocess.Popen) -> None:
 @pytest.fixture
 def cluster():
     """A standalone router and three store servers advertising to it."""
-    rport = free_port()
+    rport, *store_ports = free_ports(4)
     procs = [spawn("router", "--port", str(rport))]
     stores = []
     try:
         wait_healthy(f"127.0.0.1:{rport}", procs[0])
-        for i in range(3):
-            port = free_port()
+        for i, port in enumerate(store_ports):
             procs.append(
                 spawn(
                     "serve",
@@ -178,7 +177,7 @@ def test_gpu_pools_fetch_gpu_to_gpu_every_byte():
     """Two servers with GPU pools and GPU workers, peers by --peer, two-sided: the fetch
     goes pool to pool over UCX (CUDA IPC on one GPU), then into the worker by the CUDA
     kernel."""
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     a_addr, b_addr = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
     common = ("--device", "cuda:0", "--pool-size", "256MiB", "--fetch-timeout", "20", "--no-rma")
     procs = [
@@ -235,7 +234,7 @@ def pair():
     procs, argv = [], []
 
     def start(a_flags=(), b_flags=(), device="cpu"):
-        ports = [free_port() for _ in range(6)]
+        ports = free_ports(6)
         for i, flags in enumerate((a_flags, b_flags)):  # both start at once
             args = ["serve", "--port", str(ports[i]), "--ucx-port", str(ports[2 + i])]
             args += ["--metrics-port", str(ports[4 + i]), "--device", device]

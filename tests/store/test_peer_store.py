@@ -3,9 +3,14 @@ reservations stay invisible until commit and free everything on abort."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import pytest
 
-from kvstore.store.fetch import StoreSink, StoreSource
+from kvstore.store.blocks import BlockIndex
+from kvstore.store.fetch import StoreSink, StoreSource, slot_table
+from kvstore.store.pool import SlotPool
 from kvstore.testing.store import make_instance, make_store, run
 from kvstore.transfer import PeerUnavailable
 from kvstore.wire.errors import Code, KVError
@@ -50,6 +55,42 @@ def test_lease_keeps_blocks_through_eviction_pressure():
     lease.release()  # idempotent
     run(save_all(node, ranks, [(h, h - 300) for h in range(300, 364)]))
     assert len(node.index.sealed_prefix(ns, [0])) == 0
+
+
+class Shape(NamedTuple):
+    slot_bytes: np.ndarray
+    tp_size: int = 2
+
+
+def test_a_slot_table_of_blocks_placed_and_shaped_unalike_is_every_slot_where_it_lies():
+    """Blocks of one layout placed alike take the tiled row; any other mix (ranks on
+    other pools, another slot count, an equal but not shared slot_bytes) is
+    built block by block. Either way every slot is its pool's base + its offset."""
+    index = BlockIndex({d: SlotPool(1 << 20, "cpu", 64 << 10) for d in ("a", "b")})
+    four, six = Shape(np.full(4, 1024)), Shape(np.full(6, 512))
+    alike = index.reserve("n", [1, 2, 3], four, ["a", "b"])
+    unalike = [
+        *index.reserve("n", [4], four, ["b", "a"]),
+        *index.reserve("n", [5], six, ["a", "b"]),
+        *index.reserve("n", [6], Shape(four.slot_bytes.copy()), ["a", "b"]),
+    ]
+    for blocks in (alike, alike + unalike[:1], alike + unalike, unalike[::-1]):
+        table = slot_table(index, blocks)
+        expect = [
+            (index.pool(b.devices[s % b.tp_size]).base + int(b.offsets[s]), int(b.slot_bytes[s]))
+            for b in blocks
+            for s in range(len(b.slot_bytes))
+        ]
+        assert list(zip(table.ptr.tolist(), table.nbytes.tolist(), strict=True)) == expect
+        assert table.counts.tolist() == [len(b.slot_bytes) for b in blocks]
+        assert table.memory.tolist() == [0] * len(expect)  # host memory
+        assert (table.ptr.dtype, table.nbytes.dtype, table.counts.dtype) == (
+            np.uint64,
+            np.int64,
+            np.int64,
+        )
+    empty = slot_table(index, [])
+    assert len(empty.ptr) == len(empty.counts) == 0
 
 
 def test_reservation_invisible_until_commit_and_abort_frees():

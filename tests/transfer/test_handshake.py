@@ -158,7 +158,7 @@ def test_handshake_frames_of_the_wrong_size_are_refused(body, field):
 def test_stores_fetch_only_from_peers_that_share_the_secret(tmp_path):
     """B shares A's secret and fetches every byte; C holds another and gets nothing
     from A (its Load fails, nothing is sealed there, A serves it no block)."""
-    from kvstore.demo import free_port
+    from kvstore.demo import free_ports
     from kvstore.testing.worker import WorkerGroup
     from tests.service.test_peer_fetch import LAYOUT, ready, spawn
 
@@ -167,7 +167,7 @@ def test_stores_fetch_only_from_peers_that_share_the_secret(tmp_path):
         files[name] = tmp_path / name
         files[name].write_text(secret)
         files[name].chmod(0o600)
-    ports = [free_port() for _ in range(6)]
+    ports = free_ports(6)
     common = ("--device", "cpu", "--pool-size", "64MiB", "--fetch-timeout", "5", "--no-router")
     peer_a = ("--peer", f"127.0.0.1:{ports[3]}")
     procs = [
