@@ -50,7 +50,34 @@ def test_a_port_another_server_holds_is_refused_not_shared(server, command):
     extra = ["--no-transfer"] if command == "serve" else []
     out = kvstore(command, "--port", str(server.port), *extra)
     assert out.returncode == 1, out.stderr
-    assert f"cannot bind 127.0.0.1:{server.port} (is another server on it?)" in out.stderr
+    assert f"cannot bind 127.0.0.1:{server.port}: Address already in use" in out.stderr
+
+
+def test_tls_files_grpc_cannot_use_are_named_not_blamed_on_the_port(tmp_path):
+    from kvstore.demo import free_port
+
+    files = []
+    for name in ("ca", "cert", "key"):
+        files.append(tmp_path / f"{name}.pem")
+        files[-1].write_text("not PEM\n")
+    tls = ["--tls-ca", str(files[0]), "--tls-cert", str(files[1]), "--tls-key", str(files[2])]
+    out = kvstore("serve", "--port", str(free_port()), "--no-transfer", *tls)
+    assert out.returncode == 1, out.stderr
+    assert "the address binds, so check the TLS certificate, key and CA files" in out.stderr
+
+
+def test_a_ucx_port_in_use_is_refused_naming_it():
+    import socket
+
+    from kvstore.demo import free_port
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        ucx_port = held.getsockname()[1]
+        out = kvstore("serve", "--port", str(free_port()), "--ucx-port", str(ucx_port))
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen for UCX peers on port {ucx_port}" in out.stderr
 
 
 def test_bad_pool_size_is_refused():

@@ -46,7 +46,7 @@ from kvstore.service.router_service import (
     admitted_reply,
     published_reply,
 )
-from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security
+from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security, why_unbound
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
@@ -259,7 +259,7 @@ async def serve_router(
     bound = security.bind(server, f"{host}:{port}")
     if bound == 0:
         await served.close()
-        raise OSError(f"cannot bind {host}:{port} (is another server on it?)")
+        raise OSError(f"cannot bind {host}:{port}: {why_unbound(f'{host}:{port}')}")
     await server.start()
     await served.announce(f"{host}:{bound}")
     gc.freeze()  # startup's objects never die: full collections need not walk them

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # Every kvstore gRPC server is built with these: its port is its own. gRPC sets
 # SO_REUSEPORT by default, so a second server started on a port in use would
 # bind it too, and the kernel would split callers between the two, silently.
-BIND_OPTIONS = [("grpc.so_reuseport", 0)]
+BIND_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
 def is_loopback(host: str) -> bool:
@@ -84,7 +84,7 @@ class Security:
             )
             return server.add_secure_port(address, credentials)
         except RuntimeError as exc:  # grpcio's "Failed to bind to address ..."
-            log.debug("cannot bind %s: %s", address, exc)
+            log.warning("gRPC could not bind %s: %s", address, exc)
             return 0
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -100,3 +100,19 @@ class Security:
 
 
 PLAINTEXT = Security()
+
+
+def why_unbound(address: str) -> str:
+    """Why gRPC could not bind ``address``, as a plain socket bind tells it: the
+    address's error (in use, not ours, no such host), or, when it binds, that
+    the TLS files are what gRPC refused (it says only "failed to bind")."""
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        for family, kind, proto, _, sockaddr in infos:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                s.bind(sockaddr)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "the address binds, so check the TLS certificate, key and CA files"

@@ -166,7 +166,12 @@ class PeerServer:
 
     async def start(self) -> None:
         ucxx = ucxx_module()
-        self._listener = ucxx.create_listener(self._on_connect, port=self.port)
+        try:
+            self._listener = ucxx.create_listener(self._on_connect, port=self.port)
+        except Exception as exc:
+            if not is_ucx_error(exc):
+                raise
+            raise OSError(f"cannot listen for UCX peers on port {self.port}: {exc}") from exc
         self.port = self._listener.port
         self._started = True
         worker_health().add_listener(self)
