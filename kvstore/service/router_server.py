@@ -46,7 +46,7 @@ from kvstore.service.router_service import (
     admitted_reply,
     published_reply,
 )
-from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security, why_unbound
+from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
@@ -256,10 +256,11 @@ async def serve_router(
     served.start(server, security)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = security.bind(server, f"{host}:{port}")
-    if bound == 0:
+    try:
+        bound = security.bind(server, f"{host}:{port}")
+    except OSError:
         await served.close()
-        raise OSError(f"cannot bind {host}:{port}: {why_unbound(f'{host}:{port}')}")
+        raise
     await server.start()
     await served.announce(f"{host}:{bound}")
     gc.freeze()  # startup's objects never die: full collections need not walk them

@@ -27,7 +27,7 @@ from kvstore.service.router_link import (
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
-from kvstore.service.tls import BIND_OPTIONS, Security, is_loopback, why_unbound
+from kvstore.service.tls import BIND_OPTIONS, Security, is_loopback
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -223,9 +223,6 @@ class StoreServer:
         if self.embedded_router is not None:
             self.embedded_router.start(self.server, security)
         self.port = security.bind(self.server, f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            address = f"{self.config.host}:{self.config.port}"
-            raise OSError(f"cannot bind {address}: {why_unbound(address)}")
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"
         await self.server.start()

@@ -73,19 +73,24 @@ class Security:
         )
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
-        """Add ``address`` to ``server`` (TLS when configured); the bound port, 0 on
-        failure (e.g. the port is taken: servers are built with BIND_OPTIONS)."""
+        """Add ``address`` to ``server`` (TLS when configured); the bound port.
+        OSError saying why it cannot (e.g. the port is taken: servers are built
+        with BIND_OPTIONS)."""
         try:
             if self.tls is None:
-                return server.add_insecure_port(address)
-            ca, cert, key = self.tls.read()
-            credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=ca, require_client_auth=True
-            )
-            return server.add_secure_port(address, credentials)
+                port = server.add_insecure_port(address)
+            else:
+                ca, cert, key = self.tls.read()
+                credentials = grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=ca, require_client_auth=True
+                )
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:  # grpcio's "Failed to bind to address ..."
             log.warning("gRPC could not bind %s: %s", address, exc)
-            return 0
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot bind {address}: {why_unbound(address)}")
+        return port
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """Who is calling: its certificate CN with TLS, else LOCAL.
