@@ -36,9 +36,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 16 << 20),
-    # a restarted server is found again within seconds, not gRPC's default 2 minutes
+    # a restarted store is found again within a second, not gRPC's default 2 minutes:
+    # calls fail fast until the channel's next connect attempt, and the store is on
+    # this node, so an attempt costs one refused connect
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 3000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -10,6 +10,12 @@ every engine is fresh. The spec (JSON):
     phases       list of steps, run in order:
                    {"run": [names], "repeat": 1}   greedy generation, results kept
                    {"reset": true}                 drop vLLM's own prefix cache
+                   {"until_cached": name, "min_tokens": n, "timeout": s}
+                                                   reset and run the prompt until vLLM
+                                                   reports n cached tokens (a store that
+                                                   just came back is found within the
+                                                   client's reconnect backoff); keeps the
+                                                   last run, with its ``attempts``
                    {"wait_file": path}             block until the file exists
                    {"touch": path}                 create a file (a signal to the test)
     connector    null, or kv_connector_extra_config of KVStoreConnector
@@ -80,6 +86,18 @@ def generate(llm, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
+def until_cached(llm, spec: dict, phase: dict) -> dict:
+    name, deadline = phase["until_cached"], time.monotonic() + phase.get("timeout", 30)
+    attempts = 0
+    while True:
+        llm.reset_prefix_cache()
+        record = generate(llm, spec["prompts"][name], spec.get("max_tokens", 8))
+        attempts += 1
+        if record["num_cached_tokens"] >= phase["min_tokens"] or time.monotonic() > deadline:
+            return {"prompt": name, "attempts": attempts, **record}
+        time.sleep(0.2)
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     llm = engine(spec)
@@ -92,6 +110,8 @@ def main(argv: list[str]) -> int:
                     results.append({"prompt": name, **record})
         elif phase.get("reset"):
             llm.reset_prefix_cache()
+        elif "until_cached" in phase:
+            results.append(until_cached(llm, spec, phase))
         elif "wait_file" in phase:
             deadline = time.monotonic() + phase.get("timeout", 120)
             while not Path(phase["wait_file"]).exists():

@@ -154,9 +154,9 @@ def test_store_killed_mid_run_engine_recomputes_then_reconnects(models, workdir,
         "q",
         {"touch": str(signals["served"])},
         {"wait_file": str(signals["back"])},
-        "r",
-        {"reset": True},
-        "r",
+        "r",  # saved to the new store by the re-registered worker
+        # the scheduler's channel finds the store within its reconnect backoff (1 s)
+        {"until_cached": "r", "min_tokens": HIT_P - BLOCK, "timeout": 20},
     ]
     engine = Engine(
         workdir, "killed", spec(models["m0"], phases, {"address": s.address, "retry_s": 0.5})
