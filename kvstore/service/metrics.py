@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import ssl
 from collections.abc import Callable, Iterator
 
@@ -126,13 +127,18 @@ class MetricsServer:
 
     async def start(self) -> int:
         context = None if self.tls is None else server_context(self.tls)
-        self._server = await asyncio.start_server(
-            self._handle,
-            self.host,
-            self.port,
-            ssl=context,
-            ssl_handshake_timeout=READ_TIMEOUT_S if context is not None else None,
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._handle,
+                self.host,
+                self.port,
+                ssl=context,
+                ssl_handshake_timeout=READ_TIMEOUT_S if context is not None else None,
+            )
+        except OSError as exc:  # a port in use: say it is the metrics port
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            msg = f"cannot serve /metrics on {self.host}:{self.port}: {why}"
+            raise OSError(exc.errno, msg) from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("metrics on %s://%s:%d/metrics", self.scheme, self.host, self.port)
         return self.port

@@ -258,14 +258,15 @@ async def serve_router(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         bound = security.bind(server, f"{host}:{port}")
+        if metrics is not None:  # a taken port fails here, before etcd hears of this replica
+            await metrics.start()
     except OSError:
+        await server.stop(None)
         await served.close()
         raise
     await server.start()
     await served.announce(f"{host}:{bound}")
     gc.freeze()  # startup's objects never die: full collections need not walk them
-    if metrics is not None:
-        await metrics.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(

@@ -225,6 +225,8 @@ class StoreServer:
         self.port = security.bind(self.server, f"{self.config.host}:{self.config.port}")
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"
+        if self.metrics is not None:  # a taken port fails here, before the cluster hears of us
+            await self.metrics.start()
         await self.server.start()
         if self.embedded_router is not None:
             await self.embedded_router.announce(f"{self.config.host}:{self.port}")
@@ -232,8 +234,6 @@ class StoreServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expirer = asyncio.create_task(self._expire_loop())
-        if self.metrics is not None:
-            await self.metrics.start()
         log.info(
             "kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
             self.config.host,

@@ -201,9 +201,11 @@ class Cluster:
         self.config = config
         self.procs: list[Proc] = []
 
-    def router(self, name: str) -> tuple[str, Proc]:
+    def router(self, name: str, *extra: str) -> tuple[str, Proc]:
         port = free_port()
-        proc = Proc(self.log_dir, name, "router", "--port", str(port), *etcd_flags(self.config))
+        proc = Proc(
+            self.log_dir, name, "router", "--port", str(port), *etcd_flags(self.config), *extra
+        )
         self.procs.append(proc)
         return f"127.0.0.1:{port}", proc
 

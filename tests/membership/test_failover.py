@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -49,6 +50,23 @@ def store_blocks(address: str, hashes: list[int]) -> int:
             return client.route("llama-8b", hashes=hashes, track=False).store_blocks
         except KVError:
             return -1
+
+
+@pytest.mark.parametrize("command", ["router", "store"])
+def test_a_taken_metrics_port_fails_the_start_before_etcd_hears_of_it(
+    cluster, etcd_config, command
+):
+    """/metrics binds before a router replica (or a store) announces itself in etcd:
+    a taken port exits 1 naming it and leaves no key behind to expire."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = cluster.router if command == "router" else cluster.store
+        _, proc = start(command, "--metrics-port", str(port))
+        assert proc.proc.wait(60) == 1, proc.tail()
+        assert etcd_keys(etcd_config) == {}
+    assert f"cannot serve /metrics on 127.0.0.1:{port}: " in proc.tail()
 
 
 def test_a_stopped_store_leaves_routing_within_ttl_and_returns_when_resumed(cluster):
