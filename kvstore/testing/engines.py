@@ -15,21 +15,19 @@ import sys
 import time
 from pathlib import Path
 
+from kvstore.demo import free_ports
+
 ENGINE_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StoreProcess:
     """``kvstore serve`` in its own process on a loopback port (restartable on that port)."""
 
     def __init__(self, log_dir: Path, name: str, *extra: str, transfer: bool = False):
-        self.port, self.name, self.log_dir = free_port(), name, log_dir
-        self.ucx_port = free_port() if transfer else 0
+        self.name, self.log_dir = name, log_dir
+        self.port, self.ucx_port = free_ports(2)
+        if not transfer:
+            self.ucx_port = 0
         self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
         self.start()

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from kvstore.client.router_client import RouterClient
-from kvstore.demo import free_port
+from kvstore.demo import free_port, free_ports
 from kvstore.wire.errors import KVError
 from tests.conftest import wait_for
 from tests.membership.conftest import (
@@ -168,11 +168,10 @@ def test_routing_goes_on_when_one_of_three_routers_is_killed_mid_traffic(cluster
 def test_a_store_moves_to_the_next_router_without_etcd(tmp_path):
     """Without etcd, ``--router A,B`` uses A; when A dies the store moves to B
     with a full snapshot."""
-    rports = [free_port(), free_port()]
+    *rports, sport = free_ports(3)
     procs = [Proc(tmp_path, f"router{i}", "router", "--port", str(p)) for i, p in enumerate(rports)]
     routers = [f"127.0.0.1:{p}" for p in rports]
     started(*zip(routers, procs[:2]))  # both up before the store picks the first one
-    sport = free_port()
     store = f"127.0.0.1:{sport}"
     procs.append(
         Proc(

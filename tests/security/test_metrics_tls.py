@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.demo import free_port
+from kvstore.demo import free_ports
 from kvstore.testing.pki import Pki
 from kvstore.wire.tls import TlsFiles
 from tests.conftest import ServerThread
@@ -62,7 +62,7 @@ def test_store_metrics_need_a_client_certificate_of_the_ca(pki, tmp_path, tls_me
 
 
 def test_a_tls_router_serves_metrics_over_https_only(pki):
-    port, metrics = free_port(), free_port()
+    port, metrics = free_ports(2)
     tls = pki.server
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "router", "--port", str(port),

@@ -105,9 +105,9 @@ def test_a_standalone_router_serves_its_metrics():
     import sys
     import time
 
-    from kvstore.demo import free_port
+    from kvstore.demo import free_ports
 
-    port, metrics = free_port(), free_port()
+    port, metrics = free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "router", "--port", str(port),
          "--metrics-port", str(metrics), "--log-level", "warning"],

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvstore.client.router_client import RouterClient
-from kvstore.demo import free_port
+from kvstore.demo import free_ports
 from tests.conftest import wait_for
 from tests.service.test_peer_fetch import LAYOUT, ready, spawn, wait_healthy
 
@@ -32,7 +32,7 @@ def known(router: RouterClient, ns: str, hashes: list[int]) -> int:
 def test_blocks_saved_while_the_router_hung_reach_its_index_after(tmp_path):
     from kvstore.testing.worker import WorkerGroup
 
-    rport, sport = free_port(), free_port()
+    rport, sport = free_ports(2)
     router_proc = spawn("router", "--port", str(rport))
     procs = [router_proc]
     group = None

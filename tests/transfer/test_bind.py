@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client.store_client import StoreClient
-from kvstore.demo import free_port
+from kvstore.demo import free_ports
 
 pytest.importorskip("ucxx")
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +65,7 @@ def listening(pid: int) -> list[tuple[str, int]]:
 
 @pytest.fixture
 def loopback_store():
-    port, ucx_port = free_port(), free_port()
+    port, ucx_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--ucx-port",
