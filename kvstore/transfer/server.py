@@ -31,6 +31,7 @@ from kvstore.transfer.ucx import (
     Conn,
     frame_sends,
     is_ucx_error,
+    loop_progress,
     pump,
     recv_frame,
     remote_address,
@@ -166,6 +167,7 @@ class PeerServer:
 
     async def start(self) -> None:
         ucxx = ucxx_module()
+        loop_progress()  # kvstore's, not ucxx's
         try:
             self._listener = ucxx.create_listener(self._on_connect, port=self.port)
         except Exception as exc:
@@ -199,6 +201,7 @@ class PeerServer:
             if not self._started or self._listener is not None:
                 return
             try:
+                loop_progress()  # the fresh worker's
                 self._listener = ucxx_module().create_listener(self._on_connect, port=self.port)
                 return
             except Exception as exc:

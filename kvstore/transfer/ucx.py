@@ -5,6 +5,7 @@ process's worker (recreated when wedged)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import gc
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from kvstore.transfer.errors import PeerTimeout, PeerUnavailable, ProtocolError
+from kvstore.transfer.progress import LoopProgress
 from kvstore.transfer.wire import INLINE_FRAME_BYTES, PREAMBLE, Kind, decode_preamble, encode_frame
 from kvstore.wire.errors import Code, KVError
 
@@ -51,10 +53,11 @@ DATA_TAG_BASE = 2
 #   recreates a wedged worker.
 # - CM_REUSEADDR=y: a listener binds its port again while connections it
 #   accepted linger in TIME_WAIT (a worker recreation, a quick restart).
-# - UCXPY_PROGRESS_MODE=blocking: the event loop progresses UCX when the
-#   worker's fd is readable, instead of a progress thread handing completions
-#   over: a control round trip costs one wake-up, not a thread hand-off
-#   (measured in bench/H200_NOTES.md). The cost: UCX's own copies
+# - UCXPY_PROGRESS_MODE=blocking: the event loop progresses UCX, instead of a
+#   progress thread handing completions over: a control round trip costs one
+#   wake-up, not a thread hand-off (measured in bench/H200_NOTES.md). The loop
+#   runs kvstore's LoopProgress (kvstore.transfer.progress), not ucxx's, which
+#   spun a core for good after the first UCX event. The cost: UCX's own copies
 #   (shared-memory rendezvous) run on the loop's thread. Set it to "thread"
 #   to move them off.
 # - UCXPY_ENABLE_PYTHON_FUTURE (only with a progress thread): a notifier
@@ -136,6 +139,29 @@ def ucxx_module() -> Any:
     return ucxx
 
 
+def loop_progress() -> LoopProgress | None:
+    """The running loop's UCX progress, started on first use: kvstore's
+    :class:`~kvstore.transfer.progress.LoopProgress` in the blocking mode (ucxx's
+    own, which its context starts, is retired first); None in ucxx's thread
+    modes, which progress on a thread of their own."""
+    from ucxx._lib_async import application_context as app
+
+    loop = asyncio.get_running_loop()
+    progress = app.ProgressTasks.get(loop)
+    if isinstance(progress, LoopProgress):
+        return progress
+    ctx = ucxx_module().core._get_ctx()  # noqa: SLF001 -- no public handle on it
+    if ctx.progress_mode != "blocking":
+        ctx.continuous_ucx_progress()
+        return None
+    theirs = app.ProgressTasks.pop(loop, None)
+    if theirs is not None:
+        _retire_ucxx_progress(loop, theirs)
+        _run_finalizers(theirs)  # its socket
+    progress = app.ProgressTasks[loop] = LoopProgress(ctx.worker, loop)
+    return progress
+
+
 def is_ucx_error(exc: BaseException) -> bool:
     from ucxx.exceptions import UCXError
 
@@ -194,19 +220,21 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
     if not tasks:
         return []
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
+    progress = loop_progress()
     conn.active += 1
     try:
-        try:
-            done, pending = await asyncio.wait(
-                tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
-            )
-        except BaseException:  # cancelled from outside
+        with progress.busy() if progress is not None else contextlib.nullcontext():
+            try:
+                done, pending = await asyncio.wait(
+                    tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+                )
+            except BaseException:  # cancelled from outside
+                await abort_and_settle(conn, tasks)
+                raise
+            failed = [t for t in done if t.exception() is not None]
+            if not failed and not pending:
+                return [t.result() for t in tasks]
             await abort_and_settle(conn, tasks)
-            raise
-        failed = [t for t in done if t.exception() is not None]
-        if not failed and not pending:
-            return [t.result() for t in tasks]
-        await abort_and_settle(conn, tasks)
     finally:
         conn.active -= 1
     if failed:
@@ -278,6 +306,11 @@ async def recv_frame(
     message lands in an INLINE_FRAME_BYTES buffer; a longer body, announced by the
     (bounded) preamble, in a buffer of exactly its size."""
     first = np.zeros(INLINE_FRAME_BYTES, dtype=np.uint8)
+    progress = loop_progress()
+    if progress is not None and not after:  # nothing of ours in flight: wait asleep
+        await progress.arrival(conn.ep, CONTROL_TAG, deadline)
+        if conn.broken:  # aborted here (a stop): ucxx has let go of the endpoint
+            raise PeerUnavailable(f"peer {conn.peer}: connection closed")
     await run_ops(
         conn, [*after, conn.ep.recv(first, tag=CONTROL_TAG)], deadline, "waiting for a frame"
     )
@@ -452,7 +485,7 @@ async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> A
     from ucxx.exceptions import UCXMessageTruncatedError
 
     ctx = ucxx.core._get_ctx()  # noqa: SLF001 -- ucxx's context: no public handle on it
-    ctx.continuous_ucx_progress()
+    loop_progress()
     ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)  # peer-failure handling
     if not ctx.progress_mode.startswith("thread"):
         ctx.worker.progress()
@@ -645,12 +678,34 @@ async def _drop_worker(loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def _stop_progress(loop: asyncio.AbstractEventLoop) -> None:
-    """Stop ucxx progressing the worker on ``loop`` (tasks, fd reader, thread)."""
+    """Stop progressing the worker on ``loop`` (ours, or ucxx's tasks, fd reader, thread)."""
     from ucxx._lib_async import application_context as app
 
     progress = app.ProgressTasks.pop(loop, None)
     if progress is None:
         return
+    if isinstance(progress, LoopProgress):
+        await progress.stop(ABORT_GRACE_S)
+        return
+    tasks = _retire_ucxx_progress(loop, progress)
+    if tasks:
+        await asyncio.wait(tasks, timeout=ABORT_GRACE_S)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: how it ended does not matter
+    del tasks
+    # ucxx cancels whatever stands there when the loop closes: finished futures.
+    for name in ("arm_task", "progress_task"):
+        if getattr(progress, name, None) is not None:
+            done = loop.create_future()
+            done.set_result(None)
+            setattr(progress, name, done)
+    _run_finalizers(progress)  # close its socket, stop the progress thread
+
+
+def _retire_ucxx_progress(loop: asyncio.AbstractEventLoop, progress: Any) -> list[asyncio.Task]:
+    """Make ucxx's progress of ``loop`` let go of the worker; its tasks, which end
+    on their next turn."""
     epoll_fd = getattr(progress.worker, "epoll_file_descriptor", None)
     if getattr(progress, "rsock", None) is not None and epoll_fd is not None:  # blocking mode
         loop.remove_reader(epoll_fd)
@@ -661,20 +716,7 @@ async def _stop_progress(loop: asyncio.AbstractEventLoop) -> None:
     arm = getattr(progress, "arm_task", None)
     if arm is not None:
         arm.cancel()  # it waits on a socket, holding no worker
-    tasks = [t for t in getattr(progress, "_tasks", ()) if t is not None]
-    if tasks:
-        await asyncio.wait(tasks, timeout=ABORT_GRACE_S)
-    for task in tasks:
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: how it ended does not matter
-    del tasks, arm
-    # ucxx cancels whatever stands there when the loop closes: finished futures.
-    for name in ("arm_task", "progress_task"):
-        if getattr(progress, name, None) is not None:
-            done = loop.create_future()
-            done.set_result(None)
-            setattr(progress, name, done)
-    _run_finalizers(progress)  # close its socket, stop the progress thread
+    return [t for t in getattr(progress, "_tasks", ()) if t is not None]
 
 
 def _ucxx_objects_alive() -> int:

@@ -326,6 +326,20 @@ class NodeState:
             "recreating": health.recreating,
         }
 
+    async def idle_cpu(self, seconds: float) -> dict:
+        """CPU seconds this process used while its loop waited ``seconds``, and how
+        often its UCX progress went to sleep meanwhile."""
+        from kvstore.transfer.ucx import loop_progress
+
+        progress = loop_progress()
+        arms = progress.arms if progress is not None else 0
+        start = time.process_time()
+        await asyncio.sleep(seconds)
+        return {
+            "cpu_s": time.process_time() - start,
+            "arms": (progress.arms - arms) if progress is not None else None,
+        }
+
     async def freeze(self, seconds: float) -> None:
         """Block this node's event loop (and so its UCX progress) for ``seconds``."""
         asyncio.get_running_loop().call_soon(time.sleep, seconds)
