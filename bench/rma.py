@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -68,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.transfer import rma
+from kvstore.transfer.ucx import loop_progress
 
 CTX = mp.get_context("spawn")
 KIB, MIB = 1 << 10, 1 << 20
@@ -83,6 +85,22 @@ RAW_REQUEST_TAG, RAW_DATA_TAG = 1, 2
 
 
 # ---- shared with bench/transfer.py: the raw baselines ----------------------------------
+
+
+def polled() -> contextlib.AbstractContextManager:
+    """UCX progressed on every turn of the loop while the block runs, as it is for
+    kvstore's own operations (kvstore.transfer.progress): raw ucxx ops get the
+    progress a fetch gets, not the armed fd's wake-ups."""
+    progress = loop_progress()
+    return progress.polling() if progress is not None else contextlib.nullcontext()
+
+
+async def idle_until(ep: Any, tag: int) -> None:
+    """Wait for the next raw request as a PeerServer waits for a REQUEST: asleep,
+    with no receive posted (a posted one would keep the loop polling)."""
+    progress = loop_progress()
+    if progress is not None:
+        await progress.arrival(ep, tag, None)
 
 
 def ucx_env(tls: str) -> dict:
@@ -153,11 +171,14 @@ async def _serve(ctrl: Any, pool_bytes: int) -> None:
         request = np.zeros(2, dtype=np.uint64)
         try:
             while True:
+                await idle_until(ep, RAW_REQUEST_TAG)
                 await ep.recv(request, tag=RAW_REQUEST_TAG)
-                await ep.send(pool[: int(request[1])], tag=RAW_DATA_TAG)
+                with polled():
+                    await ep.send(pool[: int(request[1])], tag=RAW_DATA_TAG)
         except Exception:  # the fetching process went away: done
             ep.abort()
 
+    loop_progress()  # kvstore's progress on this loop (kvstore.transfer.progress), not ucxx's
     listener = ucxx.create_listener(raw_handler, port=0)
     ctrl.send((True, (endpoint.card().encode(), listener.port)))
     loop = asyncio.get_running_loop()
@@ -216,10 +237,11 @@ class Fetching:
     async def raw_one(self, nbytes: int) -> float:
         self.request[:] = (RAW_ONE, nbytes)
         start = time.perf_counter()
-        recv = asyncio.ensure_future(self.raw_ep.recv(self.pool[:nbytes], tag=RAW_DATA_TAG))
-        await asyncio.sleep(0)  # the receive is posted before the request goes
-        await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
-        await recv
+        with polled():
+            recv = asyncio.ensure_future(self.raw_ep.recv(self.pool[:nbytes], tag=RAW_DATA_TAG))
+            await asyncio.sleep(0)  # the receive is posted before the request goes
+            await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
+            await recv
         return time.perf_counter() - start
 
     def check_contiguous(self, nbytes: int) -> None:
@@ -333,6 +355,7 @@ async def _measure(ctrl: Any, args: dict) -> dict:
     if not ok:
         raise RuntimeError(f"serving process:\n{reply}")
     card, port = reply
+    loop_progress()  # kvstore's progress on this loop, as the serving side
     raw_ep = await ucxx.create_endpoint("127.0.0.1", port)
     f = Fetching(card, raw_ep, args["pool_bytes"])
     rows = []

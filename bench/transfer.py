@@ -142,7 +142,9 @@ from rma import (  # bench/ is sys.path[0]; bench/rma.py holds what both benches
     RAW_DATA_TAG,
     RAW_ONE,
     RAW_REQUEST_TAG,
+    idle_until,
     one_run,
+    polled,
     quantiles,
     timed_read,
     ucx_env,
@@ -628,13 +630,15 @@ async def _serve(ctrl: Any, opts: dict) -> None:
         request = np.zeros(2, dtype=np.uint64)
         try:
             while True:
+                await idle_until(ep, RAW_REQUEST_TAG)
                 await ep.recv(request, tag=RAW_REQUEST_TAG)
                 mode, nbytes = int(request[0]), int(request[1])
-                if mode == RAW_ONE:
-                    await ep.send(ucx_view(side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
-                else:
-                    sends = [ep.send(v, tag=RAW_DATA_TAG + i) for i, v in enumerate(raw_views)]
-                    await asyncio.gather(*sends)
+                with polled():
+                    if mode == RAW_ONE:
+                        await ep.send(ucx_view(side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
+                    else:
+                        sends = [ep.send(v, tag=RAW_DATA_TAG + i) for i, v in enumerate(raw_views)]
+                        await asyncio.gather(*sends)
         except Exception:
             ep.abort()
 
@@ -889,12 +893,13 @@ class Bench:
         nbytes = self.shape.nbytes
         self.request[:] = (RAW_ONE, nbytes)
         start = time.perf_counter()
-        recv = asyncio.ensure_future(
-            self.raw_ep.recv(ucx_view(self.side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
-        )
-        await asyncio.sleep(0)  # the receive is posted before the request goes, as in a fetch
-        await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
-        await recv
+        with polled():
+            recv = asyncio.ensure_future(
+                self.raw_ep.recv(ucx_view(self.side.buffer, 0, nbytes), tag=RAW_DATA_TAG)
+            )
+            await asyncio.sleep(0)  # the receive is posted before the request goes, as in a fetch
+            await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
+            await recv
         self.sync()
         return time.perf_counter() - start
 
@@ -905,13 +910,14 @@ class Bench:
         views = [ucx_view(self.side.buffer, a, n) for a, n in zip(starts, sizes)]
         self.request[:] = (RAW_SEG, sum(sizes))
         start = time.perf_counter()
-        recvs = [
-            asyncio.ensure_future(self.raw_ep.recv(v, tag=RAW_DATA_TAG + i))
-            for i, v in enumerate(views)
-        ]
-        await asyncio.sleep(0)
-        await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
-        await asyncio.gather(*recvs)
+        with polled():
+            recvs = [
+                asyncio.ensure_future(self.raw_ep.recv(v, tag=RAW_DATA_TAG + i))
+                for i, v in enumerate(views)
+            ]
+            await asyncio.sleep(0)
+            await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
+            await asyncio.gather(*recvs)
         self.sync()
         return time.perf_counter() - start
 
@@ -1047,11 +1053,12 @@ def make_latency(opts: dict, shape: Shape, out: dict) -> dict:
 
 async def _measure(ctrl: Any, opts: dict) -> dict:
     from kvstore.transfer import close_endpoints
-    from kvstore.transfer.ucx import ucxx_module
+    from kvstore.transfer.ucx import loop_progress, ucxx_module
 
     ucxx = ucxx_module()
     settle_torch(opts["fetch_device"])
     opts["address"], raw_port, server_tls, card = ctrl.recv()
+    loop_progress()  # kvstore's progress on this loop (the fetches' own), not ucxx's
     raw_ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
     bench = Bench(ctrl, raw_ep, opts, rma.PeerCard.decode(card) if card else None)
     rows = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -51,13 +52,40 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+FIRST_PICKED_PORT = 10000
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (all held until all are picked)."""
+    """``n`` distinct loopback ports free now (all held until all are picked).
+
+    Picked below the kernel's ephemeral range: a port from ``bind(0)`` lies in
+    it, and so may be taken, before the caller binds it, by any outgoing
+    connection or by UCX's tcp transport (which listens on ephemeral ports)."""
+    low = _ephemeral_range()[0]
+    rng = random.SystemRandom()
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        while len(ports) < n:
+            port = rng.randrange(FIRST_PICKED_PORT, low)
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: another pick
+                continue
+            ports.append(port)
+        return ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ephemeral ports (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    if low <= FIRST_PICKED_PORT + 1000:  # a host that made almost every port ephemeral
+        return 65536, 65536
+    return low, high
 
 
 def start_server(port: int, device: str, pool_size: int, *extra: str) -> subprocess.Popen:

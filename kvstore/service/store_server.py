@@ -338,8 +338,10 @@ async def stop_ucx() -> None:
     import ucxx
 
     from kvstore.transfer import close_endpoints
+    from kvstore.transfer.ucx import stop_progress
 
     await close_endpoints()
+    await stop_progress()  # before reset: it drops the context the progress holds
     try:
         ucxx.stop_notifier_thread()
         ucxx.reset()

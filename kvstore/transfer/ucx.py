@@ -147,19 +147,35 @@ def loop_progress() -> LoopProgress | None:
     from ucxx._lib_async import application_context as app
 
     loop = asyncio.get_running_loop()
-    progress = app.ProgressTasks.get(loop)
-    if isinstance(progress, LoopProgress):
-        return progress
     ctx = ucxx_module().core._get_ctx()  # noqa: SLF001 -- no public handle on it
+    progress = app.ProgressTasks.get(loop)
+    if isinstance(progress, LoopProgress) and progress.current(ctx.worker):
+        return progress
     if ctx.progress_mode != "blocking":
         ctx.continuous_ucx_progress()
         return None
     theirs = app.ProgressTasks.pop(loop, None)
-    if theirs is not None:
+    if isinstance(theirs, LoopProgress):  # a recreated worker's predecessor, or failed
+        theirs.retire()
+    elif theirs is not None:  # ucxx's own, which its context started
         _retire_ucxx_progress(loop, theirs)
         _run_finalizers(theirs)  # its socket
     progress = app.ProgressTasks[loop] = LoopProgress(ctx.worker, loop)
     return progress
+
+
+def _kick_progress() -> None:
+    """Tell the running loop's progress (if any: none is started here) that UCX
+    may have done something its fd will not tell: progress made outside it, an
+    endpoint aborted."""
+    from ucxx._lib_async import application_context as app
+
+    try:
+        progress = app.ProgressTasks.get(asyncio.get_running_loop())
+    except RuntimeError:  # no running loop (a shutdown): nothing waits
+        return
+    if isinstance(progress, LoopProgress):
+        progress.kick()
 
 
 def is_ucx_error(exc: BaseException) -> bool:
@@ -195,6 +211,7 @@ class Conn:
                 self.ep.abort()
             except Exception:  # already closed by the peer's failure
                 log.debug("abort of endpoint to %s failed", self.peer, exc_info=True)
+            _kick_progress()  # a frame awaited on it: its wait ends now
 
     @property
     def usable(self) -> bool:
@@ -216,14 +233,14 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
     do not settle within the grace period are left in ``conn.unsettled``.
     """
     loop = asyncio.get_running_loop()
+    progress = loop_progress()  # first: once a task runs, nothing may fail before we await it
     tasks = [asyncio.ensure_future(op) for op in ops]
     if not tasks:
         return []
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
-    progress = loop_progress()
     conn.active += 1
     try:
-        with progress.busy() if progress is not None else contextlib.nullcontext():
+        with progress.polling() if progress is not None else contextlib.nullcontext():
             try:
                 done, pending = await asyncio.wait(
                     tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
@@ -484,20 +501,22 @@ async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> A
     from ucxx._lib_async.utils import hash64bits
     from ucxx.exceptions import UCXMessageTruncatedError
 
+    progress = loop_progress()
     ctx = ucxx.core._get_ctx()  # noqa: SLF001 -- ucxx's context: no public handle on it
-    loop_progress()
     ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)  # peer-failure handling
-    if not ctx.progress_mode.startswith("thread"):
+    if progress is not None:
         ctx.worker.progress()
+        progress.kick()
     msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
     try:
         ucx_ep.raise_on_error()  # refused already: a receive posted now would never end
         # Inline, not in a task of its own: the receive must be posted at once,
         # before progress can fail the endpoint (UCX ends it then; a receive
         # posted on a failed endpoint is only ever cancelled, and that fails).
-        info = await exchange_peer_info(
-            endpoint=ucx_ep, msg_tag=msg_tag, listener=False, connect_timeout=timeout
-        )
+        with progress.polling() if progress is not None else contextlib.nullcontext():
+            info = await exchange_peer_info(
+                endpoint=ucx_ep, msg_tag=msg_tag, listener=False, connect_timeout=timeout
+            )
     except UCXMessageTruncatedError:  # the peer closed: say why
         try:
             ucx_ep.raise_on_error()
@@ -521,6 +540,7 @@ def _close_unconnected(ctx: Any, ucx_ep: Any) -> None:
         ucx_ep.close()  # completes on progress
         worker_health().closing(ucx_ep)
         ctx.worker.progress()
+        _kick_progress()
 
 
 # ---- the local worker: noticing it wedged, and recreating it --------------------------
@@ -642,6 +662,7 @@ class WorkerHealth:
                 return
             if blocking:
                 ctx.worker.progress()
+                _kick_progress()
             await asyncio.sleep(0.05)
 
 
@@ -675,6 +696,11 @@ async def _drop_worker(loop: asyncio.AbstractEventLoop) -> None:
     deadline = loop.time() + ABORT_GRACE_S
     while _ucxx_objects_alive() and loop.time() < deadline:
         await asyncio.sleep(0.1)
+
+
+async def stop_progress() -> None:
+    """Stop progressing UCX on the running loop (before ``ucxx.reset()`` at shutdown)."""
+    await _stop_progress(asyncio.get_running_loop())
 
 
 async def _stop_progress(loop: asyncio.AbstractEventLoop) -> None:

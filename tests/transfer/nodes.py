@@ -332,12 +332,12 @@ class NodeState:
         from kvstore.transfer.ucx import loop_progress
 
         progress = loop_progress()
-        arms = progress.arms if progress is not None else 0
+        sleeps = progress.sleeps if progress is not None else 0
         start = time.process_time()
         await asyncio.sleep(seconds)
         return {
             "cpu_s": time.process_time() - start,
-            "arms": (progress.arms - arms) if progress is not None else None,
+            "sleeps": (progress.sleeps - sleeps) if progress is not None else None,
         }
 
     async def freeze(self, seconds: float) -> None:
