@@ -61,7 +61,7 @@ def free_ports(n: int) -> list[int]:
     Picked below the kernel's ephemeral range: a port from ``bind(0)`` lies in
     it, and so may be taken, before the caller binds it, by any outgoing
     connection or by UCX's tcp transport (which listens on ephemeral ports)."""
-    low = _ephemeral_range()[0]
+    low = _ephemeral_start()
     rng = random.SystemRandom()
     with contextlib.ExitStack() as held:
         ports: list[int] = []
@@ -76,16 +76,17 @@ def free_ports(n: int) -> list[int]:
         return ports
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ephemeral ports (Linux's default where unreadable)."""
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where
+    unreadable; past every port where that range starts too low to leave room)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-    except (OSError, ValueError):
-        return 32768, 60999
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
     if low <= FIRST_PICKED_PORT + 1000:  # a host that made almost every port ephemeral
-        return 65536, 65536
-    return low, high
+        return 65536
+    return low
 
 
 def start_server(port: int, device: str, pool_size: int, *extra: str) -> subprocess.Popen:

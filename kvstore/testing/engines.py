@@ -25,9 +25,7 @@ class StoreProcess:
 
     def __init__(self, log_dir: Path, name: str, *extra: str, transfer: bool = False):
         self.name, self.log_dir = name, log_dir
-        self.port, self.ucx_port = free_ports(2)
-        if not transfer:
-            self.ucx_port = 0
+        self.port, self.ucx_port = free_ports(2) if transfer else (free_ports(1)[0], 0)
         self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
         self.start()
