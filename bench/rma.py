@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.transfer import rma
-from kvstore.transfer.ucx import loop_progress
+from kvstore.transfer.ucx import loop_progress, post_recv
 
 CTX = mp.get_context("spawn")
 KIB, MIB = 1 << 10, 1 << 20
@@ -95,12 +95,10 @@ def polled() -> contextlib.AbstractContextManager:
     return progress.polling() if progress is not None else contextlib.nullcontext()
 
 
-async def idle_until(ep: Any, tag: int) -> None:
-    """Wait for the next raw request as a PeerServer waits for a REQUEST: asleep,
-    with no receive posted (a posted one would keep the loop polling)."""
-    progress = loop_progress()
-    if progress is not None:
-        await progress.arrival(ep, tag, None)
+async def idle_recv(ep: Any, buffer: Any, tag: int) -> None:
+    """Receive the next raw request as a PeerServer waits for a REQUEST: posted at
+    once, the loop asleep until UCX's fd tells it came (kvstore.transfer.ucx)."""
+    await post_recv(ep, buffer, tag)
 
 
 def ucx_env(tls: str) -> dict:
@@ -171,8 +169,7 @@ async def _serve(ctrl: Any, pool_bytes: int) -> None:
         request = np.zeros(2, dtype=np.uint64)
         try:
             while True:
-                await idle_until(ep, RAW_REQUEST_TAG)
-                await ep.recv(request, tag=RAW_REQUEST_TAG)
+                await idle_recv(ep, request, RAW_REQUEST_TAG)
                 with polled():
                     await ep.send(pool[: int(request[1])], tag=RAW_DATA_TAG)
         except Exception:  # the fetching process went away: done

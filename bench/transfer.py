@@ -142,7 +142,7 @@ from rma import (  # bench/ is sys.path[0]; bench/rma.py holds what both benches
     RAW_DATA_TAG,
     RAW_ONE,
     RAW_REQUEST_TAG,
-    idle_until,
+    idle_recv,
     one_run,
     polled,
     quantiles,
@@ -630,8 +630,7 @@ async def _serve(ctrl: Any, opts: dict) -> None:
         request = np.zeros(2, dtype=np.uint64)
         try:
             while True:
-                await idle_until(ep, RAW_REQUEST_TAG)
-                await ep.recv(request, tag=RAW_REQUEST_TAG)
+                await idle_recv(ep, request, RAW_REQUEST_TAG)
                 mode, nbytes = int(request[0]), int(request[1])
                 with polled():
                     if mode == RAW_ONE:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from kvstore.transfer.ucx import (
     run_ops,
     segment_views,
     send_frame,
+    started,
     when_settled,
 )
 from kvstore.transfer.wire import (
@@ -111,12 +113,18 @@ async def fetch(
         if secret is not None and not conn.authenticated:
             await authenticate_peer(conn, secret, deadline)
         reads = await rma.peer(conn, deadline) if rma is not None else None
-        ahead_sink = sink if ahead and isinstance(sink, AheadSink) else None
+        ahead_sink = sink if ahead and _reserves_ahead(type(sink)) else None
         fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, reads, ahead_sink)
         reusable = True
         return fetched
     finally:
         pool.release(conn, reusable)
+
+
+@functools.cache
+def _reserves_ahead(kind: type) -> bool:
+    """Whether sinks of ``kind`` are AheadSinks (a Protocol check: slow, so once a type)."""
+    return issubclass(kind, AheadSink)
 
 
 async def _fetch_on(
@@ -131,7 +139,7 @@ async def _fetch_on(
     """One fetch on ``conn``: one-sided with ``reads``, reserving ahead into
     ``ahead_sink`` (both None: two-sided, reserving after the offer)."""
     body = encode_request(namespace, hashes, rma=reads is not None)
-    request = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REQUEST, body)]
+    request = started(frame_sends(conn, Kind.REQUEST, body))
     ahead = await _reserve_ahead(conn, ahead_sink, namespace, hashes, request)
     try:
         kind, _, body = await _recv_reply(conn, deadline, request)
@@ -171,7 +179,7 @@ async def _reserve_ahead(
     sink: AheadSink | None,
     namespace: str,
     hashes: list[int],
-    request: list[asyncio.Task],
+    request: list[Awaitable],
 ) -> Reservation | None:
     """With the REQUEST posted, reserve every asked block's slots while the peer
     leases and answers (None without an ahead sink: the sink reserves after the
@@ -248,8 +256,8 @@ def _send_release(conn: Conn, body: bytes, deadline: float) -> None:
     """RELEASE, one-way: the fetch is done once it is posted. Frames on an endpoint
     arrive in order, so the peer sees it before the next REQUEST; a send that
     fails aborts the endpoint (the peer then releases on close)."""
-    # Tasks now, so that they post before any later frame on this endpoint.
-    posted = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.RELEASE, body)]
+    # Posted now, before any later frame on this endpoint.
+    posted = started(frame_sends(conn, Kind.RELEASE, body))
     send = asyncio.ensure_future(run_ops(conn, posted, deadline, "sending RELEASE"))
     send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
     conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]

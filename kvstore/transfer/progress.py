@@ -18,11 +18,15 @@ its own where one is installed):
 * then it arms the fd (``ucp_worker_arm``: BUSY while events are pending, so it
   progresses until the arm holds) and the loop sleeps in epoll until the next
   event, or ``BACKSTOP_S`` at most;
-* :meth:`LoopProgress.arrival` waits for a message without posting its
-  receive, so an idle connection costs nothing until its next frame is queued.
-  Waiters probe again when progress is made, at most every ``SWEEP_S`` while
-  polling, at each backstop, and on :meth:`LoopProgress.kick` (for progress
-  made by someone else, or an endpoint aborted here).
+* operations are posted at once (kvstore.transfer.ucx ``Posted``) and held
+  here, buffers and all, until UCX settles them; :meth:`LoopProgress.completion`
+  is a future done on the turn a set of them completes, so the awaiting
+  coroutine runs on the next turn (a ucxx request awaited in a task of its own
+  polled ``asyncio.sleep(0)``, then woke its waiter through two more turns). A
+  wait for a peer's next frame is such a receive, awaited outside
+  :meth:`LoopProgress.polling`: the loop sleeps until UCX's fd says it came.
+  Code that progresses the worker itself, or aborts an endpoint, calls
+  :meth:`LoopProgress.kick`: completions it made are looked at on the next turn.
 """
 
 from __future__ import annotations
@@ -31,15 +35,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
 
 QUIET_S = 0.005  # polled this long after the last progress or operation, then armed
 BACKSTOP_S = 1.0  # asleep at most this long: progress once more, whatever the fd says
-SWEEP_S = 0.01  # while polling, waiters probe again at least this often
-FULL_EVERY = 64  # turns: ucxx's full progress (its scheduled cancels) without activity
+FULL_EVERY = 64  # turns: ucxx's full progress (its scheduled cancels), completions looked at
+
+
+class Operation(Protocol):
+    """A UCX operation already posted: done (or failed) once UCX says so."""
+
+    @property
+    def settled(self) -> bool: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+
+class _Watch(NamedTuple):
+    future: asyncio.Future
+    ops: Sequence[Operation]
+    settle: bool  # wait for every operation, failed or not
 
 
 class LoopProgress:
@@ -52,9 +71,10 @@ class LoopProgress:
         self._fd = worker.epoll_file_descriptor
         self._in_flight = 0
         self._last_activity = time.monotonic()
-        self._last_sweep = 0.0
         self._asleep: asyncio.Future | None = None  # set while the fd is armed
-        self._waiters: list[asyncio.Future] = []  # arrivals not yet seen
+        self._look = False  # completions may have happened outside our progress
+        self._held: list[Operation] = []  # posted, not settled yet
+        self._watches: list[_Watch] = []
         self.sleeps = 0  # times the loop went to sleep on the armed fd
         self.task = loop.create_task(self._run(), name="kvstore-ucx-progress")
         self.task.add_done_callback(_report_end)
@@ -75,10 +95,11 @@ class LoopProgress:
 
     def kick(self) -> None:
         """Something happened that UCX's fd may not tell: progress made outside
-        this loop's turns, or an endpoint aborted here. Poll, and probe again."""
+        this loop's turns, or an endpoint aborted here. Poll, and look at the
+        held operations on the next turn."""
         self._last_activity = time.monotonic()
+        self._look = True
         self._wake_poller()
-        self._wake_arrivals()
 
     @contextlib.contextmanager
     def polling(self) -> Iterator[None]:
@@ -91,20 +112,18 @@ class LoopProgress:
             self._in_flight -= 1
             self._last_activity = time.monotonic()
 
-    async def arrival(self, ep: Any, tag: int, deadline: float | None) -> None:
-        """Return once a message with ``tag`` is queued for ``ep``, the endpoint
-        failed or closed, or ``deadline`` (loop time) passed: the caller's receive
-        then completes (or fails) at once instead of polling while it waits."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                # closed first: an aborted endpoint can no longer be probed (a
-                # closed one's last frame, still queued, is the receive's to take)
-                while self.worker is not None and not ep.closed and not ep.tag_probe(tag).matched:
-                    waiter = self.loop.create_future()
-                    self._waiters.append(waiter)
-                    await waiter
-        except TimeoutError:
-            return
+    def hold(self, op: Operation) -> None:
+        """Keep a posted operation (and the buffer it holds) until it settles; the
+        worker is polled a while (a rendezvous receive goes on in progress)."""
+        self._held.append(op)
+        self.kick()
+
+    def completion(self, ops: Sequence[Operation], settle: bool = False) -> asyncio.Future:
+        """A future done once every operation of ``ops`` settled or, unless
+        ``settle``, one of them failed (checked on every turn after progress)."""
+        future = self.loop.create_future()
+        self._watches.append(_Watch(future, ops, settle))
+        return future
 
     async def _run(self) -> None:
         turn = 0
@@ -113,14 +132,15 @@ class LoopProgress:
             # progress_once says whether anything happened; progress() drains the
             # rest and cancels what ucxx scheduled for cancelling
             made = worker.progress_once()
-            if made or turn % FULL_EVERY == 0:
+            full = turn % FULL_EVERY == 0
+            if made or full:
                 worker.progress()
             now = time.monotonic()
             if made:
                 self._last_activity = now
-            if made or now - self._last_sweep >= SWEEP_S:
-                self._last_sweep = now
-                self._wake_arrivals()
+            if made or full or self._look:  # requests complete only in progress
+                self._look = False
+                self._check_operations(prune=full)
             quiet = not self._in_flight and now - self._last_activity >= QUIET_S
             if not quiet or not worker.arm():
                 del worker  # a dropped worker must not stay alive in this frame
@@ -138,21 +158,29 @@ class LoopProgress:
             async with asyncio.timeout(BACKSTOP_S):
                 await self._asleep
         except TimeoutError:
-            self._wake_arrivals()  # something may be queued that no event told
+            self._look = True  # something may have completed that no event told
         finally:
             self.loop.remove_reader(self._fd)
             self._asleep = None
             self._last_activity = time.monotonic()  # woken: poll until quiet again
 
+    def _check_operations(self, prune: bool) -> None:
+        if prune and self._held:
+            self._held = [op for op in self._held if not op.settled]
+        watches, self._watches = self._watches, []
+        for watch in watches:
+            if watch.future.done():  # its waiter gave up: the operations stay held
+                continue
+            if all(op.settled for op in watch.ops) or (
+                not watch.settle and any(op.failed for op in watch.ops)
+            ):
+                watch.future.set_result(None)
+            else:
+                self._watches.append(watch)
+
     def _wake_poller(self) -> None:
         if self._asleep is not None and not self._asleep.done():
             self._asleep.set_result(None)
-
-    def _wake_arrivals(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 def _report_end(task: asyncio.Task) -> None:

@@ -38,6 +38,7 @@ from kvstore.transfer.ucx import (
     run_ops,
     segment_views,
     send_frame,
+    started,
     ucxx_module,
     when_settled,
     worker_health,
@@ -373,7 +374,7 @@ class PeerServer:
         expiry = asyncio.get_running_loop().time() + lease_s
         # The REPLY's send is posted first: the progress loop's first turn waits.
         body = offer(grant=grant)
-        reply = [asyncio.ensure_future(op) for op in frame_sends(conn, Kind.REPLY, body)]
+        reply = started(frame_sends(conn, Kind.REPLY, body))
         self._rma_granted += 1
         self._rma_held += 1
         if self._progress is None or self._progress.done():

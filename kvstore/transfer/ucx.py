@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -130,13 +130,19 @@ def restrict_net_devices(devices: str) -> bool:
 
 def ucxx_module() -> Any:
     """Import ucxx late, after our UCX defaults are in the environment."""
+    _set_ucx_defaults()
+    import ucxx
+
+    return ucxx
+
+
+@functools.cache
+def _set_ucx_defaults() -> None:
+    """Once a process: ucxx reads them when it first starts."""
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
     threaded = os.environ["UCXPY_PROGRESS_MODE"].startswith("thread")
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1" if threaded else "0")
-    import ucxx
-
-    return ucxx
 
 
 def loop_progress() -> LoopProgress | None:
@@ -192,7 +198,7 @@ class Conn:
     peer: str
     broken: bool = False
     # Requests that were still in flight when we gave up on them.
-    unsettled: list[asyncio.Task] = field(default_factory=list)
+    unsettled: list[asyncio.Future] = field(default_factory=list)
     # run_ops calls awaiting requests on this endpoint right now.
     active: int = 0
     # Both ends proved the cluster secret on it (kvstore.transfer.handshake).
@@ -223,20 +229,142 @@ class Conn:
         return self.active > 0 or any(not t.done() for t in self.unsettled)
 
 
-async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what: str) -> list:
+class Posted:
+    """A UCX tag send or receive posted when made (not a coroutine that posts once
+    a task runs it). :func:`run_ops` awaits it through the loop's progress, which
+    holds it, buffer and all, until UCX settles it; awaited on its own (or in a
+    task), it does the same."""
+
+    __slots__ = ("_buffer", "_error", "_progress", "_request")
+
+    def __init__(self, progress: LoopProgress, post: Callable[[Any], Any], buffer: Any):
+        self._progress = progress
+        self._buffer = ucxx_array(buffer)
+        self._request: Any = None
+        self._error: BaseException | None = None
+        try:
+            self._request = post(self._buffer)
+        except Exception as exc:  # the endpoint failed or closed: raised when awaited
+            if not is_ucx_error(exc):
+                raise
+            self._error = exc
+            return
+        if not self._request.completed:
+            progress.hold(self)
+
+    @property
+    def settled(self) -> bool:
+        return self._request is None or self._request.completed
+
+    @property
+    def failed(self) -> bool:
+        return self._request is None or (self._request.completed and self._request.status != 0)
+
+    def error(self) -> BaseException | None:
+        """Why it failed (None: it did not, or has not yet)."""
+        if self._request is None:
+            return self._error
+        if self.failed:
+            try:
+                self._request.check_error()
+            except Exception as exc:
+                if not is_ucx_error(exc):
+                    raise
+                return exc
+        return None
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self.settled:
+            yield from self._progress.completion([self]).__await__()
+        if (exc := self.error()) is not None:
+            raise exc
+
+
+def post_send(endpoint: Any, buffer: Any, tag: int) -> Awaitable:
+    """Send ``buffer`` with ``tag`` (hashed as ucxx's Endpoint.send does), posted
+    now where kvstore progresses UCX; else ucxx's coroutine, which posts when it
+    first runs."""
+    progress = loop_progress()
+    if progress is None:
+        return endpoint.send(buffer, tag=tag)
+    send_tag = _hashed_tag(endpoint, "msg_send", tag)
+    return Posted(progress, functools.partial(_checked_send, endpoint, send_tag), buffer)
+
+
+def post_recv(endpoint: Any, buffer: Any, tag: int) -> Awaitable:
+    """Receive into ``buffer`` with ``tag``, as :func:`post_send` sends. On an
+    endpoint already closed, ucxx's coroutine: it takes a last frame still
+    queued for it."""
+    progress = loop_progress()
+    if progress is None or endpoint.closed:
+        return endpoint.recv(buffer, tag=tag)
+    ep = endpoint._ep  # noqa: SLF001 -- ucxx's endpoint: no public handle on it
+    recv_tag = _hashed_tag(endpoint, "msg_recv", tag)
+    return Posted(progress, lambda array: ep.tag_recv(array, recv_tag, _tag_mask_full()), buffer)
+
+
+def _checked_send(endpoint: Any, tag: Any, array: Any) -> Any:
+    """ucxx's Endpoint.send up to its request: a failed or closed endpoint raises."""
+    ep = endpoint._ep  # noqa: SLF001 -- as in post_recv
+    ep.raise_on_error()
+    if endpoint.closed:
+        from ucxx.exceptions import UCXCloseError
+
+        raise UCXCloseError("Endpoint closed")
+    return ep.tag_send(array, tag)
+
+
+def _hashed_tag(endpoint: Any, which: str, tag: int) -> Any:
+    """The tag ucxx's Endpoint.send / recv would use: ours, hashed with the
+    endpoint's own (agreed with the peer when it connected)."""
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.types import Tag
+
+    return Tag(hash64bits(endpoint._tags[which], hash(tag)))  # noqa: SLF001
+
+
+@functools.cache
+def _tag_mask_full() -> Any:
+    from ucxx.types import TagMaskFull
+
+    return TagMaskFull
+
+
+def ucxx_array(buffer: Any) -> Any:
+    from ucxx._lib.arr import Array
+
+    return buffer if isinstance(buffer, Array) else Array(buffer)
+
+
+def started(ops: list[Awaitable]) -> list[Awaitable]:
+    """``ops`` posted now: coroutines as tasks, Posted ones as they are."""
+    return [op if isinstance(op, Posted) else asyncio.ensure_future(op) for op in ops]
+
+
+async def run_ops(
+    conn: Conn, ops: list[Awaitable], deadline: float | None, what: str, *, asleep: bool = False
+) -> None:
     """Await UCX operations without ever abandoning one that may still touch memory.
 
     Cancelling a ucxx coroutine does not cancel its UCX request, which could then
     write into a buffer we freed. So operations run as tasks that are never
-    cancelled: on failure, timeout or outer cancellation the endpoint is aborted
-    (UCX then cancels its requests) and we wait for them to settle. Tasks that
+    cancelled, or are Posted ones, which the loop's progress holds until they
+    settle: on failure, timeout or outer cancellation the endpoint is aborted
+    (UCX then cancels its requests) and we wait for them to settle. Those that
     do not settle within the grace period are left in ``conn.unsettled``.
+
+    The loop's progress polls the worker meanwhile, unless ``asleep`` (Posted
+    operations that may wait long, a peer's next frame): then the loop sleeps
+    until UCX's fd tells of an event.
     """
-    loop = asyncio.get_running_loop()
     progress = loop_progress()  # first: once a task runs, nothing may fail before we await it
+    if progress is not None and ops and all(isinstance(op, Posted) for op in ops):
+        await _run_posted(conn, progress, ops, deadline, what, asleep)
+        return
+    loop = asyncio.get_running_loop()
     tasks = [asyncio.ensure_future(op) for op in ops]
     if not tasks:
-        return []
+        return
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
     conn.active += 1
     try:
@@ -250,7 +378,7 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
                 raise
             failed = [t for t in done if t.exception() is not None]
             if not failed and not pending:
-                return [t.result() for t in tasks]
+                return
             await abort_and_settle(conn, tasks)
     finally:
         conn.active -= 1
@@ -259,13 +387,54 @@ async def run_ops(conn: Conn, ops: list[Awaitable], deadline: float | None, what
     raise PeerTimeout(f"peer {conn.peer}: {what} did not finish within the deadline")
 
 
-async def abort_and_settle(conn: Conn, tasks: list[asyncio.Task]) -> None:
+async def _run_posted(
+    conn: Conn,
+    progress: LoopProgress,
+    ops: list[Posted],
+    deadline: float | None,
+    what: str,
+    asleep: bool,
+) -> None:
+    """run_ops of Posted operations: no task each, one future for them all."""
+    if all(op.settled for op in ops) and not any(op.failed for op in ops):
+        return  # the usual send: done when posted
+    conn.active += 1
+    try:
+        with contextlib.nullcontext() if asleep else progress.polling():
+            if not any(op.failed for op in ops):
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await progress.completion(ops)
+                except TimeoutError:
+                    pass
+                except BaseException:  # cancelled from outside
+                    await abort_and_settle(conn, ops)
+                    raise
+                if all(op.settled for op in ops) and not any(op.failed for op in ops):
+                    return
+            failed = next((op for op in ops if op.failed), None)
+            await abort_and_settle(conn, ops)
+    finally:
+        conn.active -= 1
+    if failed is not None:
+        raise _peer_error(failed.error() or RuntimeError("UCX request failed"), conn.peer, what)
+    raise PeerTimeout(f"peer {conn.peer}: {what} did not finish within the deadline")
+
+
+async def abort_and_settle(conn: Conn, ops: Sequence[Awaitable]) -> None:
+    """Abort ``conn`` and give its operations ``ops`` (tasks, Posted ones)
+    ABORT_GRACE_S to settle; those that do not are left in ``conn.unsettled``."""
     conn.abort()
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=ABORT_GRACE_S)
+    tasks = [op for op in ops if isinstance(op, asyncio.Future)]
+    waits: list[asyncio.Future] = [t for t in tasks if not t.done()]
+    posted = [op for op in ops if isinstance(op, Posted) and not op.settled]
+    progress = loop_progress()
+    if posted and progress is not None:
+        waits.append(progress.completion(posted, settle=True))
+    if waits:
+        _, still = await asyncio.wait(waits, timeout=ABORT_GRACE_S)
         if still:
-            log.error("%d UCX requests to %s did not settle after abort", len(still), conn.peer)
+            log.error("UCX requests to %s did not settle after abort", conn.peer)
             conn.unsettled.extend(still)
     for t in tasks:  # mark exceptions as retrieved: the first one is reported
         if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
@@ -306,7 +475,7 @@ def when_settled(conn: Conn, fn: Callable[[], None]) -> None:
 def frame_sends(conn: Conn, kind: Kind, body: bytes) -> list[Awaitable]:
     """Send operations of one frame, to be awaited together with what comes next."""
     return [
-        conn.ep.send(np.frombuffer(m, dtype=np.uint8), tag=CONTROL_TAG)
+        post_send(conn.ep, np.frombuffer(m, dtype=np.uint8), CONTROL_TAG)
         for m in encode_frame(kind, body)
     ]
 
@@ -322,22 +491,19 @@ async def recv_frame(
     sent, so that a request and its answer cost one wake-up, not two). The first
     message lands in an INLINE_FRAME_BYTES buffer; a longer body, announced by the
     (bounded) preamble, in a buffer of exactly its size."""
-    first = np.zeros(INLINE_FRAME_BYTES, dtype=np.uint8)
-    progress = loop_progress()
-    if progress is not None and not after:  # nothing of ours in flight: wait asleep
-        await progress.arrival(conn.ep, CONTROL_TAG, deadline)
-        if conn.broken:  # aborted here (a stop): ucxx has let go of the endpoint
-            raise PeerUnavailable(f"peer {conn.peer}: connection closed")
-    await run_ops(
-        conn, [*after, conn.ep.recv(first, tag=CONTROL_TAG)], deadline, "waiting for a frame"
-    )
+    if conn.broken:  # aborted here (a stop): ucxx has let go of the endpoint
+        raise PeerUnavailable(f"peer {conn.peer}: connection closed")
+    first = np.empty(INLINE_FRAME_BYTES, dtype=np.uint8)
+    ops = [*after, post_recv(conn.ep, first, CONTROL_TAG)]
+    # with nothing of ours in flight, the peer's next frame may be a minute away
+    await run_ops(conn, ops, deadline, "waiting for a frame", asleep=not after)
     worker_health().received()
     kind, length = decode_preamble(first[: PREAMBLE.size].tobytes(), expect)
     end = PREAMBLE.size + length
     if end <= INLINE_FRAME_BYTES:
         return Frame(kind, length, first[PREAMBLE.size : end].tobytes())
     body = np.empty(length, dtype=np.uint8)
-    await run_ops(conn, [conn.ep.recv(body, tag=CONTROL_TAG)], deadline, f"receiving {kind.name}")
+    await run_ops(conn, [post_recv(conn.ep, body, CONTROL_TAG)], deadline, f"receiving {kind.name}")
     return Frame(kind, length, body.tobytes())
 
 
