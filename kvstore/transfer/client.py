@@ -29,6 +29,7 @@ from kvstore.transfer.ucx import (
     abort_and_settle,
     endpoint_pool,
     frame_sends,
+    post_frame,
     pump,
     recv_frame,
     run_ops,
@@ -249,19 +250,10 @@ async def _read_one_sided(
             reservation.abort()
         raise
     reservation.commit()
-    _send_release(conn, encode_release(offer.grant.lease_id), deadline)
-
-
-def _send_release(conn: Conn, body: bytes, deadline: float) -> None:
-    """RELEASE, one-way: the fetch is done once it is posted. Frames on an endpoint
-    arrive in order, so the peer sees it before the next REQUEST; a send that
-    fails aborts the endpoint (the peer then releases on close)."""
-    # Posted now, before any later frame on this endpoint.
-    posted = started(frame_sends(conn, Kind.RELEASE, body))
-    send = asyncio.ensure_future(run_ops(conn, posted, deadline, "sending RELEASE"))
-    send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
-    conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]
-    conn.unsettled.append(send)  # the endpoint is not idle until it is sent
+    # one-way: the fetch is done once it is posted. Frames on an endpoint arrive
+    # in order, so the peer sees it before the next REQUEST; a send that fails
+    # aborts the endpoint (the peer then releases on close)
+    post_frame(conn, Kind.RELEASE, encode_release(offer.grant.lease_id), deadline)
 
 
 async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:

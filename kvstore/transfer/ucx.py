@@ -317,10 +317,16 @@ def _checked_send(endpoint: Any, tag: Any, array: Any) -> Any:
 def _hashed_tag(endpoint: Any, which: str, tag: int) -> Any:
     """The tag ucxx's Endpoint.send / recv would use: ours, hashed with the
     endpoint's own (agreed with the peer when it connected)."""
+    return _tag(endpoint._tags[which], tag)  # noqa: SLF001 -- no public handle on it
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag(own: int, tag: int) -> Any:
+    """ucxx's Tag of ``tag`` on an endpoint whose own tag is ``own`` (a hash: cached)."""
     from ucxx._lib_async.utils import hash64bits
     from ucxx.types import Tag
 
-    return Tag(hash64bits(endpoint._tags[which], hash(tag)))  # noqa: SLF001
+    return Tag(hash64bits(own, hash(tag)))
 
 
 @functools.cache
@@ -478,6 +484,19 @@ def frame_sends(conn: Conn, kind: Kind, body: bytes) -> list[Awaitable]:
         post_send(conn.ep, np.frombuffer(m, dtype=np.uint8), CONTROL_TAG)
         for m in encode_frame(kind, body)
     ]
+
+
+def post_frame(conn: Conn, kind: Kind, body: bytes, deadline: float | None) -> None:
+    """Send a frame one-way, posted now (before any later frame on ``conn``). Until
+    it is out, the endpoint is not idle (``conn.unsettled``); a send that fails
+    aborts it."""
+    ops = started(frame_sends(conn, kind, body))
+    if all(isinstance(op, Posted) and op.settled and not op.failed for op in ops):
+        return  # out already: the usual case
+    send = asyncio.ensure_future(run_ops(conn, ops, deadline, f"sending {kind.name}"))
+    send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
+    conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]
+    conn.unsettled.append(send)
 
 
 async def send_frame(conn: Conn, kind: Kind, deadline: float | None, *, body: bytes) -> None:
