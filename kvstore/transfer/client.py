@@ -189,7 +189,7 @@ async def _reserve_ahead(
     if sink is None:
         return None
     try:
-        await asyncio.sleep(0)  # the REQUEST's send is posted
+        await asyncio.sleep(0)  # the REQUEST's send is posted (a task's, in thread mode)
         return sink.reserve_ahead(namespace, hashes)
     except BaseException:
         await abort_and_settle(conn, request)
@@ -303,9 +303,8 @@ async def _receive_segments(conn: Conn, views: list[Any], go_body: bytes, deadli
     receivers = [asyncio.ensure_future(c) for c in pump(recv, views, RECV_WINDOW)]
     try:
         await asyncio.sleep(0)  # let the first window of receives be posted
+        go = frame_sends(conn, Kind.GO, go_body)
     except BaseException:
         await abort_and_settle(conn, receivers)
         raise
-    await run_ops(
-        conn, [*receivers, *frame_sends(conn, Kind.GO, go_body)], deadline, "receiving slots"
-    )
+    await run_ops(conn, [*receivers, *go], deadline, "receiving slots")

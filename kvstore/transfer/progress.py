@@ -38,6 +38,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from kvstore.transfer.errors import PeerUnavailable
+
 log = logging.getLogger(__name__)
 
 QUIET_S = 0.005  # polled this long after the last progress or operation, then armed
@@ -84,8 +86,14 @@ class LoopProgress:
         return self.worker is worker and not self.task.done()
 
     def retire(self) -> None:
-        """Stop progressing (the worker is dropped); the task ends on its next turn."""
+        """Stop progressing (the worker is dropped); the task ends on its next turn.
+        Operations not settled by now never will be (nothing progresses the
+        worker any more): whoever waits for them hears why."""
         self.worker = None
+        watches, self._watches = self._watches, []
+        for watch in watches:
+            if not watch.future.done():
+                watch.future.set_exception(_stopped())
         self.kick()
 
     async def stop(self, grace_s: float) -> None:
@@ -120,9 +128,13 @@ class LoopProgress:
 
     def completion(self, ops: Sequence[Operation], settle: bool = False) -> asyncio.Future:
         """A future done once every operation of ``ops`` settled or, unless
-        ``settle``, one of them failed (checked on every turn after progress)."""
+        ``settle``, one of them failed (checked on every turn after progress);
+        failed with PeerUnavailable once this progress is retired."""
         future = self.loop.create_future()
-        self._watches.append(_Watch(future, ops, settle))
+        if self.worker is None:
+            future.set_exception(_stopped())
+        else:
+            self._watches.append(_Watch(future, ops, settle))
         return future
 
     async def _run(self) -> None:
@@ -181,6 +193,10 @@ class LoopProgress:
     def _wake_poller(self) -> None:
         if self._asleep is not None and not self._asleep.done():
             self._asleep.set_result(None)
+
+
+def _stopped() -> PeerUnavailable:
+    return PeerUnavailable("UCX progress stopped: the worker was dropped")
 
 
 def _report_end(task: asyncio.Task) -> None:

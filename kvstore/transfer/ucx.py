@@ -184,6 +184,13 @@ def _kick_progress() -> None:
         progress.kick()
 
 
+def _progress_now(worker: Any) -> None:
+    """Progress ``worker`` here, outside the loop's turns, and tell the loop's
+    progress (what completed meanwhile is looked at on its next turn)."""
+    worker.progress()
+    _kick_progress()
+
+
 def is_ucx_error(exc: BaseException) -> bool:
     from ucxx.exceptions import UCXError
 
@@ -247,10 +254,16 @@ class Posted:
         except Exception as exc:  # the endpoint failed or closed: raised when awaited
             if not is_ucx_error(exc):
                 raise
-            self._error = exc
+            # kept without its frames: they hold the endpoint, and so the worker
+            self._error = exc.with_traceback(None)
             return
         if not self._request.completed:
             progress.hold(self)
+
+    @property
+    def progress(self) -> LoopProgress:
+        """The loop's progress that holds it until it settles."""
+        return self._progress
 
     @property
     def settled(self) -> bool:
@@ -270,7 +283,7 @@ class Posted:
             except Exception as exc:
                 if not is_ucx_error(exc):
                     raise
-                return exc
+                return exc.with_traceback(None)
         return None
 
     def __await__(self) -> Generator[Any, None, None]:
@@ -304,13 +317,14 @@ def post_recv(endpoint: Any, buffer: Any, tag: int) -> Awaitable:
 
 
 def _checked_send(endpoint: Any, tag: Any, array: Any) -> Any:
-    """ucxx's Endpoint.send up to its request: a failed or closed endpoint raises."""
-    ep = endpoint._ep  # noqa: SLF001 -- as in post_recv
-    ep.raise_on_error()
+    """ucxx's Endpoint.send up to its request: a failed or closed (aborted: ucxx
+    let go of it) endpoint raises a UCX error, which the await reports."""
     if endpoint.closed:
         from ucxx.exceptions import UCXCloseError
 
         raise UCXCloseError("Endpoint closed")
+    ep = endpoint._ep  # noqa: SLF001 -- as in post_recv
+    ep.raise_on_error()
     return ep.tag_send(array, tag)
 
 
@@ -423,7 +437,10 @@ async def _run_posted(
     finally:
         conn.active -= 1
     if failed is not None:
-        raise _peer_error(failed.error() or RuntimeError("UCX request failed"), conn.peer, what)
+        error = failed.error()
+        if error is None:
+            raise PeerUnavailable(f"peer {conn.peer}: {what} failed")
+        raise _peer_error(error, conn.peer, what)
     raise PeerTimeout(f"peer {conn.peer}: {what} did not finish within the deadline")
 
 
@@ -434,15 +451,18 @@ async def abort_and_settle(conn: Conn, ops: Sequence[Awaitable]) -> None:
     tasks = [op for op in ops if isinstance(op, asyncio.Future)]
     waits: list[asyncio.Future] = [t for t in tasks if not t.done()]
     posted = [op for op in ops if isinstance(op, Posted) and not op.settled]
-    progress = loop_progress()
-    if posted and progress is not None:
-        waits.append(progress.completion(posted, settle=True))
+    if posted:  # one loop's, all of them (its progress retired: abandoned, kept there)
+        waits.append(posted[0].progress.completion(posted, settle=True))
     if waits:
-        _, still = await asyncio.wait(waits, timeout=ABORT_GRACE_S)
+        conn.unsettled.extend(waits)  # busy until they settle, even if we are cancelled here
+        try:
+            _, still = await asyncio.wait(waits, timeout=ABORT_GRACE_S)
+        finally:
+            conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]
         if still:
-            log.error("UCX requests to %s did not settle after abort", conn.peer)
-            conn.unsettled.extend(still)
-    for t in tasks:  # mark exceptions as retrieved: the first one is reported
+            left = sum(not op.settled for op in posted) + sum(not t.done() for t in tasks)
+            log.error("%d UCX requests to %s did not settle after abort", left, conn.peer)
+    for t in {*tasks, *waits}:  # mark exceptions as retrieved: the first one is reported
         if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
             # With Python futures (progress thread), ucxx keeps the failed future,
             # and so this exception: its traceback's frames would keep the
@@ -511,11 +531,14 @@ async def recv_frame(
     message lands in an INLINE_FRAME_BYTES buffer; a longer body, announced by the
     (bounded) preamble, in a buffer of exactly its size."""
     if conn.broken:  # aborted here (a stop): ucxx has let go of the endpoint
+        await abort_and_settle(conn, after)
         raise PeerUnavailable(f"peer {conn.peer}: connection closed")
-    first = np.empty(INLINE_FRAME_BYTES, dtype=np.uint8)
+    first = np.zeros(INLINE_FRAME_BYTES, dtype=np.uint8)  # a short message reads as zeros
+    # with nothing of ours still in flight (the frame just sent is out: the usual
+    # case), the loop may sleep while the peer takes its time
+    asleep = all(isinstance(op, Posted) and op.settled and not op.failed for op in after)
     ops = [*after, post_recv(conn.ep, first, CONTROL_TAG)]
-    # with nothing of ours in flight, the peer's next frame may be a minute away
-    await run_ops(conn, ops, deadline, "waiting for a frame", asleep=not after)
+    await run_ops(conn, ops, deadline, "waiting for a frame", asleep=asleep)
     worker_health().received()
     kind, length = decode_preamble(first[: PREAMBLE.size].tobytes(), expect)
     end = PREAMBLE.size + length
@@ -690,8 +713,7 @@ async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> A
     ctx = ucxx.core._get_ctx()  # noqa: SLF001 -- ucxx's context: no public handle on it
     ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)  # peer-failure handling
     if progress is not None:
-        ctx.worker.progress()
-        progress.kick()
+        _progress_now(ctx.worker)
     msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
     try:
         ucx_ep.raise_on_error()  # refused already: a receive posted now would never end
@@ -724,8 +746,7 @@ def _close_unconnected(ctx: Any, ucx_ep: Any) -> None:
     elif ucx_ep.alive:  # a failed one is closed already: ucxx's close() crashes on it
         ucx_ep.close()  # completes on progress
         worker_health().closing(ucx_ep)
-        ctx.worker.progress()
-        _kick_progress()
+        _progress_now(ctx.worker)
 
 
 # ---- the local worker: noticing it wedged, and recreating it --------------------------
@@ -814,8 +835,7 @@ class WorkerHealth:
             for listener in listeners:
                 await listener.suspend()
             close_all_pools()
-            for conn in list(self._conns):
-                conn.abort()
+            self._abort_all()
             await self._settle(loop.time() + ABORT_GRACE_S)
             await _drop_worker(loop)
             self.recreations += 1
@@ -830,6 +850,13 @@ class WorkerHealth:
             log.exception("recreating the UCX worker failed")
         finally:
             self._recreating = None
+
+    def _abort_all(self) -> None:
+        """Abort every tracked connection (in a frame of its own: a loop variable
+        left in the recreation's frame would keep the last one, and with it the
+        old worker, alive)."""
+        for conn in list(self._conns):
+            conn.abort()
 
     async def _settle(self, deadline: float) -> None:
         """Wait until no request, connect or close can still complete on the old
@@ -846,8 +873,7 @@ class WorkerHealth:
                 log.warning("UCX requests still pending while the worker is recreated")
                 return
             if blocking:
-                ctx.worker.progress()
-                _kick_progress()
+                _progress_now(ctx.worker)
             await asyncio.sleep(0.05)
 
 

@@ -364,11 +364,13 @@ class NodeState:
         secret: str = "",
         rma: bool = False,
         ahead: list[int] | None = None,
+        cancel_after: float = 0.0,
     ) -> dict:
         """``fresh``: drop pooled endpoints first, so that the fetch connects;
         ``rma``: register the sink's pool with NIXL and read one-sided where granted;
         ``ahead``: the sink knows every block has these slot sizes and reserves
-        before the offer (as the store's sink does)."""
+        before the offer (as the store's sink does); ``cancel_after``: cancel
+        the fetch's task after that many seconds (error "Cancelled")."""
         from kvstore.transfer import close_endpoints, fetch
         from kvstore.transfer.onesided import RmaReader
         from kvstore.wire.errors import KVError
@@ -384,12 +386,16 @@ class NodeState:
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()
         key = peer_secret(secret)
+        reserve_ahead = ahead is not None
         try:
             for _ in range(repeat):
-                n = await fetch(
-                    address, namespace, hashes, sink, timeout_s, key, reader, ahead is not None
-                )
-                out["n"].append(n)
+                ask = fetch(address, namespace, hashes, sink, timeout_s, key, reader, reserve_ahead)
+                one = asyncio.ensure_future(ask)
+                if cancel_after:
+                    asyncio.get_running_loop().call_later(cancel_after, one.cancel)
+                out["n"].append(await one)
+        except asyncio.CancelledError:
+            out["error"] = "Cancelled"
         except KVError as e:
             out["error"] = type(e).__name__
             out["code"] = e.code.name

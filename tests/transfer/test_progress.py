@@ -21,11 +21,17 @@ IDLE_S = 2.0
 MOST_CPU_S = 0.25 * IDLE_S
 
 
-@pytest.mark.parametrize("rma", [False, True])
-def test_an_idle_pooled_connection_costs_neither_side_cpu(nodes, rma):
+@pytest.mark.parametrize(
+    "rma, env",
+    [(False, {}), (True, {}), (False, {"UCX_MM_ERROR_HANDLING": "y"})],
+    ids=["two-sided", "one-sided", "shared-memory"],
+)
+def test_an_idle_pooled_connection_costs_neither_side_cpu(nodes, rma, env):
+    """Over tcp (the default) and shared memory (UCX_MM_ERROR_HANDLING=y): the
+    next REQUEST on a sleeping peer must wake it through UCX's fd."""
     if rma:
         need_nixl()
-    server, client = nodes(), nodes()
+    server, client = nodes(**env), nodes(**env)
     address = server.call("serve", blocks=blocks_of(HASHES[:4], [16 * KIB] * 4), rma=rma)
     first = client.call("fetch", address=address, hashes=HASHES[:4], rma=rma)
     assert first["error"] is None and first["n"] == [4], first

@@ -280,6 +280,35 @@ def test_mute_peer_times_out(nodes):
     assert out["states"] == []
 
 
+@pytest.mark.parametrize(
+    "behaviour, ahead",
+    [("mute", None), ("mute", [4096]), ("hang_half", None)],
+    ids=["awaiting-reply", "awaiting-reply-reserved-ahead", "receiving-slots"],
+)
+def test_a_cancelled_fetch_aborts_and_frees_its_slots(nodes, behaviour, ahead):
+    """Cancelled from outside (its caller gave up), a fetch aborts the endpoint,
+    lets UCX settle every request it posted, frees what it reserved and shows
+    nothing; the node fetches again afterwards."""
+    server, good, client = nodes(), nodes(), nodes()
+    blocks = blocks_of(HASHES[:8], [4096])
+    address = server.call("serve", blocks=blocks, behaviour=behaviour, gap_every=1)
+    good_address = good.call("serve", blocks=blocks)
+    first = client.call("fetch", address=good_address, hashes=HASHES[:8])  # UCX started
+    assert first["error"] is None and first["n"] == [8], first
+    out = client.call(
+        "fetch", address=address, hashes=HASHES[:8], timeout_s=60, cancel_after=1.0, ahead=ahead
+    )
+    assert out["error"] == "Cancelled", out
+    assert out["visible"] == [] and out["elapsed"] < 30, out  # not the 60 s deadline
+    assert out["states"] == ([] if behaviour == "mute" and ahead is None else ["aborted"]), out
+    if ahead is not None:
+        assert out["ahead"] == [8], out
+    if behaviour == "hang_half":
+        assert server.call("leases")["sent_half"], "cancelled while the slots came in"
+    again = client.call("fetch", address=good_address, hashes=HASHES[:8])
+    assert again["error"] is None and again["n"] == [8] and again["corrupt"] == [], again
+
+
 def test_no_listener_is_unavailable(nodes):
     import socket
 
