@@ -63,11 +63,12 @@ def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
     first, n = blocks[0], len(blocks)
     if all(b.devices == first.devices and b.slot_bytes is first.slot_bytes for b in blocks):
         base, memory = _slot_bases(index, first)
-        return SlotTable(
-            np.tile(base, n) + offsets,
-            np.tile(first.slot_bytes.astype(np.int64), n),
-            np.tile(memory, n),
-            np.full(n, len(first.slot_bytes), dtype=np.int64),
+        k = len(base)
+        return SlotTable(  # rows repeated by broadcasting: np.tile costs more per call
+            (offsets.reshape(n, k) + base).reshape(-1),
+            _repeat(first.slot_bytes.astype(np.int64), n),
+            _repeat(memory, n),
+            np.full(n, k, dtype=np.int64),
             owner=index,  # keeps the pools, and so the slots' memory, alive
         )
     rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -86,6 +87,11 @@ def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
         np.fromiter((len(b.slot_bytes) for b in blocks), dtype=np.int64, count=n),
         owner=index,
     )
+
+
+def _repeat(row: np.ndarray, n: int) -> np.ndarray:
+    """``row``, ``n`` times over, in one array."""
+    return row[None, :].repeat(n, axis=0).reshape(-1)
 
 
 def _slot_bases(index: BlockIndex, block: Block) -> tuple[np.ndarray, np.ndarray]:
@@ -253,7 +259,7 @@ class Fetcher:
         self.secret = secret
         self.rma = rma
         self._failed_rma = 0
-        self._running: dict[tuple, asyncio.Task[FetchResult]] = {}
+        self._running: dict[tuple, asyncio.Future[FetchResult | None]] = {}
         self._fetched = 0
         # By cause, the most specific first (PeerUnauthenticated is a PeerUnavailable).
         self._failed = {PeerUnauthenticated: 0, PeerUnavailable: 0, PeerTimeout: 0}
@@ -270,19 +276,46 @@ class Fetcher:
         )
 
     async def prefetch(self, namespace: str, hashes: list[int]) -> FetchResult:
-        """Make the longest prefix of ``hashes`` that any peer holds local."""
-        local = len(self.index.sealed_prefix(namespace, hashes))
-        missing = hashes[local:]
-        if not missing:
-            return FetchResult(local, 0)
-        key = (namespace, tuple(missing))
-        task = self._running.get(key)
-        if task is None:  # ranks loading the same blocks share one fetch
-            task = asyncio.ensure_future(self._fetch(namespace, missing))
-            self._running[key] = task
-            task.add_done_callback(lambda _t: self._running.pop(key, None))
-        fetched = await asyncio.shield(task)
-        return dataclasses.replace(fetched, local_blocks=local)
+        """Make the longest prefix of ``hashes`` that any peer holds local.
+
+        Callers asking for the same missing blocks at once (the ranks of one
+        load) share one fetch, run in the first caller's task (no task of its
+        own: that cost two turns of the loop a fetch). When that caller is
+        cancelled its fetch is aborted, and a caller still waiting on it
+        fetches for itself."""
+        while True:
+            local = len(self.index.sealed_prefix(namespace, hashes))
+            missing = hashes[local:]
+            if not missing:
+                return FetchResult(local, 0)
+            key = (namespace, tuple(missing))
+            shared = self._running.get(key)
+            if shared is None:
+                fetched = await self._lead(key, namespace, missing)
+            else:
+                fetched = await asyncio.shield(shared)
+            if fetched is not None:
+                return dataclasses.replace(fetched, local_blocks=local)
+
+    async def _lead(self, key: tuple, namespace: str, missing: list[int]) -> FetchResult:
+        """Fetch ``missing``, publishing the outcome to callers that ask for the
+        same meanwhile: the result, the error, or None when this caller was
+        cancelled (they then fetch for themselves)."""
+        shared: asyncio.Future[FetchResult | None] = asyncio.get_running_loop().create_future()
+        self._running[key] = shared
+        try:
+            fetched = await self._fetch(namespace, missing)
+        except asyncio.CancelledError:
+            shared.set_result(None)
+            raise
+        except BaseException as err:
+            shared.set_exception(err)
+            shared.exception()  # retrieved: with no other caller, nothing to log
+            raise
+        finally:
+            del self._running[key]
+        shared.set_result(fetched)
+        return fetched
 
     async def _fetch(self, namespace: str, missing: list[int]) -> FetchResult:
         peers = await self.find_peers(namespace, missing)

@@ -27,6 +27,7 @@ from kvstore.transfer.ucx import (
     RECV_WINDOW,
     Conn,
     abort_and_settle,
+    all_posted,
     endpoint_pool,
     frame_sends,
     post_frame,
@@ -189,7 +190,8 @@ async def _reserve_ahead(
     if sink is None:
         return None
     try:
-        await asyncio.sleep(0)  # the REQUEST's send is posted (a task's, in thread mode)
+        if not all_posted(request):  # thread mode: a task posts the REQUEST once it runs
+            await asyncio.sleep(0)
         return sink.reserve_ahead(namespace, hashes)
     except BaseException:
         await abort_and_settle(conn, request)

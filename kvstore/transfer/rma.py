@@ -64,6 +64,7 @@ MAX_METADATA_BYTES = 256 << 10  # one agent's NIXL metadata (about 0.5 KiB with 
 MAX_AGENT_NAME_LEN = 256
 MAX_NOTICE_BYTES = 4 << 10  # a notice names a lease, nothing more
 DEFAULT_CHUNK_BYTES = 32 << 20  # bytes per NIXL request of a read; later ones prepare meanwhile
+FEW_RUNS = 16  # up to this many, a bounds check runs on Python ints (numpy costs more)
 SETTLE_S = 5.0  # after a failure, how long released-but-busy requests get to settle
 MEMORY_KINDS = ("DRAM", "VRAM")
 # UCX settings ucxx puts in the environment for the two-sided path that NIXL's
@@ -302,6 +303,12 @@ def inside(addrs: np.ndarray, nbytes: np.ndarray, region: Region) -> bool:
     :func:`outside` finds empty, in a few reductions (no uint64 overflow)."""
     if not len(addrs):
         return True
+    if len(addrs) <= FEW_RUNS:  # Python ints: no overflow, no numpy call per reduction
+        lo, hi = region.addr, region.addr + region.nbytes
+        return all(
+            n > 0 and lo <= a and a + n <= hi
+            for a, n in zip(addrs.tolist(), nbytes.tolist(), strict=True)
+        )
     base, size = np.uint64(region.addr), np.uint64(region.nbytes)
     if int(nbytes.min()) == 0 or int(nbytes.max()) > region.nbytes or addrs.min() < base:
         return False

@@ -273,6 +273,11 @@ class Posted:
     def failed(self) -> bool:
         return self._request is None or (self._request.completed and self._request.status != 0)
 
+    @property
+    def succeeded(self) -> bool:
+        """Settled without error: a send that is out, a receive that has landed."""
+        return self._request is not None and self._request.completed and self._request.status == 0
+
     def error(self) -> BaseException | None:
         """Why it failed (None: it did not, or has not yet)."""
         if self._request is None:
@@ -361,6 +366,17 @@ def started(ops: list[Awaitable]) -> list[Awaitable]:
     return [op if isinstance(op, Posted) else asyncio.ensure_future(op) for op in ops]
 
 
+def all_posted(ops: Sequence[Awaitable]) -> bool:
+    """Whether UCX holds every operation already (no task still has to post one)."""
+    return all(isinstance(op, Posted) for op in ops)
+
+
+def all_out(ops: Sequence[Awaitable]) -> bool:
+    """Whether every operation is a Posted one that UCX completed without error:
+    nothing of them is still in flight (the usual send, done when posted)."""
+    return all(isinstance(op, Posted) and op.succeeded for op in ops)
+
+
 async def run_ops(
     conn: Conn, ops: list[Awaitable], deadline: float | None, what: str, *, asleep: bool = False
 ) -> None:
@@ -378,7 +394,7 @@ async def run_ops(
     until UCX's fd tells of an event.
     """
     progress = loop_progress()  # first: once a task runs, nothing may fail before we await it
-    if progress is not None and ops and all(isinstance(op, Posted) for op in ops):
+    if progress is not None and ops and all_posted(ops):
         await _run_posted(conn, progress, ops, deadline, what, asleep)
         return
     loop = asyncio.get_running_loop()
@@ -416,7 +432,7 @@ async def _run_posted(
     asleep: bool,
 ) -> None:
     """run_ops of Posted operations: no task each, one future for them all."""
-    if all(op.settled for op in ops) and not any(op.failed for op in ops):
+    if all_out(ops):
         return  # the usual send: done when posted
     conn.active += 1
     try:
@@ -430,7 +446,7 @@ async def _run_posted(
                 except BaseException:  # cancelled from outside
                     await abort_and_settle(conn, ops)
                     raise
-                if all(op.settled for op in ops) and not any(op.failed for op in ops):
+                if all_out(ops):
                     return
             failed = next((op for op in ops if op.failed), None)
             await abort_and_settle(conn, ops)
@@ -511,7 +527,7 @@ def post_frame(conn: Conn, kind: Kind, body: bytes, deadline: float | None) -> N
     it is out, the endpoint is not idle (``conn.unsettled``); a send that fails
     aborts it."""
     ops = started(frame_sends(conn, kind, body))
-    if all(isinstance(op, Posted) and op.settled and not op.failed for op in ops):
+    if all_out(ops):
         return  # out already: the usual case
     send = asyncio.ensure_future(run_ops(conn, ops, deadline, f"sending {kind.name}"))
     send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
@@ -536,7 +552,7 @@ async def recv_frame(
     first = np.zeros(INLINE_FRAME_BYTES, dtype=np.uint8)  # a short message reads as zeros
     # with nothing of ours still in flight (the frame just sent is out: the usual
     # case), the loop may sleep while the peer takes its time
-    asleep = all(isinstance(op, Posted) and op.settled and not op.failed for op in after)
+    asleep = all_out(after)
     ops = [*after, post_recv(conn.ep, first, CONTROL_TAG)]
     await run_ops(conn, ops, deadline, "waiting for a frame", asleep=asleep)
     worker_health().received()

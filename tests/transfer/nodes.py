@@ -97,8 +97,9 @@ def make_server(
             return await super()._grant(conn, table, offer)
 
         async def _serve(self, conn, body):
-            if behaviour == "mute":
-                await asyncio.sleep(3600)
+            if behaviour == "mute" or (behaviour == "slow_first" and not self.sent_half):
+                self.sent_half = True  # slow_first: only the first request waits, 1 s
+                await asyncio.sleep(3600 if behaviour == "mute" else 1.0)
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
                 return await ucx.send_frame(
@@ -201,11 +202,16 @@ class NodeState:
         slot_bytes: int,
         prefix_blocks: int = 0,
         own_blocks: int = 0,
+        callers: int = 1,
+        cancel_first_after: float | None = None,
     ) -> dict:
         """A real store node (the serving one's layout) whose Fetcher, one-sided where
         allowed, asks ``addresses`` in turn; what it fetched, its stats, bad bytes.
         ``prefix_blocks``: what a router says each peer holds (0: unknown, a --peer);
-        ``own_blocks``: blocks of its own sealed first (32 fill its pool)."""
+        ``own_blocks``: blocks of its own sealed first (32 fill its pool);
+        ``callers``: prefetches of ``hashes`` at once, the first cancelled after
+        ``cancel_first_after`` seconds when given (each one's prefix, or its error's
+        name, in ``prefixes``; ``fetched`` is the last one's)."""
         import dataclasses
 
         from kvstore.store.fetch import Fetcher, StoreSink, slot_table
@@ -234,7 +240,12 @@ class NodeState:
         reader = RmaReader(rma_endpoint(pool.buffer.numpy()))
         sink = StoreSink(node.index, node.registry)
         fetcher = Fetcher(node.index, sink, find_peers, timeout_s=5.0, rma=reader)
-        result = await fetcher.prefetch(namespace, hashes)
+        calls = [asyncio.ensure_future(fetcher.prefetch(namespace, hashes)) for _ in range(callers)]
+        if cancel_first_after is not None:
+            asyncio.get_running_loop().call_later(cancel_first_after, calls[0].cancel)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        result = results[-1]
+        assert not isinstance(result, BaseException), result
         blocks = node.index.sealed_prefix(namespace, hashes)
         table = slot_table(node.index, blocks)
         mem = pool.buffer.numpy()
@@ -253,6 +264,10 @@ class NodeState:
         own = sum(bool(index.sealed_prefix(namespace, [OWN_BLOCK + h])) for h in range(own_blocks))
         return {
             "fetched": result.fetched_blocks,
+            "prefixes": [
+                type(r).__name__ if isinstance(r, BaseException) else r.prefix_blocks
+                for r in results
+            ],
             "bad": bad,
             "used_bytes": used,
             "own_blocks": own,  # of own_blocks, still sealed

@@ -330,10 +330,13 @@ EDGES = [0, 1, 8, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 2 << 20, (1 << 63), (1 
 )
 def test_inside_agrees_with_outside(runs):
     """The quick bounds check says yes exactly when no run is outside (edges: the
-    region's ends, empty runs, sizes past the region, sums past 2^64)."""
+    region's ends, empty runs, sizes past the region, sums past 2^64), on few runs
+    (checked on Python ints) and on many (the same runs repeated: numpy)."""
     addrs = np.array([a for a, _ in runs], dtype=np.uint64)
     nbytes = np.array([n for _, n in runs], dtype=np.uint64)
-    assert rma.inside(addrs, nbytes, region()) == (not len(rma.outside(addrs, nbytes, region())))
+    for repeats in (1, rma.FEW_RUNS):
+        a, n = np.tile(addrs, repeats), np.tile(nbytes, repeats)
+        assert rma.inside(a, n, region()) == (not len(rma.outside(a, n, region())))
 
 
 def test_too_many_runs_are_refused():

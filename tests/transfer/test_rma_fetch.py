@@ -243,6 +243,39 @@ def test_store_fetch_reserved_ahead_reads_one_sided_every_byte(nodes):
     assert out["used_bytes"] == 6 * 2 * 8 * KIB
 
 
+def test_callers_asking_at_once_share_one_fetch(nodes):
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True)
+    out = client.call(
+        "store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB, callers=3
+    )
+    assert out["prefixes"] == [6, 6, 6] and out["bad"] == [], out
+    assert out["fetched_blocks"] == 6 and out["fetches_rma"] == 1
+    assert port(server)["rma_leases"] == 1
+
+
+def test_a_cancelled_callers_shared_fetch_is_run_again_for_the_others(nodes):
+    """The first caller runs the fetch the others wait on; the peer is slow to
+    answer it, and the caller is cancelled: its reservation (made ahead) is
+    freed, and a caller still waiting fetches for itself."""
+    server, client = nodes(), nodes()
+    address, _ = server.call(
+        "serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True, behaviour="slow_first"
+    )
+    out = client.call(
+        "store_fetch",
+        addresses=[address],
+        hashes=HASHES[:6],
+        slot_bytes=8 * KIB,
+        prefix_blocks=6,
+        callers=2,
+        cancel_first_after=0.3,
+    )
+    assert out["prefixes"] == ["CancelledError", 6] and out["bad"] == [], out
+    assert out["fetched_blocks"] == 6 and out["fetches_failed_unavailable"] == 0
+    assert out["used_bytes"] == 6 * 2 * 8 * KIB  # the cancelled reservation is free again
+
+
 def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
     """The peer grants addresses outside its registered region: the read is refused
     before anything is posted, the reservation aborted, and the same peer serves
