@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -98,10 +99,22 @@ def _slot_bases(index: BlockIndex, block: Block) -> tuple[np.ndarray, np.ndarray
     """Per slot of a block placed like ``block``: its pool's base, and its memory key
     (0 for host memory, else the CUDA pool's base: runs never cross allocations)."""
     pools = [index.pool(d) for d in block.devices]
-    rank = np.arange(len(block.slot_bytes)) % block.tp_size
-    base = np.array([p.base for p in pools], dtype=np.uint64)[rank]
-    memory = np.array([p.base if p.buffer.is_cuda else 0 for p in pools], dtype=np.int64)
-    return base, memory[rank]
+    keys = tuple(p.base if p.buffer.is_cuda else 0 for p in pools)
+    return _placed_bases(tuple(p.base for p in pools), keys, len(block.slot_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _placed_bases(
+    bases: tuple[int, ...], keys: tuple[int, ...], num_slots: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """_slot_bases of the slots of a block whose rank r lies in a pool at
+    ``bases[r]`` with memory key ``keys[r]`` (slot s is rank s % tp_size's):
+    the same few rows for every fetch, so cached (read-only)."""
+    rank = np.arange(num_slots) % len(bases)
+    base = np.array(bases, dtype=np.uint64)[rank]
+    memory = np.array(keys, dtype=np.int64)[rank]
+    base.flags.writeable = memory.flags.writeable = False
+    return base, memory
 
 
 @dataclass
