@@ -108,7 +108,8 @@ source "stub"; a PNG of the same name is drawn beside it):
                                 repeat), over_nixl_ceiling_ms_p10_p50_p90 (fetch_rma
                                 time minus it), nixl_runs (runs of nixl_runs, set A),
                                 nixl_verified_reads
-  control_floor[]  fetches of 1 and 2,048 slots of 16 KiB: mem, source, slots,
+  control_floor[]  fetches of 1 and 2,048 slots of 16 KiB, then of 1 slot with
+               idle_connections (--floor-idle) held open at the peer: mem, source, slots,
                slot_bytes, total_bytes, repeats, {op}_ms_p10_p50_p90 per op (fetch,
                fetch_rma, raw_one, raw_seg, nixl_one, nixl_runs), the nixl_ceiling_,
                ratio_nixl_ceiling_, over_nixl_ceiling_ fields above, verified_fetches,
@@ -168,6 +169,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STUB_NS = "bench.0000000000000000"
 SLOT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 FLOOR_SLOT = 16 << 10  # control floor: fetches of 1 and 2,048 slots of this size
+IDLE_CONNECTIONS = 250  # and of 1 slot, with this many idle connections at the peer
 SLOTS_PER_BLOCK = 16  # throughput rows (TP1); the latency case uses 64 (32 layers x TP2)
 # Latency case: Llama-3-8B-like, 32 layers, 8 KV heads x 128 dim, fp16,
 # 16-token blocks, TP2: each rank holds 4 heads of K and V of one layer:
@@ -189,7 +191,8 @@ NOTE = (
     "READ into reserved slots), interleaved with the rest, against the raw NIXL ceiling "
     "(per repeat the faster of ONE NIXL READ of the bytes and a READ of the fetch's own "
     "slot runs, bytes verified): ratio_nixl_ceiling = ceiling time / fetch_rma time; "
-    "control_floor: 1- and 2048-slot fetches, ms p10/p50/p90 per op; fields: "
+    "control_floor: 1- and 2048-slot fetches, and 1-slot ones with idle_connections open at "
+    "the peer, ms p10/p50/p90 per op; fields: "
     "bench/transfer.py docstring"
 )
 
@@ -1081,6 +1084,14 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         out = await bench.run(shape, opts["floor_repeats"], seed=200 + i)
         floor.append({"slots": shape.blocks * shape.per_block, **floor_fields(shape, out)})
         print(f"  control floor {floor[-1]}", flush=True)
+    if opts["floor_idle"]:  # the 1-slot floor again, the peer holding idle connections
+        idle = await open_idle(opts["address"], opts["floor_idle"])
+        shape = Shape(**opts["floor_shapes"][0])
+        out = await bench.run(shape, opts["floor_repeats"], seed=300)
+        floor.append({"slots": 1, "idle_connections": len(idle), **floor_fields(shape, out)})
+        print(f"  control floor {floor[-1]}", flush=True)
+        for conn in idle:
+            conn.abort()
     raw_ep.abort()
     await close_endpoints()
     return {
@@ -1090,6 +1101,21 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         "active_transports": sorted(ucxx.get_active_transports()),
         "server_active_transports": server_tls,
     }
+
+
+async def open_idle(address: str, n: int) -> list[Any]:
+    """``n`` connections to the peer at ``address``, each past its first frame (a
+    card exchange: the peer then waits up to its idle timeout for the next), idle."""
+    from kvstore.transfer.ucx import connect, frame_sends, recv_frame
+    from kvstore.transfer.wire import Kind, encode_card_request
+
+    loop, conns = asyncio.get_running_loop(), []
+    for _ in range(n):
+        conn = await connect(address, loop.time() + 5)
+        asked = frame_sends(conn, Kind.CARD_REQUEST, encode_card_request())
+        await recv_frame(conn, [Kind.CARD], loop.time() + 5, after=asked)
+        conns.append(conn)
+    return conns
 
 
 def floor_fields(shape: Shape, out: dict) -> dict:
@@ -1154,6 +1180,7 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
         "latency_shape": asdict(latency),
         "floor_shapes": [asdict(Shape(FLOOR_SLOT, 1, 1, 1)), asdict(Shape(FLOOR_SLOT, 16, 1, 128))],
         "floor_repeats": args.floor_repeats or (15 if args.quick else 40),
+        "floor_idle": args.floor_idle,
         "rma": one_sided_on(args),
         "fetch_device": fetch_device,
         "serve_device": serve_device,
@@ -1376,6 +1403,13 @@ def parse_args() -> argparse.Namespace:
         "--floor-repeats",
         type=int,
         help="control-floor samples, interleaved (default 40; quick 15)",
+    )
+    p.add_argument(
+        "--floor-idle",
+        type=int,
+        default=IDLE_CONNECTIONS,
+        help=f"the 1-slot floor again with this many idle connections at the peer (each "
+        f"a wait it looks at; default {IDLE_CONNECTIONS}, under its cap of 256; 0: skip)",
     )
     p.add_argument(
         "--out",

@@ -76,7 +76,7 @@ class LoopProgress:
         self._asleep: asyncio.Future | None = None  # set while the fd is armed
         self._look = False  # completions may have happened outside our progress
         self._held: list[Operation] = []  # posted, not settled yet
-        self._watches: list[_Watch] = []
+        self._watches: list[_Watch] = []  # looked at on every turn that made progress
         self.sleeps = 0  # times the loop went to sleep on the armed fd
         self.task = loop.create_task(self._run(), name="kvstore-ucx-progress")
         self.task.add_done_callback(_report_end)
@@ -128,13 +128,19 @@ class LoopProgress:
 
     def completion(self, ops: Sequence[Operation], settle: bool = False) -> asyncio.Future:
         """A future done once every operation of ``ops`` settled or, unless
-        ``settle``, one of them failed (checked on every turn after progress);
-        failed with PeerUnavailable once this progress is retired."""
+        ``settle``, one of them failed (checked on every turn after progress, on
+        the operations not settled when asked: a wait for a frame is one look a
+        turn, however many idle connections wait); failed with PeerUnavailable
+        once this progress is retired."""
         future = self.loop.create_future()
         if self.worker is None:
             future.set_exception(_stopped())
+            return future
+        pending = [op for op in ops if not op.settled]  # only these are looked at
+        if not pending or (not settle and any(op.failed for op in ops)):
+            future.set_result(None)
         else:
-            self._watches.append(_Watch(future, ops, settle))
+            self._watches.append(_Watch(future, pending, settle))
         return future
 
     async def _run(self) -> None:
@@ -179,20 +185,32 @@ class LoopProgress:
     def _check_operations(self, prune: bool) -> None:
         if prune and self._held:
             self._held = [op for op in self._held if not op.settled]
-        watches, self._watches = self._watches, []
-        for watch in watches:
-            if watch.future.done():  # its waiter gave up: the operations stay held
-                continue
-            if all(op.settled for op in watch.ops) or (
-                not watch.settle and any(op.failed for op in watch.ops)
-            ):
-                watch.future.set_result(None)
-            else:
-                self._watches.append(watch)
+        self._watches = _unfinished(self._watches)
 
     def _wake_poller(self) -> None:
         if self._asleep is not None and not self._asleep.done():
             self._asleep.set_result(None)
+
+
+def _unfinished(watches: list[_Watch]) -> list[_Watch]:
+    """Complete the watches whose operations are done; the others, to look at again.
+    A watch of one operation (a wait for a frame, as a rule) costs one look."""
+    left = []
+    for watch in watches:
+        future, ops = watch.future, watch.ops
+        if future.done():  # its waiter gave up: the operations stay held
+            continue
+        if len(ops) == 1:
+            done = ops[0].settled
+        else:
+            done = all(op.settled for op in ops) or (
+                not watch.settle and any(op.failed for op in ops)
+            )
+        if done:
+            future.set_result(None)
+        else:
+            left.append(watch)
+    return left
 
 
 def _stopped() -> PeerUnavailable:
