@@ -160,6 +160,7 @@ from kvstore.store.registry import Registry
 from kvstore.testing.store import Rank, make_rank, make_store
 from kvstore.transfer import PeerServer, SlotTable, rma
 from kvstore.transfer.onesided import RmaReader, runs_for
+from kvstore.transfer.server import PortLimits
 from kvstore.transfer.slots import choose_lanes
 from kvstore.transfer.wire import Grant
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
@@ -1085,13 +1086,16 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         floor.append({"slots": shape.blocks * shape.per_block, **floor_fields(shape, out)})
         print(f"  control floor {floor[-1]}", flush=True)
     if opts["floor_idle"]:  # the 1-slot floor again, the peer holding idle connections
-        idle = await open_idle(opts["address"], opts["floor_idle"])
-        shape = Shape(**opts["floor_shapes"][0])
-        out = await bench.run(shape, opts["floor_repeats"], seed=300)
+        idle: list[Any] = []
+        try:
+            await open_idle(opts["address"], opts["floor_idle"], idle)
+            shape = Shape(**opts["floor_shapes"][0])
+            out = await bench.run(shape, opts["floor_repeats"], seed=300)
+        finally:
+            for conn in idle:
+                conn.abort()
         floor.append({"slots": 1, "idle_connections": len(idle), **floor_fields(shape, out)})
         print(f"  control floor {floor[-1]}", flush=True)
-        for conn in idle:
-            conn.abort()
     raw_ep.abort()
     await close_endpoints()
     return {
@@ -1103,19 +1107,18 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
     }
 
 
-async def open_idle(address: str, n: int) -> list[Any]:
-    """``n`` connections to the peer at ``address``, each past its first frame (a
-    card exchange: the peer then waits up to its idle timeout for the next), idle."""
+async def open_idle(address: str, n: int, conns: list[Any]) -> None:
+    """Open ``n`` connections to the peer at ``address`` into ``conns`` (the caller
+    aborts them, also after a failure here), each past its first frame (a card
+    exchange: the peer then waits up to its idle timeout, 60 s, for the next)."""
     from kvstore.transfer.ucx import connect, frame_sends, recv_frame
     from kvstore.transfer.wire import Kind, encode_card_request
 
-    loop, conns = asyncio.get_running_loop(), []
+    loop = asyncio.get_running_loop()
     for _ in range(n):
-        conn = await connect(address, loop.time() + 5)
-        asked = frame_sends(conn, Kind.CARD_REQUEST, encode_card_request())
-        await recv_frame(conn, [Kind.CARD], loop.time() + 5, after=asked)
-        conns.append(conn)
-    return conns
+        conns.append(await connect(address, loop.time() + 5))
+        asked = frame_sends(conns[-1], Kind.CARD_REQUEST, encode_card_request())
+        await recv_frame(conns[-1], [Kind.CARD], loop.time() + 5, after=asked)
 
 
 def floor_fields(shape: Shape, out: dict) -> dict:
@@ -1430,6 +1433,9 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--total-mib must be a multiple of {SLAB_BYTES >> 20}")
     if max(s.blocks for s in rows) > MAX_BLOCKS_PER_REQUEST:  # also keeps pattern words < 2**31
         p.error(f"--total-mib: at most {MAX_BLOCKS_PER_REQUEST} blocks in one fetch")
+    room = PortLimits().max_connections - 4  # the fetches' own pooled connections
+    if not 0 <= args.floor_idle <= room:
+        p.error(f"--floor-idle {args.floor_idle}: need 0..{room} (the peer's connection cap)")
     return args
 
 

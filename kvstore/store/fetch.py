@@ -295,7 +295,8 @@ class Fetcher:
         load) share one fetch, run in the first caller's task (no task of its
         own: that cost two turns of the loop a fetch). When that caller is
         cancelled its fetch is aborted, and a caller still waiting on it
-        fetches for itself."""
+        fetches for itself, from the start (a caller that came while the
+        aborted fetch settled, ABORT_GRACE_S at most, waited for that too)."""
         while True:
             local = len(self.index.sealed_prefix(namespace, hashes))
             missing = hashes[local:]
@@ -318,12 +319,12 @@ class Fetcher:
         self._running[key] = shared
         try:
             fetched = await self._fetch(namespace, missing)
-        except asyncio.CancelledError:
-            shared.set_result(None)
-            raise
-        except BaseException as err:
+        except Exception as err:
             shared.set_exception(err)
             shared.exception()  # retrieved: with no other caller, nothing to log
+            raise
+        except BaseException:  # cancelled, or the process going down: not theirs to raise
+            shared.set_result(None)
             raise
         finally:
             del self._running[key]

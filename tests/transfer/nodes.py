@@ -66,6 +66,7 @@ def make_server(
 
     class Server(peer_server.PeerServer):
         sent_half = False
+        requests = 0  # fetch requests it began to serve
         segments: list[int] = []  # bytes of each segment message sent
 
         async def _send_slots(self, conn, views, deadline, first=0):
@@ -97,9 +98,10 @@ def make_server(
             return await super()._grant(conn, table, offer)
 
         async def _serve(self, conn, body):
+            self.requests += 1
             if behaviour == "mute" or (behaviour == "slow_first" and not self.sent_half):
-                self.sent_half = True  # slow_first: only the first request waits, 1 s
-                await asyncio.sleep(3600 if behaviour == "mute" else 1.0)
+                self.sent_half = True  # slow_first: only the first request waits, 3 s
+                await asyncio.sleep(3600 if behaviour == "mute" else 3.0)
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
                 return await ucx.send_frame(
@@ -319,7 +321,7 @@ class NodeState:
     async def port_stats(self) -> dict:
         import dataclasses
 
-        return dataclasses.asdict(self.server.stats())
+        return {**dataclasses.asdict(self.server.stats()), "requests": self.server.requests}
 
     async def open_idle(self, address: str, n: int) -> int:
         """Open ``n`` connections to ``address`` and keep them, sending nothing."""

@@ -334,7 +334,7 @@ def test_inside_agrees_with_outside(runs):
     (checked on Python ints) and on many (the same runs repeated: numpy)."""
     addrs = np.array([a for a, _ in runs], dtype=np.uint64)
     nbytes = np.array([n for _, n in runs], dtype=np.uint64)
-    for repeats in (1, rma.FEW_RUNS):
+    for repeats in (1, rma.FEW_RUNS + 1):
         a, n = np.tile(addrs, repeats), np.tile(nbytes, repeats)
         assert rma.inside(a, n, region()) == (not len(rma.outside(a, n, region())))
 

@@ -251,7 +251,7 @@ def test_callers_asking_at_once_share_one_fetch(nodes):
     )
     assert out["prefixes"] == [6, 6, 6] and out["bad"] == [], out
     assert out["fetched_blocks"] == 6 and out["fetches_rma"] == 1
-    assert port(server)["rma_leases"] == 1
+    assert port(server)["rma_leases"] == 1 and port(server)["requests"] == 1
 
 
 def test_a_cancelled_callers_shared_fetch_is_run_again_for_the_others(nodes):
@@ -269,11 +269,12 @@ def test_a_cancelled_callers_shared_fetch_is_run_again_for_the_others(nodes):
         slot_bytes=8 * KIB,
         prefix_blocks=6,
         callers=2,
-        cancel_first_after=0.3,
+        cancel_first_after=1.5,  # connected by then: its request is at the peer
     )
     assert out["prefixes"] == ["CancelledError", 6] and out["bad"] == [], out
     assert out["fetched_blocks"] == 6 and out["fetches_failed_unavailable"] == 0
     assert out["used_bytes"] == 6 * 2 * 8 * KIB  # the cancelled reservation is free again
+    assert port(server)["requests"] == 2  # the waiting caller asked again
 
 
 def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
