@@ -48,7 +48,8 @@ FULL_EVERY = 64  # turns: ucxx's full progress (its scheduled cancels), completi
 
 
 class Operation(Protocol):
-    """A UCX operation already posted: done (or failed) once UCX says so."""
+    """A UCX operation already posted: done (or failed) once UCX says so; a failed
+    one is settled."""
 
     @property
     def settled(self) -> bool: ...
@@ -136,11 +137,10 @@ class LoopProgress:
         if self.worker is None:
             future.set_exception(_stopped())
             return future
-        pending = [op for op in ops if not op.settled]  # only these are looked at
-        if not pending or (not settle and any(op.failed for op in ops)):
+        if _finished(ops, settle):
             future.set_result(None)
-        else:
-            self._watches.append(_Watch(future, pending, settle))
+        else:  # only the operations not settled yet are looked at
+            self._watches.append(_Watch(future, [op for op in ops if not op.settled], settle))
         return future
 
     async def _run(self) -> None:
@@ -193,24 +193,24 @@ class LoopProgress:
 
 
 def _unfinished(watches: list[_Watch]) -> list[_Watch]:
-    """Complete the watches whose operations are done; the others, to look at again.
-    A watch of one operation (a wait for a frame, as a rule) costs one look."""
+    """Complete the watches whose operations are done; the others, to look at again."""
     left = []
     for watch in watches:
-        future, ops = watch.future, watch.ops
-        if future.done():  # its waiter gave up: the operations stay held
+        if watch.future.done():  # its waiter gave up: the operations stay held
             continue
-        if len(ops) == 1:
-            done = ops[0].settled
-        else:
-            done = all(op.settled for op in ops) or (
-                not watch.settle and any(op.failed for op in ops)
-            )
-        if done:
-            future.set_result(None)
+        if _finished(watch.ops, watch.settle):
+            watch.future.set_result(None)
         else:
             left.append(watch)
     return left
+
+
+def _finished(ops: Sequence[Operation], settle: bool) -> bool:
+    """Whether every operation settled or, unless ``settle``, one failed. One
+    operation (a wait for a frame, as a rule) costs one look: failed ones are settled."""
+    if len(ops) == 1:
+        return ops[0].settled
+    return all(op.settled for op in ops) or (not settle and any(op.failed for op in ops))
 
 
 def _stopped() -> PeerUnavailable:

@@ -99,9 +99,8 @@ def make_server(
 
         async def _serve(self, conn, body):
             self.requests += 1
-            if behaviour == "mute" or (behaviour == "slow_first" and not self.sent_half):
-                self.sent_half = True  # slow_first: only the first request waits, 3 s
-                await asyncio.sleep(3600 if behaviour == "mute" else 3.0)
+            if behaviour == "mute" or (behaviour == "slow_first" and self.requests == 1):
+                await asyncio.sleep(3600 if behaviour == "mute" else 3.0)  # slow_first: 3 s
             if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
                 sizes = [[1 << 40]] * 9000
                 return await ucx.send_frame(
