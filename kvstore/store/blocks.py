@@ -30,7 +30,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.store.block import Block, BlockShape, Key, slot_mask, unallocated
+from kvstore.store.block import (
+    Block,
+    BlockShape,
+    Key,
+    NewBlocks,
+    new_blocks,
+    placed,
+    slot_mask,
+    unallocated,
+)
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
@@ -73,6 +82,7 @@ class Claim:
     blocks: list[Block]
     picked: list[int]  # request position of each claimed block
     skipped: int  # requested blocks already sealed or claimed by another writer
+    offsets: np.ndarray | None = None  # (blocks, slots): row i is blocks[i].offsets, if one array
 
     @property
     def mask(self) -> int:
@@ -94,13 +104,19 @@ class IndexStats:
     pinned_blocks: int = 0  # held by a load, a lease or a peer's fetch right now
 
 
-def _place(blocks: list[Block], cells: np.ndarray, grid: np.ndarray) -> None:
-    """Write row i of ``grid`` into ``cells`` of block i's offsets: through a slice
-    (per block cheaper than a fancy index) when the cells are evenly spaced."""
+def _place(
+    blocks: list[Block], cells: np.ndarray, grid: np.ndarray, rows: np.ndarray | None
+) -> None:
+    """Write row i of ``grid`` into ``cells`` of block i's offsets: in one call
+    when ``rows`` holds the blocks' offsets, else per block, through a slice (per
+    block cheaper than a fancy index) when the cells are evenly spaced."""
     step = int(cells[1] - cells[0]) if len(cells) > 1 else 1
     where: slice | np.ndarray = cells
     if step > 0 and bool(np.all(np.diff(cells) == step)):
         where = slice(int(cells[0]), int(cells[-1]) + 1, step)
+    if rows is not None:
+        rows[:, where] = grid
+        return
     for row, block in zip(grid, blocks, strict=True):
         block.offsets[where] = row
 
@@ -175,37 +191,55 @@ class BlockIndex:
     def claim(
         self, namespace: str, hashes: list[int], shape: BlockShape, slots: np.ndarray, by: Writer
     ) -> Claim:
-        """Claim ``slots`` of every block of ``hashes`` that is neither sealed nor
-        already claimed there, allocating them (evicting as needed). All or nothing."""
+        """Claim ``slots`` of every block of distinct ``hashes`` that is neither sealed
+        nor already claimed there, allocating them (evicting as needed). All or nothing."""
         mask = slot_mask(slots)
-        blocks, picked = [], []
-        known, now = self.blocks.get, time.monotonic()
-        slot_bytes, tp_size = shape.slot_bytes, shape.tp_size
+        known = self.blocks.get
+        picked, fresh = [], []
+        found: list[Block | None] = []  # per picked hash: its inflight block, None if new
         for i, h in enumerate(hashes):
             block = known((namespace, h))
             if block is None:
-                block = Block((namespace, h), slot_bytes, tp_size, created=now)
+                fresh.append(h)
             elif block.sealed or block.claimed & mask:
                 continue
-            blocks.append(block)
             picked.append(i)
-        claim = Claim(by, slots, blocks, picked, skipped=len(hashes) - len(blocks))
-        if not blocks:
-            return claim
-        self._allocate(blocks, slots, by.device)
+            found.append(block)
+        if not picked:
+            return Claim(by, slots, [], picked, skipped=len(hashes))
+        mine_now = (by.session,)
+        # new blocks are born claimed and placed: nothing sees them before they join the index
+        made = new_blocks(
+            namespace,
+            fresh,
+            shape,
+            time.monotonic(),
+            devices=placed((None,) * shape.tp_size, by.tp_rank, by.device),
+            claimed=mask,
+            writers=mine_now,
+        )
+        if len(fresh) == len(picked):  # the usual save: every block new, one offsets array
+            blocks, rows = made.blocks, made.offsets
+        else:
+            new = iter(made.blocks)
+            blocks, rows = [b if b is not None else next(new) for b in found], None
+        self._allocate(blocks, slots, by.device, rows)
         mine = self._writers.setdefault(by.session, set())
-        session, index = by.session, self.blocks
-        placed: dict[tuple, tuple] = {}  # devices before -> after: one tuple per kind of block
-        for block in blocks:
+        keys = [(namespace, h) for h in fresh]
+        self.blocks.update(zip(keys, made.blocks, strict=True))
+        mine.update(keys)
+        moved: dict[tuple, tuple] = {}  # devices before -> after: one tuple per kind of block
+        for block in found if rows is None else ():  # blocks other ranks claimed first
+            if block is None:
+                continue
             block.claimed |= mask
-            devices = placed.get(block.devices)
+            devices = moved.get(block.devices)
             if devices is None:
-                devices = placed[block.devices] = block.placed(by.tp_rank, by.device)
+                devices = moved[block.devices] = block.placed(by.tp_rank, by.device)
             block.devices = devices
-            block.writers += (session,)
-            index.setdefault(block.key, block)
+            block.writers += mine_now
             mine.add(block.key)
-        return claim
+        return Claim(by, slots, blocks, picked, len(hashes) - len(blocks), rows)
 
     def finish(self, claim: Claim) -> Finished:
         """The claim's bytes are in: mark its slots written, seal complete blocks."""
@@ -244,10 +278,18 @@ class BlockIndex:
             log.warning("dropped %d inflight blocks of a departed writer", dropped)
         return dropped
 
-    def addresses(self, blocks: list[Block], slots: np.ndarray, device: str) -> np.ndarray:
-        """Address of ``slots`` of each block in ``device``'s pool, (slots, blocks)."""
-        offsets = np.stack([b.offsets for b in blocks])[:, slots].T  # one gather for all
-        return (self._pools[device].base + offsets).astype(np.uint64)
+    def addresses(
+        self,
+        blocks: list[Block],
+        slots: np.ndarray,
+        device: str,
+        rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Address of ``slots`` of each block in ``device``'s pool, (slots, blocks);
+        ``rows``: the blocks' offsets as one array, when they have it (Claim.offsets)."""
+        if rows is None:
+            rows = np.stack([b.offsets for b in blocks])
+        return (self._pools[device].base + rows[:, slots].T).astype(np.uint64)
 
     # ------------------------------------------------------------------- pins
 
@@ -287,25 +329,18 @@ class BlockIndex:
 
     def reserve(
         self, namespace: str, hashes: list[int], shape: BlockShape, devices: list[str]
-    ) -> list[Block]:
+    ) -> NewBlocks:
         """Blocks with every slot allocated (tp_rank r's on ``devices[r]``) but kept
         out of the index until :meth:`adopt`; :meth:`discard` frees them."""
-        now = time.monotonic()
-        blocks = [
-            Block((namespace, h), shape.slot_bytes, shape.tp_size, created=now) for h in hashes
-        ]
+        made = new_blocks(namespace, hashes, shape, time.monotonic(), devices=tuple(devices))
         try:
             for tp_rank, device in enumerate(devices):
-                self._allocate(
-                    blocks, np.arange(tp_rank, len(shape.slot_bytes), shape.tp_size), device
-                )
-                placed = blocks[0].placed(tp_rank, device)
-                for block in blocks:
-                    block.devices = placed
+                ranks = np.arange(tp_rank, len(shape.slot_bytes), shape.tp_size)
+                self._allocate(made.blocks, ranks, device, made.offsets)
         except BaseException:
-            self.discard(blocks)
+            self.discard(made.blocks)
             raise
-        return blocks
+        return made
 
     def adopt(self, blocks: list[Block]) -> int:
         """Seal fully received detached blocks into the index, one STORED event
@@ -373,9 +408,13 @@ class BlockIndex:
         for namespace, hashes in stored.items():
             self._emit(STORED, namespace, hashes)
 
-    def _allocate(self, blocks: list[Block], slots: np.ndarray, device: str) -> None:
+    def _allocate(
+        self, blocks: list[Block], slots: np.ndarray, device: str, rows: np.ndarray | None = None
+    ) -> None:
         """Give ``slots`` of every block an offset in ``device``'s pool, evicting LRU
         blocks as needed. All or nothing: on failure every offset taken is returned.
+        ``rows``: the blocks' offsets as one array (row i is block i's), when they
+        have it.
 
         Slots are laid out block after block, each block's in ascending slot index
         (layer id major, whatever order the caller registered its layers in): the
@@ -390,12 +429,15 @@ class BlockIndex:
                 cells = slots[sizes == size]
                 offsets = self._alloc_or_evict(pool, size, len(cells) * len(blocks))
                 taken.append((size, offsets))
-                _place(blocks, cells, offsets.reshape(len(blocks), len(cells)))
+                _place(blocks, cells, offsets.reshape(len(blocks), len(cells)), rows)
         except BaseException:
             for size, offsets in taken:
                 pool.free(size, offsets)
-            for block in blocks:
-                block.offsets[slots] = -1
+            if rows is not None:
+                rows[:, slots] = -1
+            else:
+                for block in blocks:
+                    block.offsets[slots] = -1
             raise
 
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:

@@ -52,15 +52,17 @@ log = logging.getLogger(__name__)
 FindPeers = Callable[[str, list[int]], Awaitable[list[PeerPrefix]]]
 
 
-def slot_table(index: BlockIndex, blocks: list[Block]) -> SlotTable:
+def slot_table(index: BlockIndex, blocks: list[Block], rows: np.ndarray | None = None) -> SlotTable:
     """Every slot of ``blocks``, block after block, as a transfer reads or writes it
     (straight in the pool). Vectorised over blocks: a fetch of thousands of slots
     builds no per-slot object, and blocks of one layout placed alike (a fetch's,
-    as a rule) share one row of bases, repeated."""
+    as a rule) share one row of bases, repeated. ``rows``: the blocks' offsets as
+    one array, when they have it (blocks reserved together)."""
     if not blocks:
         empty = np.zeros(0, dtype=np.int64)
         return SlotTable(empty.astype(np.uint64), empty, empty, empty, owner=index)
-    offsets = np.concatenate([b.offsets for b in blocks]).astype(np.uint64)
+    joined = rows.reshape(-1) if rows is not None else np.concatenate([b.offsets for b in blocks])
+    offsets = joined.astype(np.uint64)
     first, n = blocks[0], len(blocks)
     if all(b.devices == first.devices and b.slot_bytes is first.slot_bytes for b in blocks):
         base, memory = _slot_bases(index, first)
@@ -200,8 +202,8 @@ class StoreSink:
     def reserve_ahead(self, namespace: str, hashes: list[int]) -> StoreReservation:
         """Slots for every block of ``hashes``, in the namespace's layout."""
         inst = self._instance(namespace)
-        blocks = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
-        return StoreReservation(self.index, blocks, slot_table(self.index, blocks))
+        made = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
+        return StoreReservation(self.index, made.blocks, slot_table(self.index, *made))
 
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]

@@ -168,7 +168,7 @@ class StoreNode:
         if not claim.blocks:
             return SaveResult(skipped=claim.skipped)
         block_ids = [refs[i][1] for i in claim.picked]
-        job = self._job(SAVE, caller, claim.blocks, block_ids, slots)
+        job = self._job(SAVE, caller, claim.blocks, block_ids, slots, claim.offsets)
         try:
             await self._copy(job, reg)
         except BaseException:
@@ -204,8 +204,15 @@ class StoreNode:
         return LoadResult(len(refs), job.nbytes)
 
     def _job(
-        self, op: str, caller: Caller, blocks: list[Block], block_ids: list[int], slots: np.ndarray
+        self,
+        op: str,
+        caller: Caller,
+        blocks: list[Block],
+        block_ids: list[int],
+        slots: np.ndarray,
+        rows: np.ndarray | None = None,
     ) -> CopyJob:
+        """``rows``: the blocks' offsets as one array, when they have it (a claim's)."""
         device = caller.reg.device
         return CopyJob(
             op,
@@ -213,7 +220,7 @@ class StoreNode:
             device == "cpu" or self.gpu_blocks,
             caller.reg.copy_table,
             np.array(block_ids, dtype=np.int64),
-            self.index.addresses(blocks, slots, device),
+            self.index.addresses(blocks, slots, device, rows),
             len(blocks) * int(caller.seal.slot_bytes[slots].sum()),
         )
 

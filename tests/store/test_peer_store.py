@@ -68,12 +68,16 @@ def test_a_slot_table_of_blocks_placed_and_shaped_unalike_is_every_slot_where_it
     built block by block. Either way every slot is its pool's base + its offset."""
     index = BlockIndex({d: SlotPool(1 << 20, "cpu", 64 << 10) for d in ("a", "b")})
     four, six = Shape(np.full(4, 1024)), Shape(np.full(6, 512))
-    alike = index.reserve("n", [1, 2, 3], four, ["a", "b"])
+    made = index.reserve("n", [1, 2, 3], four, ["a", "b"])
+    alike = made.blocks
     unalike = [
-        *index.reserve("n", [4], four, ["b", "a"]),
-        *index.reserve("n", [5], six, ["a", "b"]),
-        *index.reserve("n", [6], Shape(four.slot_bytes.copy()), ["a", "b"]),
+        *index.reserve("n", [4], four, ["b", "a"]).blocks,
+        *index.reserve("n", [5], six, ["a", "b"]).blocks,
+        *index.reserve("n", [6], Shape(four.slot_bytes.copy()), ["a", "b"]).blocks,
     ]
+    together = slot_table(index, alike, made.offsets)  # their offsets as the one array they share
+    assert np.array_equal(together.ptr, slot_table(index, alike).ptr)
+    assert all(np.shares_memory(b.offsets, made.offsets) for b in alike)
     for blocks in (alike, alike + unalike[:1], alike + unalike, unalike[::-1]):
         table = slot_table(index, blocks)
         expect = [

@@ -163,6 +163,45 @@ def test_everything_pinned_gives_resource_exhausted():
     assert node.query(seal.final_namespace, [99]).prefix_blocks == 1
 
 
+def test_a_save_of_new_and_inflight_blocks_seals_each_once_every_rank_wrote():
+    """Rank 1's save mixes blocks rank 0 claimed (inflight) with new ones: each
+    seals once both ranks wrote it, with each rank's bytes. Such a mixed claim
+    that the pool cannot hold changes nothing: neither the inflight blocks nor
+    the pool."""
+    node = make_store(pool_bytes=64 << 10, slab_bytes=64 << 10)  # 64 slots of 1 KiB
+    ranks = make_instance(node.registry, "a", num_blocks=32)
+    ns = node.registry.instances["a"].seal.final_namespace
+    for r in ranks:
+        for b in range(5):
+            fill(r, b, b + 1)
+    run(node.save(ranks[0].reg.caller_id, [(11, 1), (13, 3)]))
+    done = run(node.save(ranks[1].reg.caller_id, [(10 + b, b) for b in range(5)]))
+    assert (done.written, done.sealed) == (5, 2)
+    assert node.query(ns, [11]).prefix_blocks == 1 and node.query(ns, [10]).prefix_blocks == 0
+    run(node.save(ranks[0].reg.caller_id, [(10, 0), (12, 2), (14, 4)]))
+    assert node.query(ns, [10 + b for b in range(5)]).prefix_blocks == 5
+    for r in ranks:
+        run(node.load(r.reg.caller_id, [(10 + b, 20 + b) for b in range(5)]))
+        assert all(torch.equal(x, y) for b in range(5) for x, y in zip(r.block(b), r.block(20 + b)))
+
+    lease = node.query(ns, [10 + b for b in range(5)], lease=True).lease_id  # nothing evictable
+    run(node.save(ranks[0].reg.caller_id, [(20, 5), (21, 6), (22, 7)]))
+    inflight = [node.index.blocks[(ns, h)] for h in (20, 21, 22)]
+    before = [(b.claimed, b.devices, b.writers, b.offsets.tolist()) for b in inflight]
+    used = used_bytes(node)
+    too_many = [(20, 5), (21, 6), (22, 7)] + [
+        (30 + i, 8 + i) for i in range(24)
+    ]  # 54 slots, 38 free
+    with pytest.raises(KVError) as info:
+        run(node.save(ranks[1].reg.caller_id, too_many))
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert [(b.claimed, b.devices, b.writers, b.offsets.tolist()) for b in inflight] == before
+    assert used_bytes(node) == used and node.index.stats().inflight_blocks == 3
+    assert (ns, 30) not in node.index.blocks
+    node.release(lease)
+    node.index.pool("cpu").check()
+
+
 def test_expired_lease_and_stale_inflight_are_swept():
     node = make_store()
     ranks = make_instance(node.registry, "a")
