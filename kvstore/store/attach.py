@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvstore.copy import LayerRegion
 from kvstore.store.memory import MappedRegion
 from kvstore.store.registry import LayerReg, Registration
-from kvstore.wire.errors import KVError, invalid
+from kvstore.wire.errors import invalid
 
 
 def attach(reg: Registration) -> None:
@@ -34,7 +34,7 @@ def attach(reg: Registration) -> None:
             raise invalid(f"layers of {reg.where()} live on several devices: {sorted(devices)}")
         reg.device = devices.pop()
         reg.mapped = list(opened.values())
-    except KVError:
+    except BaseException:  # whatever failed, nothing stays mapped (CUDA IPC has no finalizer)
         for mapped in opened.values():
             mapped.close()
         reg.regions.clear()

@@ -53,6 +53,7 @@ class Block:
     writers: tuple[str, ...] = ()  # sessions with claimed slots
     sealed: bool = False
     pins: int = 0
+    copying: int = 0  # saves whose copy into its slots has not ended (a claim each)
 
     def __post_init__(self) -> None:
         if self.offsets is None:
@@ -93,6 +94,7 @@ def new_blocks(
     devices: tuple[str | None, ...] = (),
     claimed: int = 0,
     writers: tuple[str, ...] = (),
+    copying: int = 0,
 ) -> NewBlocks:
     """Unallocated blocks of ``hashes``, one offsets array for all of them (a
     row view each: cheaper to make than a copy each, and placed in one call)."""
@@ -100,7 +102,18 @@ def new_blocks(
     offsets = np.full((len(hashes), len(slot_bytes)), -1, dtype=np.int64)
     devices = devices or (None,) * tp_size
     blocks = [
-        Block((namespace, h), slot_bytes, tp_size, created, row, devices, claimed, 0, writers)
+        Block(
+            (namespace, h),
+            slot_bytes,
+            tp_size,
+            created,
+            row,
+            devices,
+            claimed,
+            0,
+            writers,
+            copying=copying,
+        )
         for h, row in zip(hashes, offsets, strict=True)
     ]
     return NewBlocks(blocks, offsets)

@@ -217,6 +217,7 @@ class BlockIndex:
             devices=placed((None,) * shape.tp_size, by.tp_rank, by.device),
             claimed=mask,
             writers=mine_now,
+            copying=1,
         )
         if len(fresh) == len(picked):  # the usual save: every block new, one offsets array
             blocks, rows = made.blocks, made.offsets
@@ -233,6 +234,7 @@ class BlockIndex:
             if block is None:
                 continue
             block.claimed |= mask
+            block.copying += 1
             devices = moved.get(block.devices)
             if devices is None:
                 devices = moved[block.devices] = block.placed(by.tp_rank, by.device)
@@ -242,14 +244,17 @@ class BlockIndex:
         return Claim(by, slots, blocks, picked, len(hashes) - len(blocks), rows)
 
     def finish(self, claim: Claim) -> Finished:
-        """The claim's bytes are in: mark its slots written, seal complete blocks."""
+        """The claim's bytes are in: mark its slots written, seal complete blocks.
+        Every claim ends in finish or :meth:`abandon`, once its copy ended."""
         alive = claim.writer.session in self._writers
         mask = claim.mask
         written, sealed = 0, []
         known = self.blocks.get
         for block in claim.blocks:
-            if known(block.key) is not block:
-                continue  # dropped while the bytes moved (writer left, or gone stale)
+            block.copying -= 1
+            if known(block.key) is not block:  # dropped while the bytes moved
+                self._free_slots(block)  # (a writer left, or it went stale): its slots now
+                continue
             if not alive:
                 self._drop(block)
                 continue
@@ -261,9 +266,13 @@ class BlockIndex:
         return Finished(written, len(sealed))
 
     def abandon(self, claim: Claim) -> None:
-        """The claim's copy failed: drop its blocks that are still inflight."""
+        """The claim's copy failed, or never ran: drop its blocks that are still
+        inflight (and free those dropped while it ran)."""
         for block in claim.blocks:
-            if self.blocks.get(block.key) is block and not block.sealed:
+            block.copying -= 1
+            if self.blocks.get(block.key) is not block:
+                self._free_slots(block)
+            elif not block.sealed:
                 self._drop(block)
 
     def drop_writer(self, session: str) -> int:
@@ -492,12 +501,21 @@ class BlockIndex:
         return removed
 
     def _drop(self, block: Block) -> None:
-        """Forget a block and free every slot it holds (detached ones too)."""
+        """Forget a block and free every slot it holds (detached ones too), or, while
+        a save still copies into it, once the last such copy ended."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
             self._lru.pop(block.key, None)
         for session in block.writers:
             self._writers.get(session, set()).discard(block.key)
+        self._free_slots(block)
+
+    def _free_slots(self, block: Block) -> None:
+        """Free the slots of a block out of the index, unless a copy still writes
+        into them: a slot freed under a running copy would be handed to another
+        block, and the late bytes would land in it (its claim frees them then)."""
+        if block.copying:
+            return
         frees = SlotFrees()
         frees.add([block])
         frees.apply(self._pools)

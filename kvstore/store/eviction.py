@@ -74,28 +74,36 @@ def slab_victims(
     """
     newest: dict[int, int] = {}  # slab -> LRU rank of its most recent block
     members: dict[int, list[Block]] = {}
+    held: dict[int, int] = {}  # slab -> its slots the evictable blocks hold
     blocked: set[int] = set(skip)
     for rank, block in enumerate(lru):
-        slabs = _slabs_of(pool, block)
+        slabs = _slab_slots(pool, block)
         if block.pins:
             blocked.update(slabs)
             continue
-        for slab in slabs:
+        for slab, count in slabs.items():
             newest[slab] = rank
             members.setdefault(slab, []).append(block)
+            held[slab] = held.get(slab, 0) + count
     for block in others:
-        blocked.update(_slabs_of(pool, block))
-    candidates = [s for s in newest if s not in blocked]
+        blocked.update(_slab_slots(pool, block))
+    # A slab with slots no block here accounts for (a peer's fetch reserved them, or
+    # the allocation under way took them) would not empty: its blocks are not evicted.
+    candidates = [s for s in newest if s not in blocked and held[s] == pool.allocated_in_slab(s)]
     if not candidates:
         return None
     slab = min(candidates, key=newest.__getitem__)
     return slab, members[slab]
 
 
-def _slabs_of(pool: SlotPool, block: Block) -> set[int]:
+def _slab_slots(pool: SlotPool, block: Block) -> dict[int, int]:
+    """The slabs of ``pool`` holding the block's slots, and how many of them each."""
     if pool.device not in block.devices:
-        return set()
-    return set(pool.slab_of(block.offsets[slots_on(block, pool.device)]).tolist())
+        return {}
+    slabs, counts = np.unique(
+        pool.slab_of(block.offsets[slots_on(block, pool.device)]), return_counts=True
+    )
+    return dict(zip(slabs.tolist(), counts.tolist(), strict=True))
 
 
 class SlotFrees:

@@ -37,7 +37,7 @@ from kvstore.store.validation import check_instance_id
 from kvstore.wire.errors import KVError, invalid, not_found, precondition
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
-from kvstore.wire.principal import LOCAL, Principal
+from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +139,14 @@ class StoreNode:
         check_instance_id(instance_id)
         return self.registry.get(instance_id)
 
-    def registered(self, instance_id: str) -> Instance:
-        """Like :meth:`instance`, but an unknown instance is NOT_FOUND."""
+    def registered(self, instance_id: str, caller: Principal = LOCAL) -> Instance:
+        """Like :meth:`instance`, but an unknown instance is NOT_FOUND, and another
+        principal's PERMISSION_DENIED (its final namespace would let a stranger
+        ask a router which peers hold that tenant's prefixes)."""
         inst = self.instance(instance_id)
         if inst is None:
-            raise not_found(f"instance_id {instance_id!r} is not registered")
+            raise not_found(f"instance_id {instance_id[:128]!r} is not registered")
+        check_owner(f"instance_id {instance_id!r}", inst.first.principal.name, caller)
         return inst
 
     def watch(self, listener: Listener) -> None:
@@ -168,8 +171,8 @@ class StoreNode:
         if not claim.blocks:
             return SaveResult(skipped=claim.skipped)
         block_ids = [refs[i][1] for i in claim.picked]
-        job = self._job(SAVE, caller, claim.blocks, block_ids, slots, claim.offsets)
         try:
+            job = self._job(SAVE, caller, claim.blocks, block_ids, slots, claim.offsets)
             await self._copy(job, reg)
         except BaseException:
             self.index.abandon(claim)
@@ -187,6 +190,10 @@ class StoreNode:
         namespace, hashes = caller.seal.final_namespace, [h for h, _ in refs]
         if self.fetcher is not None:
             await self.fetcher.prefetch(namespace, hashes)
+            # the rank's session may have ended meanwhile (its memory unmapped):
+            # refused as any call of an ended session is, nothing copied
+            if self.registry.caller(who).reg is not reg:
+                raise precondition(f"{reg.where()} changed while its load fetched; load again")
         blocks = self.index.require_sealed(namespace, hashes)
         for block in blocks:
             if block.devices[reg.tp_rank] != reg.device:

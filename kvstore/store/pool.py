@@ -105,6 +105,11 @@ class SlotPool:
         """The slab each offset lies in."""
         return np.asarray(offsets, dtype=np.int64) // self.slab_bytes
 
+    def allocated_in_slab(self, slab_id: int) -> int:
+        """How many slots of slab ``slab_id`` are allocated (0 for a free slab)."""
+        slab = self._slabs.get(slab_id)
+        return 0 if slab is None else slab.capacity - slab.top
+
     def can_alloc(self, nbytes: int, count: int) -> bool:
         return self.shortfall(nbytes, count) == 0
 

@@ -23,7 +23,12 @@ import numpy as np
 
 from kvstore.copy import RegionTable
 from kvstore.store.memory import MappedRegion
-from kvstore.store.validation import check_against, check_fields, check_seal_would_succeed
+from kvstore.store.validation import (
+    check_against,
+    check_device,
+    check_fields,
+    check_seal_would_succeed,
+)
 from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
 from kvstore.wire.fingerprint import LayerGeometry, fingerprint
 from kvstore.wire.kv_layout import LayoutKind
@@ -229,9 +234,12 @@ class Registry:
             self._mapper(reg)  # raises KVError; nothing recorded yet
             try:
                 self._check_owner(reg)
+                check_device(inst, reg)
             except KVError:
                 reg.retire()  # unmap what was just mapped
                 raise
+        else:
+            check_device(inst, reg)
         if inst is None:
             inst = self.instances[reg.instance_id] = Instance(reg.instance_id)
         inst.ranks[reg.rank] = reg
@@ -297,7 +305,7 @@ class Registry:
         """The sealed instance and registration a Save/Load comes from."""
         inst = self.instances.get(who.instance_id)
         if inst is None:
-            raise not_found(f"instance_id {who.instance_id!r} is not registered")
+            raise not_found(f"instance_id {who.instance_id[:128]!r} is not registered")
         reg = self.sessions.get(who.session)
         if reg is None or reg.instance_id != who.instance_id:
             raise invalid(f"session does not belong to instance_id {who.instance_id!r}")

@@ -130,8 +130,18 @@ def _check_extent(layer: LayerReg, at: str) -> None:
             f"block_stride {layer.block_stride} is smaller than a block's "
             f"{layer.segment_bytes} bytes per segment ({at})"
         )
+    if min(layer.block_stride, layer.segment_stride) < 0:
+        raise invalid(
+            f"block_stride {layer.block_stride} and segment_stride {layer.segment_stride} "
+            f"must not be negative ({at})"
+        )
     if g.segments == 2 and layer.segment_stride < layer.segment_bytes:
         raise invalid(f"segment_stride {layer.segment_stride} overlaps segment 0 ({at})")
+    if g.segments == 1 and layer.segment_stride:
+        raise invalid(
+            f"segment_stride {layer.segment_stride} must be 0: layout_kind "
+            f"{layer.layout_kind.value!r} has one segment ({at})"
+        )
 
 
 def _bounded(name: str, value: int, lo: int, hi: int) -> None:
@@ -153,6 +163,18 @@ def check_against(inst: Instance, reg: Registration) -> None:
         raise exists(f"rank {reg.rank} of instance {reg.instance_id!r} is already registered")
     for other in inst.ranks.values():
         _check_cells(other, reg)
+
+
+def check_device(inst: Instance | None, reg: Registration) -> None:
+    """A tp_rank's slots live in one device's pool (Block.devices holds one device
+    a tp_rank): ranks sharing a tp_rank (pipeline stages) share its device."""
+    for other in inst.ranks.values() if inst is not None else ():
+        if other.tp_rank == reg.tp_rank and other.device != reg.device:
+            raise invalid(
+                f"device {reg.device!r} of {reg.where()}: rank {other.rank} registered "
+                f"tp_rank {reg.tp_rank} on {other.device!r}; ranks of one tp_rank must "
+                "register memory on one device"
+            )
 
 
 def _check_cells(other: Registration, reg: Registration) -> None:

@@ -121,6 +121,21 @@ def test_segments_disagreeing_across_ranks(kit):
     still_waiting_then_seals(register, request, server)
 
 
+def test_a_segment_stride_on_a_one_segment_layout(kit):
+    """Before: the mapped region refused it with a ValueError, so the caller got
+    UNKNOWN and a CUDA mapping stayed open. Now INVALID_ARGUMENT naming it."""
+    request, register, server = kit
+    bad = request(rank=0)
+    for layer in bad.layers:
+        layer.segments = 1
+        layer.layout_kind = pb.BLOCKS_FIRST
+        layer.block_stride = layer.bytes_per_block
+        layer.segment_stride = 1
+    refused(register, bad, Code.INVALID_ARGUMENT, "layer.0", "segment_stride 1", "blocks_first")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -236,18 +251,21 @@ def test_missing_memory_handle(kit):
     still_waiting_then_seals(register, request, server)
 
 
-def test_unknown_instance(kit):
+@pytest.mark.parametrize("instance", ["ghost", "g" * 20_000])
+def test_unknown_instance(kit, instance):
+    """A long unknown id used to be echoed whole: the status outgrew gRPC's
+    metadata limit and came back RESOURCE_EXHAUSTED, naming nothing."""
     _request, _register, server = kit
     client = StoreClient(server.address)
     with pytest.raises(KVError) as info:
         call(
             client.stub.Save,
             pb.SaveRequest(
-                instance_id="ghost",
+                instance_id=instance,
                 rank=0,
                 session="x",
                 blocks=[pb.BlockRef(block_hash=1, block_id=0)],
             ),
             5,
         )
-    assert info.value.code == Code.NOT_FOUND
+    assert info.value.code == Code.NOT_FOUND and "instance_id" in info.value.message

@@ -72,3 +72,34 @@ def test_alternating_layouts_do_not_thrash():
     # 32 big + 32 small blocks (4 MiB) need at most one slab of room plus the 32 reused.
     assert evicted * 2 * SMALL <= SLAB + 32 * 2 * SMALL + 2 * SMALL, evicted
     node.index.pool("cpu").check()
+
+
+def test_a_slab_that_a_peer_fetch_also_holds_is_not_emptied_for_nothing():
+    """Slab eviction knew only the blocks of the index: a slab that also held a
+    reservation for a peer's fetch (detached, out of the index) could never empty,
+    yet its blocks were evicted, then the next slab's, and so on, the whole cache.
+    Now such a slab is passed over: one slab's blocks go, as for any other."""
+    import numpy as np
+
+    from kvstore.store.blocks import BlockIndex, Writer
+    from kvstore.store.pool import SlotPool
+
+    class Shape:
+        def __init__(self, slot: int):
+            self.slot_bytes = np.array([slot])
+            self.slot_bytes.flags.writeable = False
+            self.tp_size = 1
+
+    small, big = Shape(16 << 10), Shape(32 << 10)
+    index = BlockIndex({"cpu": SlotPool(128 << 10, "cpu", 64 << 10)})  # 2 slabs of 4 small slots
+    w = Writer("w", 0, "cpu")
+    for h in range(3):  # slab 0: three sealed blocks, the oldest ...
+        index.finish(index.claim("a", [h], small, np.array([0]), w))
+    fetching = index.reserve("a", [99], small, ["cpu"])  # ... and a fetch's reserved slot
+    for h in range(3, 7):  # slab 1: four newer sealed blocks
+        index.finish(index.claim("a", [h], small, np.array([0]), w))
+    index.claim("b", [1], big, np.array([0]), w)  # a 32 KiB slot: one whole slab must empty
+    assert index.stats().evictions == 4  # slab 1's blocks, not slab 0's three as well
+    assert index.snapshot() == [("a", 0), ("a", 1), ("a", 2)]
+    index.discard(fetching.blocks)
+    index.pool("cpu").check()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -347,3 +348,79 @@ def test_a_namespace_that_is_not_final_is_refused_not_answered_empty(namespace):
         assert info.value.code == Code.INVALID_ARGUMENT and "namespace" in info.value.message
     stats = node.stats()
     assert (stats.index.sealed_blocks, stats.index.leases, stats.requests.misses) == (1, 0, 0)
+
+
+def test_a_dropped_block_keeps_the_slots_a_copy_still_writes_until_it_ends():
+    """Rank 0's writer left while rank 1's copy into the same block still ran: the
+    block was dropped with every slot, rank 1's among them, and the next save got
+    that slot, so the late bytes would land in another (sealed) block. Now a
+    dropped block's slots wait for the copies into it (finish or abandon)."""
+    import numpy as np
+
+    from kvstore.store.blocks import BlockIndex, Writer
+    from kvstore.store.pool import SlotPool
+
+    class Shape:
+        slot_bytes = np.array([4096, 4096])
+        tp_size = 2
+
+    for end in ("finish", "abandon"):
+        index = BlockIndex({"cpu": SlotPool(1 << 20, "cpu", 64 << 10)})
+        a, b = Writer("A", 0, "cpu"), Writer("B", 1, "cpu")
+        index.finish(index.claim("ns", [1], Shape, np.array([0]), a))  # rank 0's bytes are in
+        running = index.claim("ns", [1], Shape, np.array([1]), b)  # rank 1's copy runs ...
+        in_flight = int(running.blocks[0].offsets[1])
+        assert index.drop_writer("A") == 1  # ... when rank 0's session ends
+        other = index.claim("ns", [2], Shape, np.array([0, 1]), Writer("C", 0, "cpu"))
+        assert in_flight not in other.blocks[0].offsets.tolist()
+        assert index.pool_stats().used_bytes == 4 * 4096  # block 1's two slots still held
+        getattr(index, end)(running)  # the copy ended: now they are free
+        assert index.pool_stats().used_bytes == 2 * 4096
+        assert index.stats().sealed_blocks == 0 and index.stats().inflight_blocks == 1
+        index.pool("cpu").check()
+
+
+def test_ranks_of_one_tp_rank_register_memory_on_one_device():
+    """Ranks sharing a tp_rank (pipeline stages) on two devices corrupted the slot
+    bookkeeping (a block holds one device a tp_rank): refused, nothing recorded."""
+    from kvstore.testing.store import make_rank
+
+    node = make_store()
+    first, second = make_rank("pp", 0, 1, layers=1), make_rank("pp", 0, 1, layers=1)
+    second.reg.rank = 1  # the second stage: tp_rank 0 as well, its own layer
+    first.reg.world_size = second.reg.world_size = 2
+    layer = second.reg.layers[0]
+    layer.geometry = dataclasses.replace(layer.geometry, name="l9")
+    second.reg.regions = {"l9": second.reg.regions["l0"]}
+    second.reg.device = "cuda:1"
+    node.registry.register(first.reg)
+    with pytest.raises(KVError) as info:
+        node.registry.register(second.reg)
+    assert info.value.code == Code.INVALID_ARGUMENT and "device" in info.value.message
+    assert list(node.registry.instances["pp"].ranks) == [0]
+    assert second.reg.session not in node.registry.sessions
+
+
+def test_a_load_whose_rank_left_while_it_fetched_copies_nothing():
+    """Before: a Load waited on a peer fetch, the rank's session ended meanwhile
+    (its memory unmapped), and the copy went ahead into the unmapped memory."""
+    from kvstore.store.fetch import Fetcher, StoreSink
+
+    node = make_store()
+    (rank,) = make_instance(node.registry, "a", tp_size=1)
+    (other,) = make_instance(node.registry, "b", tp_size=1)  # the same layout: one namespace
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(node.save(rank.reg.caller_id, [(7, 0)]))
+
+    async def find_peers(namespace, hashes):
+        """While the router is asked, rank a leaves and block 8 arrives from b."""
+        node.leave(rank.reg.session)
+        await node.save(other.reg.caller_id, [(8, 0)])
+        return []
+
+    node.fetcher = Fetcher(node.index, StoreSink(node.index, node.registry), find_peers)
+    with pytest.raises(KVError) as info:
+        run(node.load(rank.reg.caller_id, [(7, 1), (8, 2)]))
+    assert info.value.code == Code.NOT_FOUND and "instance_id 'a'" in info.value.message
+    assert node.query(ns, [7, 8]).prefix_blocks == 2  # both blocks there; nothing copied
+    assert not rank.reg.mapped and rank.reg.retired
