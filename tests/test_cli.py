@@ -66,6 +66,21 @@ def test_tls_files_grpc_cannot_use_are_named_not_blamed_on_the_port(tmp_path):
     assert "the address binds, so check the TLS certificate, key and CA files" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_a_tls_file_that_cannot_be_read_is_named_before_anything_listens(tmp_path, command):
+    """Before: a traceback, after the UCX listener and metrics port had started."""
+    from kvstore.demo import free_port
+
+    given = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for path in list(given.values())[1:]:
+        path.write_text("not read\n")
+    tls = [f"--tls-{name}={path}" for name, path in given.items()]  # the CA does not exist
+    extra = ["--no-transfer"] if command == "serve" else []
+    out = kvstore(command, "--port", str(free_port()), *extra, *tls)
+    assert out.returncode == 2, out.stderr
+    assert f"tls_ca {str(given['ca'])!r}" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_a_ucx_port_in_use_is_refused_naming_it():
     import socket
 

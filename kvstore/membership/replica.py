@@ -3,6 +3,7 @@
     replica = RouterReplica(etcd, config, router)     # router: the core (mirror.RouterCore)
     await replica.start("10.0.0.5:50061")            # register, follow stores/ and worksets/
     outcome = await replica.admit("w0", card, caller) # Admitted(generation) | Refused(...)
+    await replica.seen("w0", outcome.generation)       # this replica's view has it
     replica.release("w0", outcome.generation)         # a WorkerSession ended
     await replica.remove("w0", generation, caller)    # RemoveWorker
     await replica.check_publisher("node-a", generation, caller)   # PublishEvents
@@ -126,14 +127,15 @@ class RouterReplica:
         held.adopt(lease, outcome.generation)
         self._replace_held(name, HeldWorker(held, outcome.generation))
         held.keep()
-        generation = outcome.generation
-        if not await self.workers.wait(
-            lambda: self.workers.generation(name) == generation, SETTLE_S
-        ):
-            log.warning(
-                "worker %s admitted at %d; this replica has not seen it yet", name, generation
-            )
         return outcome
+
+    async def seen(self, name: str, generation: int) -> bool:
+        """Wait (SETTLE_S at most) until this replica has seen the admission of
+        ``name`` at ``generation``; False when it has not by then."""
+        if await self.workers.wait(lambda: self.workers.generation(name) == generation, SETTLE_S):
+            return True
+        log.warning("worker %s admitted at %d; this replica has not seen it yet", name, generation)
+        return False
 
     async def _readmit(
         self, name: str, card: WorkerCard, checksum: str, caller: Principal, lease: int

@@ -39,6 +39,7 @@ from typing import NamedTuple
 from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
 from kvstore.wire.errors import KVError, not_found, precondition
+from kvstore.wire.names import check_name
 from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 
@@ -153,6 +154,7 @@ class Admission:
     def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED
         unless ``caller`` admitted it or is an admin."""
+        check_name("name", name)
         worker = self.workers.get(name)
         if worker is None or (generation and worker.ref.generation != generation):
             raise not_found(f"worker {name!r} generation {generation or 'any'} is not admitted")

@@ -54,7 +54,7 @@ from kvstore.wire.errors import invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal
+from kvstore.wire.principal import LOCAL, Principal, denied
 
 log = logging.getLogger(__name__)
 
@@ -410,12 +410,23 @@ class Router:
             return self.peers.remove(node_id, generation) is not None
 
     def query_prefix(
-        self, final_namespace: str, hashes: Sequence[int], exclude_node_id: str = ""
+        self,
+        final_namespace: str,
+        hashes: Sequence[int],
+        exclude_node_id: str = "",
+        caller: Principal = LOCAL,
     ) -> list[PeerPrefix]:
-        """For each peer with sealed blocks of exactly ``final_namespace``: its longest prefix."""
+        """For each peer with sealed blocks of exactly ``final_namespace``: its longest
+        prefix. Asked by store nodes (a caller that owns one) and admins only: the
+        answer tells which prefixes a tenant holds (PERMISSION_DENIED otherwise)."""
         check_final_namespace("final_namespace", final_namespace)
         hashes = check_hashes("block_hashes", hashes)
         with self._lock:
+            if not (caller.admin or self.peers.owned_by(caller.name)):
+                raise denied(
+                    f"QueryPrefix is for store nodes and admins: {caller} owns no store "
+                    "node here (advertise or publish as one first)"
+                )
             self.peers.expire(self.clock())
             return self.peers.query_prefix(final_namespace, hashes, exclude_node_id)
 

@@ -252,6 +252,10 @@ class Peers:
             index.clear(bit)
         return 0
 
+    def owned_by(self, name: str) -> bool:
+        """Whether principal ``name`` owns a peer here (advertised or published as it)."""
+        return any(peer.owner == name for peer in self.peers.values())
+
     def query_prefix(
         self, namespace: str, hashes: list[int], exclude_node_id: str = ""
     ) -> list[PeerPrefix]:

@@ -153,7 +153,10 @@ class ClusterRouterService(RouterService):
         super().__init__(router, security)
         self.replica = replica
 
-    async def _admit(self, context, name: str, card: WorkerCard) -> Worker:
+    async def _admit(self, context, name: str, card: WorkerCard, session: bool = False) -> Worker:
+        """Admit through etcd, then wait for this replica to see it. For a
+        ``session``, an admission whose call fails or ends after etcd took it
+        (not seen in time, the client gone) is released: nothing holds it."""
         try:
             check_name("name", name)
             validate_card(card)
@@ -165,12 +168,18 @@ class ClusterRouterService(RouterService):
                 raise refusal(
                     name, key_of(card), outcome.checksum, outcome.reference, card, outcome.others
                 )
-            worker = self.router.worker(WorkerRef(name, outcome.generation))
-            if worker is None:
-                raise unavailable(
-                    f"worker {name!r} admitted in etcd (generation {outcome.generation}) "
-                    "but not yet seen by this replica; register again"
-                )
+            try:
+                await self.replica.seen(name, outcome.generation)
+                worker = self.router.worker(WorkerRef(name, outcome.generation))
+                if worker is None:
+                    raise unavailable(
+                        f"worker {name!r} admitted in etcd (generation {outcome.generation}) "
+                        "but not yet seen by this replica; register again"
+                    )
+            except BaseException:
+                if session:
+                    self.replica.release(name, outcome.generation)
+                raise
             return worker
         except KVError as exc:
             await status.abort(context, exc)
@@ -181,7 +190,7 @@ class ClusterRouterService(RouterService):
         return admitted_reply(worker, self.router.members(worker.key))
 
     async def WorkerSession(self, request, context):
-        worker = await self._admit(context, request.name, card_from_proto(request.card))
+        worker = await self._admit(context, request.name, card_from_proto(request.card), True)
         try:
             yield admitted_reply(worker, self.router.members(worker.key))
             while not context.done():  # hold the session; cancellation ends it
@@ -191,6 +200,7 @@ class ClusterRouterService(RouterService):
 
     async def RemoveWorker(self, request, context):
         try:
+            check_name("name", request.name)  # before it names an etcd key
             caller = self.security.principal(context)
             if not await self.replica.remove(request.name, request.generation, caller):
                 generation = request.generation or "any"

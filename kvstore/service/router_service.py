@@ -164,12 +164,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.AdvertisePeerResponse(generation=peer.generation)
 
     async def QueryPrefix(self, request, context):
+        caller = await self._caller(context)
         peers = await self._call(
             context,
             self.router.query_prefix,
             request.final_namespace,
             list(request.block_hashes),
             request.exclude_node_id,
+            caller,
         )
         return router_pb2.QueryPrefixResponse(
             peers=[

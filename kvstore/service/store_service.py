@@ -91,6 +91,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             log.info("session of %s ended; registration removed", reg.where())
 
     async def GetInstance(self, request, context):
+        caller = await self._caller(context)
         await self._call(context, check_wait_ms, request.wait_ms)
         deadline = asyncio.get_running_loop().time() + request.wait_ms / 1000
         inst = await self._call(context, self.node.instance, request.instance_id)
@@ -108,7 +109,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             finally:
                 self._seal_waiters.discard(changed)
             inst = self.node.instance(request.instance_id)
-        inst = await self._call(context, self.node.registered, request.instance_id)
+        inst = await self._call(context, self.node.registered, request.instance_id, caller)
         return codec.instance_info(inst)
 
     def _instance_changed(self, inst: Instance) -> None:

@@ -57,8 +57,13 @@ class Security:
 
     def check_exposure(self, host: str, insecure: bool) -> None:
         """Plaintext on a non-loopback address: ValueError unless ``insecure``,
-        then a warning (anyone who reaches the port is trusted with everything)."""
-        if self.tls is not None or is_loopback(host):
+        then a warning (anyone who reaches the port is trusted with everything).
+        With TLS, ValueError naming a file that cannot be read, before any port
+        is opened."""
+        if self.tls is not None:
+            self.tls.read()
+            return
+        if is_loopback(host):
             return
         if not insecure:
             raise ValueError(

@@ -207,6 +207,35 @@ def test_a_session_holds_its_worker_on_every_replica_until_it_ends(replicas, etc
     assert wait_for(lambda: etcd_keys(etcd_config, "worksets/") == {}, timeout=5)
 
 
+def test_a_session_whose_admission_fails_to_settle_leaves_nothing_in_etcd(
+    replicas, etcd_config, monkeypatch
+):
+    """Before: a WorkerSession this replica had not seen admitted within the
+    settle wait (or whose client left during it) ended UNAVAILABLE, yet its
+    admission stayed in etcd, kept alive by the replica: a worker routed to
+    with no session left to end it. Now the failed session releases it."""
+    import asyncio
+
+    from kvstore.membership import replica as replica_module
+
+    routers, _ = replicas
+    monkeypatch.setattr(replica_module, "SETTLE_S", 0.5)
+    lagging = routers[0].served.replica.directories[1]  # its view of the worker sets stops
+    asyncio.run_coroutine_threadsafe(lagging.close(), routers[0].loop).result(10)
+    channel = grpc.insecure_channel(routers[0].address)
+    call = router_pb2_grpc.RouterStub(channel).WorkerSession(
+        router_pb2.RegisterWorkerRequest(name="s", card=card_to_proto(card()))
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            next(call)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channel.close()
+    assert wait_for(lambda: etcd_keys(etcd_config, "worksets/") == {}, timeout=5)
+    assert wait_for(lambda: workers(routers[1]) == {}, timeout=5)
+
+
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_an_alias_of_two_models_resolves_the_same_on_both_replicas_in_either_order(replicas, order):
     routers, clients = replicas

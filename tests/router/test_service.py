@@ -121,6 +121,9 @@ def test_rejection_and_bad_input_statuses(served):
     with pytest.raises(KVError) as err:
         client.remove_worker("ghost")
     assert err.value.code == Code.NOT_FOUND
+    with pytest.raises(KVError) as err:  # was echoed whole: RESOURCE_EXHAUSTED, naming nothing
+        client.remove_worker("g" * 20_000)
+    assert err.value.code == Code.INVALID_ARGUMENT and "name" in err.value.message
     assert list(router.admission.workers) == ["ok"]
 
 

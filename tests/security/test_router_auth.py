@@ -74,6 +74,19 @@ def test_node_id_spoofing_on_advertise_and_publish_is_permission_denied(pki, tls
     assert node_a.query_prefix(NS, [1, 2])[0].node_id == "node-a"
 
 
+def test_query_prefix_answers_store_nodes_and_admins_only(pki, tls_router):
+    """Before: any certificate could ask which peers hold a tenant's prefixes."""
+    node = RouterClient(tls_router.address, tls=pki.issue("node-a"))
+    tenant = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    admin = RouterClient(tls_router.address, tls=pki.issue(ADMIN))
+    gen = node.advertise_peer("node-a", "127.0.0.1:1", "127.0.0.1:2", [NS])
+    node.publish([StoreEvent("stored", NS, [1, 2], "node-a")], "node-a", gen)
+    err = refused(tenant.query_prefix, NS, [1, 2])
+    assert err.code is Code.PERMISSION_DENIED and "tenant-b" in err.message
+    assert [p.prefix_blocks for p in node.query_prefix(NS, [1, 2])] == [2]
+    assert [p.prefix_blocks for p in admin.query_prefix(NS, [1, 2])] == [2]
+
+
 def test_client_without_a_certificate_is_refused(pki, tls_router):
     channel = grpc.insecure_channel(tls_router.address)  # plaintext to a TLS port
     stub = router_pb2_grpc.RouterStub(channel)

@@ -76,6 +76,8 @@ def test_stranger_cannot_register_into_read_or_clear_another_tenants_namespace(p
         err = refused(Rank, b, "thief", "llama")  # same client namespace, same layout
         assert err.code is Code.PERMISSION_DENIED and "llama" in err.message
         assert refused(b.query, ns, [100]).code is Code.PERMISSION_DENIED
+        assert refused(b.instance, "victim").code is Code.PERMISSION_DENIED  # its namespace
+        assert a.instance("victim").final_namespace == ns
         assert refused(b.clear, ns).code is Code.PERMISSION_DENIED
         assert refused(b.clear).code is Code.PERMISSION_DENIED  # every namespace: admin only
         assert refused(a.clear).code is Code.PERMISSION_DENIED  # not even an owner

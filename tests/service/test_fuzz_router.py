@@ -287,7 +287,8 @@ def test_remove_worker_fuzz(env):
         req = pb.RemoveWorkerRequest(name=name, generation=generation)
         answer = env.check("RemoveWorker", req, ("worker", "name", "generation"))
         if isinstance(answer, KVError):
-            assert answer.code == Code.NOT_FOUND, answer
+            valid = 0 < len(name) <= limits.MAX_NAME_LEN and name.isprintable()
+            assert answer.code == (Code.NOT_FOUND if valid else Code.INVALID_ARGUMENT), answer
         else:
             assert name == "w0" and generation in (0, env.w0)
 
