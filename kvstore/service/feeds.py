@@ -31,6 +31,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvstore._proto import store_pb2, store_pb2_grpc
 from kvstore.client.tls import open_aio_channel
@@ -38,6 +39,7 @@ from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.core import Router
 from kvstore.router.drops import DropCause
 from kvstore.router.vllm_events import decode_message
+from kvstore.wire import limits
 from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.tls import TlsFiles
 
@@ -57,17 +59,31 @@ async def follow_vllm(
 
     With ``ref`` the events belong to that generation only; with ``name``
     they belong to the current generation of that worker name.
+
+    A frame longer than MAX_EVENT_BYTES is refused by ZMQ as it arrives (never
+    held whole in memory), which drops the connection; ZMQ does not reconnect
+    after that, so every disconnection is answered with a fresh connect.
     """
     ctx = ctx or zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_EVENT_BYTES)
     sock.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
     if ready is not None:
         ready.set()
+    poller = zmq.asyncio.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     last_seq: int | None = None
     try:
         while True:
+            readable = dict(await poller.poll())
+            if monitor in readable:
+                await _reconnect(sock, monitor, endpoint)
+            if sock not in readable:
+                continue
             frames = await sock.recv_multipart()
             try:
                 batch = decode_message(frames)
@@ -83,7 +99,24 @@ async def follow_vllm(
             else:
                 router.apply_named_vllm_batch(name, batch)
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
+
+
+async def _reconnect(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, endpoint: str) -> None:
+    """The publisher's connection dropped (it went away, or sent a frame over the
+    bound): connect afresh, which ZMQ retries until the publisher is back."""
+    parse_monitor_message(await monitor.recv_multipart())
+    log.warning(
+        "vLLM events from %s: disconnected (the publisher stopped, or sent a frame over "
+        "%d bytes); reconnecting",
+        endpoint,
+        limits.MAX_EVENT_BYTES,
+    )
+    with contextlib.suppress(zmq.ZMQError):  # no longer connected: nothing to undo
+        sock.disconnect(endpoint)
+    sock.connect(endpoint)
 
 
 async def follow_store(

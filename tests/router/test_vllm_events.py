@@ -172,6 +172,27 @@ def test_vllm_events_over_zmq_are_indexed_and_routed_on(served, pub):
     wait_for(lambda: router.stats().indexed_blocks == 0, lambda: send(["AllBlocksCleared"]))
 
 
+def test_an_oversized_event_frame_is_refused_on_the_wire_and_later_batches_land(served, pub):
+    """Before: a frame of any size was received whole (256 MiB of the router's
+    memory for a 256 MiB frame) and only then counted dropped. Now ZMQ refuses a
+    frame past MAX_EVENT_BYTES as it arrives, which drops the connection; the
+    router connects again, so the publisher's later batches still land."""
+    from kvstore.wire import limits
+
+    router, client, _ = served
+    sock, endpoint = pub()
+    client.register_worker("hot", card(hash_format="vllm-sha256", kv_events_endpoint=endpoint))
+    seq = iter(range(1_000_000))
+
+    def send(*events):
+        sock.send_multipart(frames(batch(*events), seq=next(seq)))
+
+    wait_for(lambda: router.stats().indexed_blocks == 1, lambda: send(stored(H[:1])))
+    sock.send_multipart(frames(b"\x91" * (limits.MAX_EVENT_BYTES + 1), seq=next(seq)))
+    wait_for(lambda: router.stats().indexed_blocks == 2, lambda: send(stored(H[1:2])))
+    assert router.stats().events_dropped == 0  # refused by ZMQ: never received, never decoded
+
+
 def test_replaced_worker_old_publisher_is_ignored(served, pub):
     router, client, _ = served
     old_sock, old_ep = pub()
