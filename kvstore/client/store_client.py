@@ -29,6 +29,7 @@ from kvstore.copy import region_from_tensor
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.hashing import HASH_FORMAT
 from kvstore.wire.kv_layout import LayoutKind
+from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 from kvstore.wire.tls import TlsFiles
 
 CHANNEL_OPTIONS = [
@@ -348,6 +349,13 @@ def call(method, request, timeout: float):
 def kv_error(exc: grpc.RpcError, fallback: str) -> KVError:
     """The KVError a gRPC status stands for: the code of the same name, the server's message."""
     return KVError(Code.from_name(exc.code().name), exc.details() or fallback)
+
+
+def request_chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``pairs`` cut into Saves or Loads the store accepts (MAX_BLOCKS_PER_REQUEST each)."""
+    return [
+        pairs[i : i + MAX_BLOCKS_PER_REQUEST] for i in range(0, len(pairs), MAX_BLOCKS_PER_REQUEST)
+    ]
 
 
 def _block_refs(blocks: list[tuple[int, int]]) -> list[pb.BlockRef]:

@@ -204,6 +204,8 @@ class WorkerMirror:
             self.router.register_worker(name, record.card, generation, owner)
         except KVError as exc:  # a card etcd holds but this core refuses: say so, go on
             log.error("worker %s (generation %d) from etcd not admitted: %s", name, generation, exc)
+            if name in self._members:  # its older generation is no longer the worker
+                self._remove(name)
             return
         self._members[name] = (set_id, generation)
 

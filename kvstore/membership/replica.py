@@ -140,7 +140,11 @@ class RouterReplica:
     async def _readmit(
         self, name: str, card: WorkerCard, checksum: str, caller: Principal, lease: int
     ) -> int:
-        outcome = await self.worksets.admit(name, card, checksum, lease, caller)
+        # only while nobody admitted the name meanwhile (the worker re-registered
+        # elsewhere: that admission is the worker now, not this replica's old card)
+        outcome = await self.worksets.admit(
+            name, card, checksum, lease, caller, unclaimed_only=True
+        )
         if isinstance(outcome, Refused):
             raise KVError(
                 Code.FAILED_PRECONDITION,
@@ -157,6 +161,10 @@ class RouterReplica:
 
     def _let_go(self, name: str) -> None:
         self._replace_held(name, None)
+
+    def holds(self, name: str) -> bool:
+        """Whether this replica keeps an admission of ``name`` alive."""
+        return name in self._held
 
     def release(self, name: str, first_generation: int) -> None:
         """The session that admitted ``name`` at ``first_generation`` ended: revoke

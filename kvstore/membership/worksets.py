@@ -50,7 +50,7 @@ from kvstore.membership.etcd import (
 )
 from kvstore.membership.layout import Layout, MemberRecord, NameClaim, SetCard, SetId
 from kvstore.wire.card import WorkerCard
-from kvstore.wire.errors import unavailable
+from kvstore.wire.errors import precondition, unavailable
 from kvstore.wire.principal import LOCAL, Principal, check_owner
 
 MAX_ATTEMPTS = 32
@@ -104,16 +104,22 @@ class WorkerSets:
         checksum: str,
         lease: int,
         caller: Principal = LOCAL,
+        *,
+        unclaimed_only: bool = False,
     ) -> Admitted | Refused:
         """Admit ``card`` (checksum ``checksum``, validated) as worker ``name``
         under ``lease`` for ``caller``, replacing its earlier admission.
         PERMISSION_DENIED, nothing written, when ``name`` is admitted for
-        another principal and ``caller`` is not an admin."""
+        another principal and ``caller`` is not an admin. ``unclaimed_only`` (a
+        replica admitting again what its lost lease held): FAILED_PRECONDITION,
+        nothing written, when the name was admitted again meanwhile."""
         set_id = SetId.of(card)
         layout = self.layout
         mine = layout.member(set_id, name)
         for _ in range(MAX_ATTEMPTS):
             view = await self._read(set_id, name)
+            if unclaimed_only and view.claim is not None:
+                raise precondition(f"worker {name!r} was admitted again while its lease was lost")
             if view.claim is not None:
                 owner = NameClaim.decode(view.claim.value).owner
                 check_owner(f"worker name {name!r}", owner, caller)

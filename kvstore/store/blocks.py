@@ -173,6 +173,11 @@ class BlockIndex:
             pinned_blocks=sum(1 for b in self.blocks.values() if b.pins),
         )
 
+    def slot_limit(self) -> int:
+        """The largest slot any pool here can hold (a slot larger than a slab cannot
+        be stored, docs/design.md §2)."""
+        return min(pool.slab_bytes for pool in self._pools.values())
+
     @property
     def devices(self) -> tuple[str, ...]:
         """The devices whose pools hold this index's slots."""

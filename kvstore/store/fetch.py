@@ -369,5 +369,8 @@ class Fetcher:
             return await fetch(address, namespace, want, sink, timeout_s, secret, self.rma, ahead)
         except RmaFailed as err:
             self._failed_rma += 1
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the read failed because we were
+                raise asyncio.CancelledError from err  # cancelled: not a reason to go on
             log.warning("one-sided fetch from %s failed (%s); retrying two-sided", address, err)
         return await fetch(address, namespace, want, sink, timeout_s, secret, ahead=ahead)

@@ -22,7 +22,7 @@ from kvstore.store.block import Block
 from kvstore.store.blocks import BlockIndex, IndexStats, Writer
 from kvstore.store.copying import LOAD, SAVE, CopyJob, copy_in_thread
 from kvstore.store.fetch import Fetcher, FetcherStats, FetchResult, SourceStats, StoreSource
-from kvstore.store.pool import PoolStats
+from kvstore.store.pool import PoolStats, round_size
 from kvstore.store.registry import (
     Caller,
     CallerId,
@@ -117,6 +117,7 @@ class StoreNode:
     def register(self, reg: Registration) -> Instance:
         """Register a rank for ``reg.principal``, who then owns its client namespace."""
         try:
+            check_slot_sizes(reg, self.index.slot_limit())
             self.tenants.check_register(reg.client_namespace, reg.principal)
             inst = self.registry.register(reg)
         except KVError as err:
@@ -333,6 +334,19 @@ def check_distinct(field_name: str, hashes: list[int]) -> None:
     if len(set(hashes)) != len(hashes):
         first = next(h for i, h in enumerate(hashes) if h in hashes[:i])
         raise invalid(f"{field_name}: block_hash {first:#018x} appears more than once")
+
+
+def check_slot_sizes(reg: Registration, limit: int) -> None:
+    """Every layer's slot (its bytes of one block) fits a slab of the pools: else
+    every Save of the instance would fail, so its registration is refused."""
+    for layer in reg.layers:
+        size = layer.geometry.bytes_per_block
+        if round_size(size) > limit:
+            raise invalid(
+                f"layer {layer.geometry.name[:64]!r} of {reg.where()}: bytes_per_block {size} "
+                f"is larger than this server's slabs ({limit} bytes): its blocks cannot be "
+                "stored; use smaller blocks (block_size) or fewer heads a rank"
+            )
 
 
 def check_refs(reg: Registration, refs: list[BlockRef]) -> None:

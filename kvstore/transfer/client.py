@@ -141,6 +141,7 @@ async def _fetch_on(
     """One fetch on ``conn``: one-sided with ``reads``, reserving ahead into
     ``ahead_sink`` (both None: two-sided, reserving after the offer)."""
     body = encode_request(namespace, hashes, rma=reads is not None)
+    asked = asyncio.get_running_loop().time()  # a granted lease runs from before this
     request = started(frame_sends(conn, Kind.REQUEST, body))
     ahead = await _reserve_ahead(conn, ahead_sink, namespace, hashes, request)
     try:
@@ -158,7 +159,7 @@ async def _fetch_on(
         return 0
     reservation = await _reservation(conn, sink, namespace, hashes, offer, ahead, deadline)
     if offer.grant is not None and reads is not None:
-        await _read_one_sided(conn, reads, reservation, offer, deadline)
+        await _read_one_sided(conn, reads, reservation, offer, deadline, asked)
         return offer.num_blocks
     try:
         table = reservation.slots
@@ -236,14 +237,20 @@ async def _reservation(
 
 
 async def _read_one_sided(
-    conn: Conn, reads: PeerReads, reservation: Reservation, offer: Offer, deadline: float
+    conn: Conn,
+    reads: PeerReads,
+    reservation: Reservation,
+    offer: Offer,
+    deadline: float,
+    asked: float,
 ) -> None:
-    """Read the granted slots into the reservation, commit, RELEASE the lease.
+    """Read the granted slots into the reservation (``asked``: when the REQUEST
+    went out, from when the grant's expiry counts), commit, RELEASE the lease.
     On failure the reservation is aborted (kept for good if a read may still
     land in it) and the endpoint aborted, which releases the peer's lease."""
     assert offer.grant is not None
     try:
-        await reads.read(reservation.slots, offer.grant, offer.lanes, deadline)
+        await reads.read(reservation.slots, offer.grant, offer.lanes, deadline, asked)
     except BaseException as e:
         conn.abort()
         if isinstance(e, RmaFailed) and e.unsettled:
@@ -255,7 +262,9 @@ async def _read_one_sided(
     # one-way: the fetch is done once it is posted. Frames on an endpoint arrive
     # in order, so the peer sees it before the next REQUEST; a send that fails
     # aborts the endpoint (the peer then releases on close)
-    post_frame(conn, Kind.RELEASE, encode_release(offer.grant.lease_id), deadline)
+    # no deadline: the endpoint goes back to the pool, and a late abort under this
+    # fetch's deadline would fail the next fetch on it (a dead peer fails the send)
+    post_frame(conn, Kind.RELEASE, encode_release(offer.grant.lease_id), None)
 
 
 async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:

@@ -18,7 +18,6 @@ peer's card (asked again next time) and raises
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -78,8 +77,10 @@ class PeerReads(NamedTuple):
     address: str
     card: LoadedCard
 
-    async def read(self, local: SlotTable, grant: Grant, lanes: int, deadline: float) -> ReadStats:
-        return await self.reader.read(self, local, grant, lanes, deadline)
+    async def read(
+        self, local: SlotTable, grant: Grant, lanes: int, deadline: float, asked: float
+    ) -> ReadStats:
+        return await self.reader.read(self, local, grant, lanes, deadline, asked)
 
 
 class RmaReader:
@@ -136,14 +137,20 @@ class RmaReader:
             self.endpoint.forget(loaded.peer)
 
     async def read(
-        self, reads: PeerReads, local: SlotTable, grant: Grant, lanes: int, deadline: float
+        self,
+        reads: PeerReads,
+        local: SlotTable,
+        grant: Grant,
+        lanes: int,
+        deadline: float,
+        asked: float,
     ) -> ReadStats:
         """Read every granted slot into ``local`` before ``deadline`` and before the
-        lease ends. Raises RmaFailed (ReadUnsettled as its cause when the local
-        slots may still be written: never reuse them)."""
+        lease ends, counted from ``asked`` (loop time when the REQUEST went out:
+        the peer's lease started after it). Raises RmaFailed (ReadUnsettled as its
+        cause when the local slots may still be written: never reuse them)."""
         address, card = reads.address, reads.card
-        loop_now = asyncio.get_running_loop().time()
-        end = min(deadline, loop_now + grant.expiry_s * (1 - EXPIRY_MARGIN))
+        end = min(deadline, asked + grant.expiry_s * (1 - EXPIRY_MARGIN))
         try:
             if card.peer is None:
                 raise PeerUnavailable(f"peer {address}: no card loaded")

@@ -560,7 +560,9 @@ async def recv_frame(
     end = PREAMBLE.size + length
     if end <= INLINE_FRAME_BYTES:
         return Frame(kind, length, first[PREAMBLE.size : end].tobytes())
-    body = np.empty(length, dtype=np.uint8)
+    # zeros, not empty: ucxx completes a shorter message than the buffer without
+    # error (rapidsai/ucxx#104), and the rest must not be this process's old heap
+    body = np.zeros(length, dtype=np.uint8)
     await run_ops(conn, [post_recv(conn.ep, body, CONTROL_TAG)], deadline, f"receiving {kind.name}")
     return Frame(kind, length, body.tobytes())
 

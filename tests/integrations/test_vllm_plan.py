@@ -164,6 +164,38 @@ def test_plan_loads_the_external_part_and_saves_each_full_block_once(server, ran
         assert torch.equal(v[[0, 1, 2, 3]].view(torch.int16), before[n].view(torch.int16))
 
 
+def test_requests_sharing_a_prefix_in_one_step_save_each_block_once(server, rank):
+    """Two new requests with a common prefix (vLLM caches its blocks once) named
+    the same blocks twice in one step: the store refused the whole Save."""
+    worker, _, _ = rank
+    sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
+    a, b = request("a", 3), request("b", 3)  # the same three block hashes
+    plan = sched.build_plan(
+        step(
+            [new_req("a", [0, 1, 2], 0), new_req("b", [0, 1, 2], 0)], scheduled={"a": 96, "b": 96}
+        ),
+        {"a": a, "b": b},
+    )
+    assert plan.saves == [BlockPair(block_key(vllm_hash(i)), i) for i in range(3)]
+    worker.save(plan.saves)
+    assert StoreClient(server.address).stats().sealed_blocks == 3
+
+
+def test_a_step_whose_load_failed_saves_nothing(server, rank):
+    """Before: the step's Save went ahead and sealed, under valid hashes, blocks
+    whose Load had just failed (stale KV) and blocks computed on top of them."""
+    worker, _, _ = rank
+    client = StoreClient(server.address)
+    pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(3)]
+    worker.load(pairs[:2])  # never saved: NOT_FOUND
+    worker.save(pairs)
+    assert client.stats().sealed_blocks == 0
+    assert worker.take_load_errors() == {0, 1}
+    worker.load([])  # the next step
+    worker.save(pairs)
+    assert client.stats().sealed_blocks == 3
+
+
 def test_an_unreachable_store_is_a_miss_logged_once(caplog):
     client = StoreClient("127.0.0.1:1", timeout=0.5)
     sched = SchedulerSide(client, "vllm-x", BS, retry_s=60)

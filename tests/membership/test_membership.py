@@ -308,3 +308,82 @@ def test_two_replicas_give_the_same_route_once_store_events_have_settled(etcd_co
             blocks.close()
         for s in stores:
             s.stop()
+
+
+def test_a_replica_that_refuses_a_re_registration_stops_routing_to_the_old_one():
+    """Replicas with different --events-allow: etcd admitted a new card this core
+    refuses. Before, the old generation (old address) stayed routable here."""
+    import asyncio
+
+    from kvstore.membership.etcd import Change, Entry
+    from kvstore.membership.layout import Layout, MemberRecord, SetId
+    from kvstore.membership.mirror import WorkerMirror
+    from kvstore.router.core import Router
+
+    async def go():
+        router, layout = Router(), Layout("/kvstore/test/")
+        mirror = WorkerMirror(router, layout, lambda _set: None, lambda _name, _change: None)
+        old = card(address="127.0.0.1:8000")
+        new = card(address="10.0.0.6:8000", kv_events_endpoint="tcp://10.0.0.5:5557")
+
+        def put(c, revision):
+            key = layout.member(SetId.of(c), "w0")
+            return Change(False, Entry(key, MemberRecord(c, "").encode(), revision, revision, 7))
+
+        mirror.changed(put(old, 10))
+        assert router.worker_generations() == {"w0": 10}
+        mirror.changed(put(new, 20))  # a foreign event endpoint: refused by this core
+        assert router.worker_generations() == {}
+        with pytest.raises(KVError) as gone:
+            router.route("llama-8b", hashes=[1])
+        assert gone.value.code is Code.NOT_FOUND
+
+    asyncio.run(go())
+
+
+def test_a_replica_whose_lease_was_lost_does_not_readmit_over_a_newer_registration(etcd_config):
+    """R1 admitted w0, then lost its lease (silent past the TTL) while w0
+    registered again through R2. Before, R1 admitted its old card again over
+    R2's, R2 let go, and when R1's stale session ended w0 vanished everywhere
+    though the worker was alive on R2. Now R1 lets go instead."""
+    import asyncio
+
+    from kvstore.membership.etcd import Etcd
+    from kvstore.membership.layout import MemberRecord, SetId
+    from kvstore.membership.replica import RouterReplica
+    from kvstore.router.core import Router
+
+    async def go():
+        etcds = [Etcd(etcd_config) for _ in range(3)]
+        cores = [Router(), Router()]
+        r1, r2 = (RouterReplica(e, etcd_config, c) for e, c in zip(etcds, cores, strict=False))
+        probe = etcds[2]
+        try:
+            for i, r in enumerate((r1, r2)):
+                await r.start(f"127.0.0.1:{i + 1}")
+                assert await r.listed(5)
+            old, new = card(address="10.0.0.1:8000"), card(address="10.0.0.2:8000")
+            first = (await r1.admit("w0", old)).generation
+            await r1.seen("w0", first)
+            await r1.directories[1].close()  # a partition: R1 hears no worker changes ...
+            member = await probe.get(r1.layout.member(SetId.of(old), "w0"))
+            await probe.revoke(member.lease)  # ... and its lease for w0 expires
+            second = (await r2.admit("w0", new)).generation
+            await r2.seen("w0", second)
+            for _ in range(100):  # R1 hears its lease is gone, and lets go
+                if not r1.holds("w0"):
+                    break
+                await asyncio.sleep(0.1)
+            assert not r1.holds("w0") and r2.holds("w0")
+            member = await probe.get(r1.layout.member(SetId.of(new), "w0"))
+            assert MemberRecord.decode(member.value).card.address == "10.0.0.2:8000"
+            r1.release("w0", first)  # R1's stale session ends: nothing of R2's goes
+            await asyncio.sleep(0.5)
+            assert cores[1].worker_generations() == {"w0": second}
+        finally:
+            for r in (r1, r2):
+                await r.close()
+            for e in etcds:
+                await e.close()
+
+    asyncio.run(go())

@@ -380,6 +380,21 @@ def test_a_dropped_block_keeps_the_slots_a_copy_still_writes_until_it_ends():
         index.pool("cpu").check()
 
 
+def test_a_layer_whose_slot_outgrows_a_slab_is_refused_at_registration():
+    """Before: it registered and sealed, and then every Save failed with
+    RESOURCE_EXHAUSTED blaming loads and leases."""
+    from kvstore.testing.store import make_rank
+
+    node = make_store(pool_bytes=1 << 20, slab_bytes=64 << 10)
+    big = make_rank("big", 0, 1, layers=2, block_bytes=128 << 10)
+    with pytest.raises(KVError) as info:
+        node.register(big.reg)
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert "bytes_per_block 131072" in info.value.message and "65536" in info.value.message
+    assert node.registry.get("big") is None
+    node.register(make_rank("fits", 0, 1, layers=2, block_bytes=64 << 10).reg)
+
+
 def test_ranks_of_one_tp_rank_register_memory_on_one_device():
     """Ranks sharing a tp_rank (pipeline stages) on two devices corrupted the slot
     bookkeeping (a block holds one device a tp_rank): refused, nothing recorded."""

@@ -421,6 +421,12 @@ class NodeState:
         self.readers = [*getattr(self, "readers", []), reader]  # its agent outlives the fetch
         return out | sink.report()
 
+    async def litter(self, nbytes: int) -> None:
+        """Leave ``nbytes`` of b"Z" in this process's freed heap (where a buffer
+        allocated next without zeroing would find it)."""
+        mess = np.full(nbytes, ord("Z"), dtype=np.uint8)
+        del mess
+
     async def raw(
         self, address: str, frames: list[bytes], replies: int, keep: bool = False
     ) -> list:

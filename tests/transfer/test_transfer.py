@@ -180,6 +180,26 @@ def test_bad_requests_are_refused_and_the_server_survives(nodes):
     assert out["n"] == [2] and out["corrupt"] == [], out
 
 
+def test_a_frame_shorter_than_its_preamble_said_reads_as_zeros_not_old_heap(nodes):
+    """ucxx completes a message shorter than the receive buffer without error. A
+    REQUEST body announced at 100,000 bytes but sent as 6 landed in an
+    uninitialised buffer, and the refusal quoted what it found there: this
+    process's old heap, sent to whoever asked. Now the rest reads as zeros."""
+    from kvstore.transfer import wire
+
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]))
+    announced = 100_000
+    short = b"\x94\xc6" + (announced - 9).to_bytes(4, "big")  # [bin of ~100 KB, ...] cut off
+    preamble = wire.encode_preamble(wire.Kind.REQUEST, announced)
+    for _ in range(3):
+        server.call("litter", nbytes=announced)
+        replies = client.call("raw", address=address, frames=[preamble, short], replies=1)
+        kind, _, (code, message) = replies[0]
+        assert (kind, code) == ("ERROR", "INVALID_ARGUMENT"), replies
+        assert "version" in message and "ZZ" not in message and "\\x00\\x00" in message
+
+
 def test_malicious_offer_is_rejected_before_reserving(nodes):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:2], [4096]), behaviour="evil_offer")

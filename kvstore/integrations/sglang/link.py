@@ -12,7 +12,7 @@ import logging
 import threading
 
 from kvstore.client.kept_rank import KeptRank
-from kvstore.client.store_client import KVLayer, RankSession, StoreClient
+from kvstore.client.store_client import KVLayer, RankSession, StoreClient, request_chunks
 from kvstore.integrations.sglang.identity import RankIdentity
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
@@ -69,7 +69,7 @@ class RankLink:
         if session is None:
             return False
         try:
-            for chunk in _chunks(pairs):
+            for chunk in request_chunks(pairs):
                 session.save(chunk, timeout=self.io_timeout)
         except KVError as err:
             self._failed("save", err)
@@ -85,7 +85,7 @@ class RankLink:
             return 0
         try:
             done = 0
-            for chunk in _chunks(pairs):
+            for chunk in request_chunks(pairs):
                 n = self._load_prefix(session, chunk)
                 done += n
                 if n < len(chunk):
@@ -159,9 +159,3 @@ class RankLink:
 
     def close(self) -> None:
         self._rank.close()
-
-
-def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    return [
-        pairs[i : i + MAX_BLOCKS_PER_REQUEST] for i in range(0, len(pairs), MAX_BLOCKS_PER_REQUEST)
-    ]

@@ -257,6 +257,12 @@ class SchedulerSide:
                 tracked.block_ids.extend(new_ids[0])
             self._save_full_blocks(req_id, cached.num_computed_tokens[i], scheduler_output)
         plan, self._plan = self._plan, StepPlan()
+        # requests sharing a prefix (vLLM caches their blocks once) name the same
+        # blocks; the store refuses a request with a hash twice, so each goes once
+        first: dict[int, BlockPair] = {}
+        for pair in plan.saves:
+            first.setdefault(pair.key, pair)
+        plan.saves = list(first.values())
         return plan
 
     def _save_full_blocks(self, req_id: str, computed: int, scheduler_output: Any) -> None:

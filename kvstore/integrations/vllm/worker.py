@@ -25,7 +25,13 @@ from torch.overrides import TorchFunctionMode
 
 from kvstore.client.kept_rank import KeptRank
 from kvstore.client.shared_memory import ShmTensor, shm_empty
-from kvstore.client.store_client import KVLayer, RankSession, RankSpec, StoreClient
+from kvstore.client.store_client import (
+    KVLayer,
+    RankSession,
+    RankSpec,
+    StoreClient,
+    request_chunks,
+)
 from kvstore.integrations.vllm.scheduler import BlockPair
 from kvstore.wire.errors import KVError, unavailable
 from kvstore.wire.kv_layout import LayoutKind, paged_layout
@@ -133,6 +139,7 @@ class WorkerSide:
         self._layers: list[KVLayer] = []
         self._rank: KeptRank | None = None
         self.load_errors: set[int] = set()
+        self._step_load_failed = False  # this step's Load failed: its Save is skipped
 
     def register(self, layers: list[KVLayer]) -> None:
         """Register and wait for the seal; a store that is down is retried in the background."""
@@ -155,23 +162,36 @@ class WorkerSide:
         return self._rank.live() if self._rank is not None else None
 
     def load(self, pairs: list[BlockPair]) -> None:
-        """Load the step's blocks before the forward; failures are reported, never raised."""
+        """Load the step's blocks before the forward (called every step, first);
+        failures are reported, never raised."""
+        self._step_load_failed = False
         if not pairs:
             return
         session = self._live_session()
         try:
             if session is None:
                 raise unavailable("not registered with the store")
-            session.load([tuple(p) for p in pairs], timeout=self.rpc_timeout)
+            for chunk in request_chunks([tuple(p) for p in pairs]):
+                session.load(chunk, timeout=self.rpc_timeout)
         except KVError as err:
             log.warning(
                 "kvstore: load of %d blocks failed (%s); vLLM recomputes them", len(pairs), err
             )
             self.load_errors.update(p.block_id for p in pairs)
+            self._step_load_failed = True
 
     def save(self, pairs: list[BlockPair]) -> None:
-        """Save the step's newly full blocks after the forward (best effort)."""
+        """Save the step's newly full blocks after the forward (best effort). Not
+        after a failed Load of the same step: the blocks it was to fill hold stale
+        KV (vLLM recomputes them later), and blocks computed on top of them too."""
         if not pairs:
+            return
+        if self._step_load_failed:
+            log.warning(
+                "kvstore: save of %d blocks skipped: this step's load failed, so their KV "
+                "may rest on blocks vLLM has yet to recompute",
+                len(pairs),
+            )
             return
         session = self._live_session()
         if session is None:
@@ -179,7 +199,8 @@ class WorkerSide:
         if any(layer.tensor.is_cuda for layer in self._layers):
             torch.cuda.current_stream().synchronize()  # the forward's kernels wrote them
         try:
-            session.save([tuple(p) for p in pairs], timeout=self.rpc_timeout)
+            for chunk in request_chunks([tuple(p) for p in pairs]):
+                session.save(chunk, timeout=self.rpc_timeout)
         except KVError as err:
             log.warning(
                 "kvstore: save of %d blocks failed (%s); they stay uncached", len(pairs), err
