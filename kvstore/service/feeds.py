@@ -31,7 +31,6 @@ import logging
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from kvstore._proto import store_pb2, store_pb2_grpc
 from kvstore.client.tls import open_aio_channel
@@ -107,7 +106,7 @@ async def follow_vllm(
 async def _reconnect(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, endpoint: str) -> None:
     """The publisher's connection dropped (it went away, or sent a frame over the
     bound): connect afresh, which ZMQ retries until the publisher is back."""
-    parse_monitor_message(await monitor.recv_multipart())
+    await monitor.recv_multipart()  # the event: any one means the connection is gone
     log.warning(
         "vLLM events from %s: disconnected (the publisher stopped, or sent a frame over "
         "%d bytes); reconnecting",

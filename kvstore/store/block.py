@@ -100,7 +100,6 @@ def new_blocks(
     row view each: cheaper to make than a copy each, and placed in one call)."""
     slot_bytes, tp_size = shape.slot_bytes, shape.tp_size
     offsets = np.full((len(hashes), len(slot_bytes)), -1, dtype=np.int64)
-    devices = devices or (None,) * tp_size
     blocks = [
         Block(
             (namespace, h),

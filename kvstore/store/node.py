@@ -193,8 +193,7 @@ class StoreNode:
             await self.fetcher.prefetch(namespace, hashes)
             # the rank's session may have ended meanwhile (its memory unmapped):
             # refused as any call of an ended session is, nothing copied
-            if self.registry.caller(who).reg is not reg:
-                raise precondition(f"{reg.where()} changed while its load fetched; load again")
+            self.registry.caller(who)
         blocks = self.index.require_sealed(namespace, hashes)
         for block in blocks:
             if block.devices[reg.tp_rank] != reg.device:

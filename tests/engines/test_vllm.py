@@ -32,7 +32,14 @@ HIT_P = (len(PROMPTS["p"]) - 1) // BLOCK * BLOCK  # 192
 
 
 def spec(model: str, runs: list, connector: dict | None = None, **kw) -> dict:
+    """An engine spec; a tp-1 engine runs in one process unless ``one_process=False``.
+
+    One process halves an engine's start on two cores. vLLM's own split into
+    processes (the connector's metadata crossing them) is kept by the tp-2 test
+    and the store-killed test.
+    """
     phases = [r if isinstance(r, dict) else {"run": [r]} for r in runs]
+    kw.setdefault("one_process", kw.get("tp", 1) == 1)
     return {
         "model": model,
         "prompts": PROMPTS,
@@ -159,7 +166,9 @@ def test_store_killed_mid_run_engine_recomputes_then_reconnects(models, workdir,
         {"until_cached": "r", "min_tokens": HIT_P - BLOCK, "timeout": 20},
     ]
     engine = Engine(
-        workdir, "killed", spec(models["m0"], phases, {"address": s.address, "retry_s": 0.5})
+        workdir,
+        "killed",
+        spec(models["m0"], phases, {"address": s.address, "retry_s": 0.5}, one_process=False),
     )
     try:
         wait_file(signals["saved"], engine)
