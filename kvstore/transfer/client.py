@@ -32,6 +32,7 @@ from kvstore.transfer.ucx import (
     frame_sends,
     post_frame,
     pump,
+    recv_exact,
     recv_frame,
     run_ops,
     segment_views,
@@ -309,7 +310,7 @@ async def _receive_segments(conn: Conn, views: list[Any], go_body: bytes, deadli
     """Post receives (a window ahead), then say GO, then wait for every segment."""
 
     async def recv(i: int, view: Any) -> None:
-        await conn.ep.recv(view, tag=DATA_TAG_BASE + i)
+        await recv_exact(conn.ep, view, DATA_TAG_BASE + i)
 
     receivers = [asyncio.ensure_future(c) for c in pump(recv, views, RECV_WINDOW)]
     try:

@@ -18,6 +18,7 @@ peer's card (asked again next time) and raises
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -151,6 +152,11 @@ class RmaReader:
         cause when the local slots may still be written: never reuse them)."""
         address, card = reads.address, reads.card
         end = min(deadline, asked + grant.expiry_s * (1 - EXPIRY_MARGIN))
+        if asyncio.get_running_loop().time() >= end:  # the peer may have reused the slots
+            raise RmaFailed(
+                f"one-sided read from {address}: the {grant.expiry_s:g} s lease (or the "
+                "deadline) ran out before the read began; nothing was read"
+            )
         try:
             if card.peer is None:
                 raise PeerUnavailable(f"peer {address}: no card loaded")

@@ -201,7 +201,8 @@ class MemorySink:
     pool: Pool
     visible: dict[int, list[np.ndarray]] = field(default_factory=dict)
     reservations: list[MemReservation] = field(default_factory=list)
-    # "die": kill this process; "hang": block its loop; "kill:PID": kill process PID;
+    # "die": kill this process; "hang": block its loop; "stall:S": block it S seconds;
+    # "kill:PID": kill process PID;
     # "exhausted": refuse with RESOURCE_EXHAUSTED
     on_reserve: str = ""
     lanes: int = 1
@@ -216,6 +217,8 @@ class MemorySink:
             time.sleep(0.3)
         if self.on_reserve == "hang":
             time.sleep(3600)
+        if self.on_reserve.startswith("stall:"):  # block the loop that long, then go on
+            time.sleep(float(self.on_reserve[6:]))
         if self.on_reserve == "exhausted":  # as a store whose every block is pinned
             raise KVError(Code.RESOURCE_EXHAUSTED, "test sink: no room")
         buffers: list[list[Any]] = [[None] * len(sizes) for sizes in slot_sizes]

@@ -10,6 +10,7 @@ import ctypes
 import functools
 import gc
 import ipaddress
+import itertools
 import logging
 import os
 import socket
@@ -319,6 +320,68 @@ def post_recv(endpoint: Any, buffer: Any, tag: int) -> Awaitable:
     ep = endpoint._ep  # noqa: SLF001 -- ucxx's endpoint: no public handle on it
     recv_tag = _hashed_tag(endpoint, "msg_recv", tag)
     return Posted(progress, lambda array: ep.tag_recv(array, recv_tag, _tag_mask_full()), buffer)
+
+
+class _Arrival:
+    """The wait for a tagged message to arrive, without receiving it: settled once
+    UCX holds it (then taken off UCX's queue: ``probe`` has its length and handle)
+    or the endpoint closed. Looked at by the loop's progress like a request."""
+
+    __slots__ = ("_endpoint", "_tag", "_worker", "probe")
+
+    def __init__(self, endpoint: Any, worker: Any, tag: Any):
+        self._endpoint, self._worker, self._tag = endpoint, worker, tag
+        self.probe: Any = None
+
+    @property
+    def settled(self) -> bool:
+        if self.probe is None:
+            probe = self._worker.tag_probe(self._tag, remove=True)
+            if probe.matched:
+                self.probe = probe
+        return self.probe is not None or self._endpoint.closed
+
+    @property
+    def failed(self) -> bool:
+        return self.settled and self.probe is None
+
+
+async def recv_exact(endpoint: Any, buffer: Any, tag: int) -> None:
+    """Receive into ``buffer`` a message with ``tag`` (as :func:`post_recv`) that
+    fills it exactly, else ProtocolError.
+
+    ucxx completes a receive of a shorter message without error and without
+    its length (rapidsai/ucxx#104): the buffer's old bytes would stay under a
+    peer's short slot segment and be committed as its. So the message is
+    waited for first, where UCX tells its length, then received by its handle:
+    a rendezvous one is still read straight into ``buffer``."""
+    from ucxx.exceptions import UCXCloseError
+
+    array = ucxx_array(buffer)
+    progress = loop_progress()
+    worker = ucxx_module().core._get_ctx().worker  # noqa: SLF001 -- as in loop_progress
+    arrival = _Arrival(endpoint, worker, _hashed_tag(endpoint, "msg_recv", tag))
+    if progress is not None:
+        if not arrival.settled:
+            await progress.completion([arrival])
+    else:  # ucxx's thread progresses the worker: look again every turn, then less often
+        for turn in itertools.count():
+            if arrival.settled:
+                break
+            await asyncio.sleep(0 if turn < 64 else 0.0005)
+    if arrival.probe is None:
+        raise UCXCloseError("Endpoint closed")
+    if progress is not None:
+        post = functools.partial(_recv_with_handle, worker, arrival.probe)
+        await Posted(progress, post, array)
+    else:
+        await worker.tag_recv_with_handle(array, arrival.probe).wait()
+    if arrival.probe.length != array.nbytes:  # a longer one failed: truncated
+        raise ProtocolError(f"{arrival.probe.length} bytes where {array.nbytes} were due")
+
+
+def _recv_with_handle(worker: Any, probe: Any, array: Any) -> Any:
+    return worker.tag_recv_with_handle(array, probe)
 
 
 def _checked_send(endpoint: Any, tag: Any, array: Any) -> Any:

@@ -77,10 +77,12 @@ def make_server(
                 await super()._send_slots(conn, views[: len(views) // 2], deadline)
                 self.sent_half = True
                 die_in_send(conn.ep.ucp_endpoint)
-            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long", "oversend"):
+            lies = ("oversend", "undersend")
+            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long", *lies):
                 return await super()._send_slots(conn, views, deadline)
-            if behaviour == "oversend":  # every slot one byte longer than announced
-                views = [np.zeros(v.nbytes + 1, np.uint8) for v in views]
+            if behaviour in lies:  # every segment one byte longer / shorter than announced
+                grow = 1 if behaviour == "oversend" else -1
+                views = [np.zeros(v.nbytes + grow, np.uint8) for v in views]
                 return await super()._send_slots(conn, views, deadline)
             half = len(views) // 2
             assert half > 0, "serve with gap_every so that there is a half to send"

@@ -73,6 +73,19 @@ def test_lease_expires_when_the_fetcher_never_releases(nodes):
     assert stats["rma_leases_expired"] == 1 and stats["pinned_blocks"] == 0
 
 
+def test_no_read_once_the_lease_counted_from_the_request_ran_out(nodes):
+    """The peer's lease starts when the REQUEST reaches it, so its end counts from
+    the REQUEST, not from the read. A fetcher stalled past it (its loop blocked
+    between offer and read) posts no read: the peer may have reused the slots."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True, limits={"rma_lease_s": 1.0}
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:3], rma=True, on_reserve="stall:0.9")
+    assert out["error"] == "RmaFailed" and "lease" in out["message"], out
+    assert out["rma_reads"] == 0 and out["visible"] == [] and out["states"] == ["aborted"]
+
+
 def test_lease_released_when_the_fetcher_dies_before_release(nodes):
     server, client = nodes(), nodes()
     address = server.call("serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True)

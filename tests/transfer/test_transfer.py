@@ -219,6 +219,18 @@ def test_oversized_slot_message_aborts_the_reservation(nodes):
     assert out["states"] == ["aborted"] and out["visible"] == []
 
 
+@pytest.mark.parametrize("segment", [4096, 1 << 20], ids=["eager", "rendezvous"])
+def test_short_slot_message_aborts_the_reservation(nodes, segment):
+    """ucxx completes a receive of a shorter message without error or its length
+    (rapidsai/ucxx#104): the slots' old bytes stayed under the peer's short
+    segment, and were committed as its blocks. Each segment is now checked."""
+    server, client = nodes(), nodes()
+    address = server.call("serve", blocks=blocks_of(HASHES[:3], [segment]), behaviour="undersend")
+    out = client.call("fetch", address=address, hashes=HASHES[:3], timeout_s=5)
+    assert out["error"] == "PeerUnavailable" and "bytes" in out["message"], out
+    assert out["states"] == ["aborted"] and out["visible"] == []
+
+
 def test_invalid_arguments_fail_locally(nodes):
     client = nodes()
     out = client.call("fetch", address="127.0.0.1:1", hashes=[-1])
