@@ -27,6 +27,7 @@ MAX_GRID = 65535  # CUDA blocks stride over chunks beyond this
 VECTOR_BYTES = 16  # one uint4 load / store
 DEPTH = 8  # loads in flight per thread in kvstore_copy_blocks (copy_range<8>)
 MIN_GROUP = 32  # a warp
+MAX_THREADS_PER_BLOCK = 1024  # CUDA's limit
 DESC_WORDS = 8  # u64 words of one LayerDesc row in copy.cu
 STAGING_RING = 2  # pinned input buffers, used in turn
 
@@ -42,6 +43,18 @@ class BlocksLaunch(NamedTuple):
 
 def kernel_source() -> str:
     return KERNEL_FILE.read_text()
+
+
+def check_threads_per_block(threads_per_block: int) -> None:
+    """A power of two from a warp to CUDA's 1,024: the blocks kernel cuts a CTA
+    into whole groups of a power-of-two size (fewer threads than a warp make no
+    group; other counts leave a partial group copying its neighbour's bytes)."""
+    n = threads_per_block
+    if not (isinstance(n, int) and MIN_GROUP <= n <= MAX_THREADS_PER_BLOCK and n & (n - 1) == 0):
+        raise ValueError(
+            f"threads_per_block must be a power of two from {MIN_GROUP} to "
+            f"{MAX_THREADS_PER_BLOCK}, got {threads_per_block!r}"
+        )
 
 
 def blocks_launch(table: RegionTable, threads_per_block: int) -> BlocksLaunch:
@@ -98,10 +111,11 @@ class CudaCopier:
         chunk_bytes: int = 64 << 10,
         check_overlap: bool = True,
     ) -> None:
-        import cupy
-
         if chunk_bytes % 16:
             raise ValueError("chunk_bytes must be a multiple of 16 to keep 16-byte alignment")
+        check_threads_per_block(threads_per_block)
+        import cupy
+
         self._cp = cupy
         self.device = device
         self.stream = stream
@@ -164,9 +178,10 @@ class CudaCopier:
         return self._max_ctas
 
     def _blocks(self, table, block_ids, slot_addrs, save: bool, stream, wait: bool) -> int:
-        args = table.check(block_ids, slot_addrs)
-        if not save and not table.paged_disjoint:  # not proven apart: the sorting path
-            return self._synced(self.load(table.pieces(args), stream), stream, wait)
+        args = table.check(block_ids, slot_addrs, distinct=not save)
+        if not save and not table.paged_disjoint:  # not proven apart: the sorting path,
+            s = stream if stream is not None else self._stream()  # after earlier blocks calls
+            return self._synced(self.load(table.pieces(args), s), s, wait)
         total = args.num_blocks * table.bytes_per_block
         if total == 0:
             return 0
@@ -178,23 +193,25 @@ class CudaCopier:
                 s.wait_event(stream.record())  # the caller's earlier work comes first
             n = args.num_blocks * (len(table) + 1)
             slot, host = self._staging.take(n)
-            host[: args.num_blocks] = args.ids.view(np.uint64)
-            host[args.num_blocks :] = args.slots.ravel()
-            inputs = self._device_inputs(n, s)
-            inputs.data.copy_from_host_async(host.ctypes.data, n * 8, s)
-            items = args.num_blocks * dev.launch.items_per_block
-            groups_per_cta = self.threads_per_block // dev.launch.group
-            grid = min(-(-items // groups_per_cta), self.occupancy_grid())
-            self._blocks_kernel(
-                (grid,),
-                (self.threads_per_block,),
-                (dev.rows, np.uint32(len(table)), inputs, np.uint64(args.num_blocks),
-                 np.uint64(items), np.uint64(dev.launch.chunk), np.uint32(dev.launch.group),
-                 np.uint32(save)),
-                stream=s,
-            )  # fmt: skip
-            done = s.record()
-            self._staging.release(slot, done)
+            try:
+                host[: args.num_blocks] = args.ids.view(np.uint64)
+                host[args.num_blocks :] = args.slots.ravel()
+                inputs = self._device_inputs(n, s)
+                inputs.data.copy_from_host_async(host.ctypes.data, n * 8, s)
+                items = args.num_blocks * dev.launch.items_per_block
+                groups_per_cta = self.threads_per_block // dev.launch.group
+                grid = min(-(-items // groups_per_cta), self.occupancy_grid())
+                self._blocks_kernel(
+                    (grid,),
+                    (self.threads_per_block,),
+                    (dev.rows, np.uint32(len(table)), inputs, np.uint64(args.num_blocks),
+                     np.uint64(items), np.uint64(dev.launch.chunk), np.uint32(dev.launch.group),
+                     np.uint32(save)),
+                    stream=s,
+                )  # fmt: skip
+            finally:  # a failed launch too: the upload out of the slot may still be queued
+                done = s.record()
+                self._staging.release(slot, done)
             if stream is not None:
                 stream.wait_event(done)
         if wait:

@@ -318,7 +318,8 @@ class HostCopier:
         op: str,
     ) -> HostJob:  # fmt: skip
         """Plan a blocks copy in O(blocks): check the request, cut its bytes among threads."""
-        args = table.check(block_ids, slot_addrs)
+        _direction(op)
+        args = table.check(block_ids, slot_addrs, distinct=op == LOAD)
         if op == LOAD and not table.paged_disjoint:  # not proven apart: sort the pieces
             return self.prepare(table.pieces(args), op)
         total = args.num_blocks * table.bytes_per_block
@@ -363,11 +364,14 @@ class HostCopier:
 
 def _ends(paged: np.ndarray, slot: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
     """(source, destination) addresses of `op`."""
-    if op == SAVE:
-        return paged, slot
-    if op == LOAD:
-        return slot, paged
-    raise ValueError(f"op must be {SAVE!r} or {LOAD!r}, got {op!r}")
+    return (paged, slot) if _direction(op) == SAVE else (slot, paged)
+
+
+def _direction(op: str) -> str:
+    """``op`` itself, if it is SAVE or LOAD (anything else would copy one way unasked)."""
+    if op not in (SAVE, LOAD):
+        raise ValueError(f"op must be {SAVE!r} or {LOAD!r}, got {op!r}")
+    return op
 
 
 def _share_bytes(total: int, threads: int) -> int:

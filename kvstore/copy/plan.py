@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvstore.copy.geometry import LayerRegion
+from kvstore.wire.errors import invalid
 
 U64 = np.uint64
 
@@ -143,7 +144,7 @@ def split_pieces(
 
 
 def check_disjoint(addr: np.ndarray, nbytes: np.ndarray, side: str) -> None:
-    """Raise if two destination ranges overlap.
+    """Raise KVError INVALID_ARGUMENT if two destination ranges overlap.
 
     Overlapping writes would make the result depend on copy order, which
     differs between the threaded host path and the CUDA kernel.
@@ -158,7 +159,10 @@ def check_disjoint(addr: np.ndarray, nbytes: np.ndarray, side: str) -> None:
     clash = np.flatnonzero(start[1:] < end[:-1])
     if len(clash):
         at = int(start[clash[0] + 1])
-        raise ValueError(f"destination pieces overlap on the {side} side at 0x{at:x}")
+        raise invalid(
+            f"destination pieces overlap on the {side} side at 0x{at:x}: two blocks of the "
+            "request, or two registered layers, share bytes"
+        )
 
 
 def _block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:

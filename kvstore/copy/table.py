@@ -56,17 +56,22 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self.regions)
 
-    def check(self, block_ids: Sequence[int] | np.ndarray, slot_addrs: np.ndarray) -> BlockArgs:
+    def check(
+        self, block_ids: Sequence[int] | np.ndarray, slot_addrs: np.ndarray, *, distinct: bool
+    ) -> BlockArgs:
         """The request as (int64 ids, uint64 C-contiguous slots), or KVError INVALID_ARGUMENT.
 
         O(blocks + slots), vectorised: ids 1-D integers, each in range of every
-        layer and named once; slots shaped (layers, blocks), non-negative.
+        layer and, when ``distinct`` (a load: two writes into one block would
+        race), named once; slots shaped (layers, blocks), non-negative. A save
+        may read one block into two blocks' slots.
         """
         ids = _ids(block_ids)
         slots = _slots(slot_addrs, len(self.regions), len(ids))
         if len(ids) and len(self.regions):
             self._check_range(ids)
-            self._check_distinct(ids)
+            if distinct:
+                self._check_distinct(ids)
         return BlockArgs(ids, slots)
 
     def pieces(self, args: BlockArgs, *, merge: bool = True) -> Pieces:

@@ -201,7 +201,7 @@ def test_blocks_pieces_match_plan():
     regions = [region_from_tensor(t, "blocks_first") for t in tensors]
     ids = np.array([3, 4, 5, 0])
     slots = (10_000 + 512 * np.arange(12)).reshape(3, 4).astype(np.uint64)
-    got = RegionTable(regions).pieces(RegionTable(regions).check(ids, slots))
+    got = RegionTable(regions).pieces(RegionTable(regions).check(ids, slots, distinct=True))
     want = plan(regions, ids, slots)
     for a, b in zip(got.__dict__.values(), want.__dict__.values(), strict=True):
         assert np.array_equal(a, b)
@@ -232,8 +232,9 @@ def test_load_of_a_repeated_layer_falls_back_to_the_overlap_check():
     table = RegionTable([r, r])
     pool = make_pool([r.slot_bytes] * 2, 3, rng)
     before = raw.clone()
-    with pytest.raises(ValueError, match="overlap on the paged side"):
+    with pytest.raises(KVError, match="overlap on the paged side") as err:
         HostCopier().load_blocks(table, [4, 9, 1], pool.addrs)
+    assert err.value.code is Code.INVALID_ARGUMENT
     assert torch.equal(raw, before)
     HostCopier().save_blocks(table, [4, 9, 1], pool.addrs)  # saving it twice is fine
     img = reference_gather([t], ["mla"], [4, 9, 1])[0]
@@ -243,9 +244,11 @@ def test_load_of_a_repeated_layer_falls_back_to_the_overlap_check():
 # ---------------------------------------------------------------- refusals, no state change
 
 
-BAD = [
+REPEATS = [  # refused for a load only: two writes into one block would race
     ([4, 9, 4], r"block_ids\[2\] = 4 repeats block_ids\[0\]"),
     ([1, 7, 2, 7], r"block_ids\[3\] = 7 repeats block_ids\[1\]"),
+]
+BAD = [
     ([1, 20, 2], r"block_ids\[1\] = 20 out of range \[0, 20\) for layer index 2"),
     ([1, 21, 2], r"block_ids\[1\] = 21 out of range \[0, 21\) for layer index 1"),
     ([1, -1, 2], r"block_ids\[1\] = -1 out of range"),
@@ -255,8 +258,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("mode", HOST_MODES)
-@pytest.mark.parametrize("op", ["save_blocks", "load_blocks"])
-@pytest.mark.parametrize("ids,message", BAD)
+@pytest.mark.parametrize(
+    "op,ids,message",
+    [("save_blocks", *bad) for bad in BAD] + [("load_blocks", *bad) for bad in BAD + REPEATS],
+)
 def test_bad_request_refused_naming_the_field_and_nothing_moves(mode, op, ids, message):
     rng = np.random.default_rng(47)
     tensors, raws = spec_layers("kv_first", "NHD", torch.float16, rng)  # 20, 21, 22 blocks
@@ -269,6 +274,25 @@ def test_bad_request_refused_naming_the_field_and_nothing_moves(mode, op, ids, m
     assert all(torch.equal(a, b) for a, b in zip([*raws, pool.buf], before, strict=True))
     # the table is not poisoned: the next good request works
     getattr(host_copier(mode), op)(table, np.arange(pool.addrs.shape[1]), pool.addrs)
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_a_save_may_copy_one_block_into_two_blocks_slots(mode):
+    """The store takes one block_id under two hashes in a Save; the blocks path
+    copies it into both blocks' slots, as the pieces path does."""
+    save_one_block_twice(host_copier(mode))
+
+
+def save_one_block_twice(copier) -> None:
+    """save_blocks of ids [4, 9, 4]: block 4's bytes in the first and third slots."""
+    rng = np.random.default_rng(50)
+    tensors, _ = spec_layers("kv_first", "NHD", torch.float16, rng)
+    kinds = ["kv_first"] * len(tensors)
+    table = RegionTable([region_from_tensor(t, k) for t, k in zip(tensors, kinds, strict=True)])
+    ids = [4, 9, 4]
+    pool = make_pool([r.slot_bytes for r in table.regions], len(ids), rng)
+    copier.save_blocks(table, ids, pool.addrs)
+    assert torch.equal(pool.buf, expected_pool(pool, reference_gather(tensors, kinds, ids)))
 
 
 def test_bad_slot_shape_refused():

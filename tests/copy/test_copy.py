@@ -30,6 +30,7 @@ from kvstore.copy import (
 )
 from kvstore.copy.plan import check_disjoint
 from kvstore.copy.testing import reference_gather, reference_scatter
+from kvstore.wire.errors import Code, KVError
 from tests.copy.copiers import HOST_MODES, host_copier
 from tests.copy.geometry import (
     DTYPES,
@@ -311,8 +312,9 @@ def test_host_load_rejects_overlapping_destinations():
     t, _ = make_layer(spec, rng)
     r = region_from_tensor(t, "mla")
     pool = make_pool([r.slot_bytes], 3, rng)
-    with pytest.raises(ValueError, match="overlap on the paged side"):
+    with pytest.raises(KVError, match="overlap on the paged side") as err:
         HostCopier().load(plan([r], [4, 9, 4], pool.addrs))
+    assert err.value.code is Code.INVALID_ARGUMENT
 
 
 def test_python_and_native_backends_agree():
@@ -333,7 +335,7 @@ def test_check_disjoint_exact_path():
     """Pieces of mixed sizes closer than the largest one: decided by the exact check."""
     addr = np.array([110, 0, 100], dtype=np.uint64)
     check_disjoint(addr, np.array([190, 100, 10], dtype=np.uint64), "slot")
-    with pytest.raises(ValueError, match="overlap on the slot side at 0x64"):
+    with pytest.raises(KVError, match="overlap on the slot side at 0x64"):
         check_disjoint(addr, np.array([190, 101, 10], dtype=np.uint64), "slot")
 
 

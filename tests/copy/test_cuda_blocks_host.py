@@ -33,8 +33,8 @@ from kvstore.copy.cuda import (
 )
 from kvstore.copy.testing import reference_gather
 from kvstore.wire.errors import KVError
-from tests.copy.geometry import FP8, LAYOUTS, layer_spec, make_layer
-from tests.copy.test_blocks import paged_layers, roundtrip, spec_layers
+from tests.copy.geometry import FP8, LAYOUTS, layer_spec, make_layer, make_pool
+from tests.copy.test_blocks import paged_layers, roundtrip, save_one_block_twice, spec_layers
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -260,3 +260,37 @@ class _WaitingCopier:
 
     def load_blocks(self, *args):
         return self.copier.load_blocks(*args, wait=True)
+
+
+def test_cuda_blocks_save_may_copy_one_block_into_two_blocks_slots(fake_cupy):
+    """As the host copier: a Save may name one block_id under two hashes."""
+    save_one_block_twice(_WaitingCopier(CudaCopier(0)))
+
+
+@pytest.mark.parametrize("threads", [0, 16, 48, 96, 2048, 256.0])
+def test_threads_per_block_is_a_power_of_two_from_a_warp(threads):
+    """96 threads cut into groups of 64 left a partial group copying its
+    neighbour's bytes; under 32 no group was made at all. Refused at once."""
+    with pytest.raises(ValueError, match="threads_per_block must be a power of two"):
+        CudaCopier(0, threads_per_block=threads)
+
+
+def test_a_failed_launch_still_fences_its_staging_buffer(fake_cupy, monkeypatch):
+    """The inputs' upload out of the pinned buffer is queued before the launch; a
+    launch that fails must still leave an event behind it, or the buffer would be
+    rewritten under that upload two requests later."""
+    rng = np.random.default_rng(67)
+    tensors, _ = spec_layers("kv_first", "NHD", torch.float16, rng)
+    table = RegionTable([region_from_tensor(t, "kv_first") for t in tensors])
+    pool = make_pool([r.slot_bytes for r in table.regions], 3, rng)
+    fences: list[object] = []
+    monkeypatch.setattr(Stream, "record", lambda self: fences.append(object()) or fences[-1])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("too many resources requested for launch")
+
+    monkeypatch.setattr(fake_cupy, "_blocks", refuse)  # the kernel the copier gets
+    copier = CudaCopier(0)
+    with pytest.raises(RuntimeError, match="too many resources"):
+        copier.save_blocks(table, [1, 2, 3], pool.addrs)
+    assert len(fences) == 1  # recorded after the upload, though the launch failed
