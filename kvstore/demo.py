@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -89,9 +90,15 @@ def _ephemeral_start() -> int:
     return low
 
 
-def start_server(port: int, device: str, pool_size: int, *extra: str) -> subprocess.Popen:
+class ServerDidNotStart(RuntimeError):
+    """The demo's store server exited (it logged why) or did not serve in time."""
+
+
+def start_server(
+    port: int, device: str, pool_size: int, *extra: str, log_level: str = "error"
+) -> subprocess.Popen:
     """``kvstore serve`` on ``port`` (no router, no peer transfer), ``extra`` flags added;
-    returns once it serves."""
+    returns once it serves, else ServerDidNotStart (the process is gone then)."""
     cmd = [
         sys.executable,
         "-m",
@@ -106,7 +113,7 @@ def start_server(port: int, device: str, pool_size: int, *extra: str) -> subproc
         "--no-router",
         "--no-transfer",
         "--log-level",
-        "error",
+        log_level,
         *extra,
     ]
     proc = subprocess.Popen(cmd)
@@ -114,16 +121,21 @@ def start_server(port: int, device: str, pool_size: int, *extra: str) -> subproc
     try:
         if _wait_serving(proc, client, deadline=time.monotonic() + 60):
             return proc
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     finally:
         client.close()
     proc.kill()
-    raise RuntimeError("store server did not come up within 60 s")
+    proc.wait()
+    raise ServerDidNotStart("the store server did not come up within 60 s")
 
 
 def _wait_serving(proc: subprocess.Popen, client: StoreClient, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"store server exited with code {proc.returncode}")
+            raise ServerDidNotStart(f"the store server exited with code {proc.returncode}")
         try:
             client.stats()
             return True
@@ -179,24 +191,69 @@ def start_instance(
 
 
 def run_demo(args) -> int:
+    """The demo; 0 when every loaded byte matched, 1 when not, 2 for flags the
+    demo or its server refused, 130 / 143 when interrupted (SIGINT / SIGTERM):
+    the workers and the server are stopped on every way out."""
+    problem = _problem(args)
+    if problem:
+        print(f"kvstore demo: {problem}", file=sys.stderr)
+        return 2
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     port = free_port()
-    address = f"127.0.0.1:{port}"
-    server = start_server(port, device, args.pool_size)
+    server: subprocess.Popen | None = None
+    client: StoreClient | None = None
     instances: list[WorkerGroup] = []
-    client = StoreClient(address)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        server = start_server(port, device, args.pool_size, log_level=args.log_level)
+        client = StoreClient(f"127.0.0.1:{port}")
         rows, ok = _cycle(args, client, device, instances)
+    except ServerDidNotStart as exc:
+        print(f"kvstore demo: {exc} (its log is above)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvstore demo: interrupted; workers and server stopped", file=sys.stderr)
+        return 130
     finally:
-        client.close()
-        for inst in instances:
-            inst.close()
-        server.terminate()
-        server.wait(timeout=30)
+        signal.signal(signal.SIGTERM, previous)
+        _stop(server, client, instances)
     print_table(rows, device, args)
     print("bytes loaded into the fresh instance match the saved ones:", "yes" if ok else "NO")
     return 0 if ok else 1
+
+
+def _problem(args) -> str:
+    """What is wrong with the demo's flags ("" when nothing)."""
+    if args.heads % 2:
+        return f"--heads {args.heads}: the two TP ranks split the heads, so it must be even"
+    if args.prefix_tokens < args.block_size:
+        return (
+            f"--prefix-tokens {args.prefix_tokens} is less than one block "
+            f"(--block-size {args.block_size}): there would be nothing to share"
+        )
+    return ""
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop(
+    server: subprocess.Popen | None, client: StoreClient | None, instances: list[WorkerGroup]
+) -> None:
+    """Close the client, the workers, then the server (SIGTERM, then SIGKILL after 30 s)."""
+    if client is not None:
+        client.close()
+    for inst in instances:
+        inst.close()
+    if server is not None:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def _cycle(

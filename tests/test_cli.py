@@ -221,3 +221,62 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         if proc.poll() is None:
             proc.kill()
         etcd.stop()
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["serve", "--port", "70000"], "argument --port: '70000' is not a port (0..65535)"),
+        (["serve", "--port", "-5"], "argument --port: '-5' is not a port"),
+        (["serve", "--ucx-port", "99999"], "argument --ucx-port: '99999' is not a port"),
+        (["serve", "--metrics-port", "x"], "argument --metrics-port: 'x' is not a port"),
+        (["router", "--port", "65536"], "argument --port: '65536' is not a port"),
+        (["stats", "--address", "127.0.0.1:99999"], "argument --address: '127.0.0.1:99999'"),
+        (["serve", "--peer", "garbage"], "argument --peer: 'garbage' is not HOST:PORT"),
+        (["serve", "--fetch-timeout", "nan"], "argument --fetch-timeout: 'nan' is not a number"),
+        (["serve", "--fetch-timeout", "-1"], "argument --fetch-timeout: '-1' is not a number"),
+        (["serve", "--etcd-ttl", "0"], "argument --etcd-ttl: '0' is not a whole number >= 1"),
+        (["serve", "--pool-size", "99999999T"], "argument --pool-size: '99999999T' is more than"),
+        (["router", "--gpu-weight", "1.5"], "--gpu-weight is a fraction of a block's prefill"),
+        (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
+    ],
+)
+def test_out_of_range_flags_are_refused_naming_them(args, words):
+    """Ports were taken modulo 65536 (--port 70000 bound 4464, --address
+    127.0.0.1:99999 dialled 34463); sizes, timeouts and weights had no bounds."""
+    out = kvstore(*args)
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_pool_that_cannot_be_allocated_is_refused_naming_it():
+    out = kvstore("serve", "--pool-size", "1PiB", "--no-transfer", "--port", "0")
+    assert out.returncode == 2, out.stderr
+    assert "pool_size 1 PiB cannot be allocated on cpu" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_binds_and_is_announced_in_brackets(host):
+    """gRPC read a bare ::1:PORT as another address, and the refusal blamed the TLS files."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "router", "--host", host, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert line.startswith("kvstore router listening on [::1]:"), err
+
+
+@pytest.mark.parametrize("size,text", [(1, "1 B"), (16 << 20, "16 MiB"), (3 << 29, "1.5 GiB")])
+def test_sizes_are_written_in_the_unit_they_fill(size, text):
+    from kvstore.wire.sizes import format_size
+
+    assert format_size(size) == text

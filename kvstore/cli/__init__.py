@@ -5,22 +5,57 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
+import math
 import sys
 
 from kvstore import __version__
-
-SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", re.I)
-UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+from kvstore.wire import sizes
 
 
 def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '4G', '1048576' -> bytes (binary units)."""
-    m = SIZE_RE.fullmatch(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GiB, 512MiB or 1048576")
-    unit = (m.group(2) or "").upper()[:1]
-    return int(float(m.group(1)) * UNITS[unit if unit != "B" else ""])
+    """'1GiB', '512MiB', '4G', '1048576' -> bytes (binary units, at most 1 PiB)."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (0: the system picks a free one)."""
+    return _whole(text, 0, 65535, "a port (0..65535)")
+
+
+def positive_int(text: str) -> int:
+    return _whole(text, 1, sys.maxsize, "a whole number >= 1")
+
+
+def _whole(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: finite and > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def host_and_port(text: str) -> str:
+    """HOST:PORT (an IPv6 host in brackets), the port 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 1..65535)")
+    return text
 
 
 def setup_logging(level: str) -> None:
@@ -34,7 +69,7 @@ def setup_logging(level: str) -> None:
 def add_metrics(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (https, demanding a "
@@ -56,7 +91,7 @@ def add_etcd(p) -> None:
     )
     p.add_argument(
         "--etcd-ttl",
-        type=int,
+        type=positive_int,
         default=10,
         metavar="SECONDS",
         help="lease of this process's etcd registrations; a process silent this long "
@@ -112,7 +147,15 @@ def add_tls(p, server: bool = False) -> None:
 
 
 def tls_files(args: argparse.Namespace):
-    """The TlsFiles of --tls-* (None without them); ValueError when one is missing."""
+    """The TlsFiles of --tls-* (None without them); ValueError naming the flags
+    missing when only some are given."""
+    given = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
+    missing = [flag for flag, path in given.items() if not path]
+    if 0 < len(missing) < len(given):
+        raise ValueError(
+            f"--tls-ca, --tls-cert and --tls-key go together (mutual TLS); missing: "
+            f"{', '.join(missing)}"
+        )
     from kvstore.wire.tls import TlsFiles
 
     return TlsFiles.of(args.tls_ca, args.tls_cert, args.tls_key)
@@ -141,7 +184,9 @@ def add_serve(sub) -> None:
         default="127.0.0.1",
         help="address to bind (127.0.0.1; use 0.0.0.0 only on a trusted network)",
     )
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=port_number, default=50051, help="gRPC port (50051; 0 picks a free one)"
+    )
     p.add_argument(
         "--pool-size",
         type=parse_size,
@@ -192,7 +237,7 @@ def add_serve(sub) -> None:
     )
     p.add_argument(
         "--ucx-port",
-        type=int,
+        type=port_number,
         default=0,
         help="UCX listener port for peer transfer (0 picks a free one). It listens "
         "on every interface (ucxx takes no bind address); with a loopback --host, "
@@ -212,6 +257,7 @@ def add_serve(sub) -> None:
     )
     p.add_argument(
         "--peer",
+        type=host_and_port,
         action="append",
         default=[],
         metavar="HOST:UCXPORT",
@@ -220,7 +266,7 @@ def add_serve(sub) -> None:
     )
     p.add_argument(
         "--fetch-timeout",
-        type=float,
+        type=seconds,
         default=10.0,
         help="seconds a peer fetch may take before it fails over (10)",
     )
@@ -242,23 +288,42 @@ def add_demo(sub) -> None:
         "load them into a fresh instance and compare every byte, then show that the same "
         "model with MTP on lands in another namespace. Prints a summary table.",
     )
-    p.add_argument("--layers", type=int, default=32, help="model layers (32)")
-    p.add_argument("--heads", type=int, default=8, help="KV heads in total (8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension (128)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
-    p.add_argument("--prompts", type=int, default=4, help="prompts sharing a prefix (4)")
-    p.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix tokens (512)")
-    p.add_argument("--suffix-tokens", type=int, default=128, help="tokens per prompt suffix (128)")
+    p.add_argument("--layers", type=positive_int, default=32, help="model layers (32)")
+    p.add_argument(
+        "--heads",
+        type=positive_int,
+        default=8,
+        help="KV heads in total, split between the two TP ranks: an even number (8)",
+    )
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (128)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
+    p.add_argument("--prompts", type=positive_int, default=4, help="prompts sharing a prefix (4)")
+    p.add_argument(
+        "--prefix-tokens", type=positive_int, default=512, help="shared prefix tokens (512)"
+    )
+    p.add_argument(
+        "--suffix-tokens", type=positive_int, default=128, help="tokens per prompt suffix (128)"
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto)")
     p.add_argument(
         "--pool-size", type=parse_size, default=parse_size("2GiB"), help="server pool size (2GiB)"
     )
-    add_common(p)
+    p.add_argument(
+        "--log-level",
+        default="error",
+        choices=["debug", "info", "warning", "error"],
+        help="the demo's store server's log verbosity, on stderr (error)",
+    )
 
 
 def add_stats(sub) -> None:
     p = sub.add_parser("stats", help="print a store server's counters")
-    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    p.add_argument(
+        "--address",
+        type=host_and_port,
+        default="127.0.0.1:50051",
+        help="store server (127.0.0.1:50051)",
+    )
     add_tls(p)
 
 
@@ -269,14 +334,24 @@ def add_clear(sub) -> None:
         description="Drop every sealed block not held by a load or lease, of "
         "one final namespace or of all; routers see a 'cleared' event.",
     )
-    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    p.add_argument(
+        "--address",
+        type=host_and_port,
+        default="127.0.0.1:50051",
+        help="store server (127.0.0.1:50051)",
+    )
     p.add_argument("--namespace", default="", help="final namespace (default: every namespace)")
     add_tls(p)
 
 
 def add_events(sub) -> None:
     p = sub.add_parser("events", help="print a store server's events as they happen")
-    p.add_argument("--address", default="127.0.0.1:50051", help="store server (127.0.0.1:50051)")
+    p.add_argument(
+        "--address",
+        type=host_and_port,
+        default="127.0.0.1:50051",
+        help="store server (127.0.0.1:50051)",
+    )
     add_tls(p)
 
 
@@ -339,6 +414,10 @@ def _client_command(args: argparse.Namespace) -> int:
 
     try:
         tls = tls_files(args)
+    except ValueError as exc:  # a flag: as argparse refuses one
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.command == "events":
             return _print_events(args.address, tls)
         client = StoreClient(args.address, tls=tls)

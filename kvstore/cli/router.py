@@ -12,22 +12,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import sys
 from collections.abc import Callable
 
-from kvstore.cli import add_etcd, add_metrics, add_tls, etcd_config, tls_files
+from kvstore.cli import add_etcd, add_metrics, add_tls, etcd_config, port_number, tls_files
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.endpoints import LOOPBACK, EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
-from kvstore.service.tls import Security
+from kvstore.service.tls import Security, host_port
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
 
 
 # (flag, ScoringConfig field, help): the defaults are ScoringConfig's own; every
-# one must be >= 0. The cost they feed is in kvstore/router/scoring.py.
+# one must be finite and >= 0, the FRACTIONS at most 1. The cost they feed is in
+# kvstore/router/scoring.py.
 _SCORING_FLAGS = (
     (
         "--prefill-ms-per-token",
@@ -69,6 +72,9 @@ _SCORING_FLAGS = (
 )
 
 
+FRACTIONS = ("--gpu-weight", "--store-weight", "--remote-weight")
+
+
 def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False) -> None:
     """Router flags. ``embedded=True`` (for ``kvstore serve``) leaves out
     --host/--port/--log-level, which the embedding command owns, and adds
@@ -85,7 +91,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         )
         parser.add_argument(
             "--port",
-            type=int,
+            type=port_number,
             default=DEFAULT_PORT,
             help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)",
         )
@@ -149,8 +155,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     values = {}
     for flag, name, _ in _SCORING_FLAGS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if not value >= 0:  # also refuses nan
-            raise ValueError(f"{flag} must be >= 0, got {value}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+        if flag in FRACTIONS and value > 1:
+            raise ValueError(f"{flag} is a fraction of a block's prefill: 0..1, got {value}")
         values[name] = value
     return RouterConfig(
         IdentityAlgorithm(args.identity),
@@ -226,25 +234,17 @@ def _announcer(host: str) -> Callable[[int], None]:
     """Prints the listening line that scripts and tests wait for on stdout."""
 
     def announce(port: int) -> None:
-        print(f"kvstore router listening on {host}:{port}", flush=True)
+        print(f"kvstore router listening on {host_port(host, port)}", flush=True)
 
     return announce
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvstore router", description=__doc__.splitlines()[0])
-    add_router_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        guard = security(args)
-        served = build_served_router(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    asyncio.run(_serve(served, args, guard))
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvstore.cli.router``: ``kvstore router`` by another name."""
+    from kvstore.cli import main as kvstore_main
+
+    return kvstore_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -46,7 +46,7 @@ from kvstore.service.router_service import (
     admitted_reply,
     published_reply,
 )
-from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security
+from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security, host_port
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
@@ -267,7 +267,7 @@ async def serve_router(
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
-        bound = security.bind(server, f"{host}:{port}")
+        bound = security.bind(server, host_port(host, port))
         if metrics is not None:  # a taken port fails here, before etcd hears of this replica
             await metrics.start()
     except OSError:
@@ -275,7 +275,7 @@ async def serve_router(
         await served.close()
         raise
     await server.start()
-    await served.announce(f"{host}:{bound}")
+    await served.announce(host_port(host, bound))
     gc.freeze()  # startup's objects never die: full collections need not walk them
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -27,7 +27,7 @@ from kvstore.service.router_link import (
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
-from kvstore.service.tls import BIND_OPTIONS, Security, is_loopback
+from kvstore.service.tls import BIND_OPTIONS, Security, host_port, is_loopback
 from kvstore.store.attach import attach
 from kvstore.store.blocks import BlockIndex
 from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
@@ -42,6 +42,7 @@ from kvstore.wire.devices import Device
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.sizes import format_size
 from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -222,24 +223,23 @@ class StoreServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.embedded_router is not None:
             self.embedded_router.start(self.server, security)
-        self.port = security.bind(self.server, f"{self.config.host}:{self.config.port}")
+        self.port = security.bind(self.server, host_port(self.config.host, self.config.port))
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"
         if self.metrics is not None:  # a taken port fails here, before the cluster hears of us
             await self.metrics.start()
         await self.server.start()
         if self.embedded_router is not None:
-            await self.embedded_router.announce(f"{self.config.host}:{self.port}")
+            await self.embedded_router.announce(host_port(self.config.host, self.port))
         await self._link_router()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expirer = asyncio.create_task(self._expire_loop())
         log.info(
-            "kvstore store server listening on %s:%d (devices %s, pool %.1f GiB each)",
-            self.config.host,
-            self.port,
+            "kvstore store server listening on %s (devices %s, pool %s each)",
+            host_port(self.config.host, self.port),
             ",".join(self.devices),
-            self.config.pool_size / 2**30,
+            format_size(self.config.pool_size),
         )
         return self.port
 

@@ -2,7 +2,7 @@
 
     security = Security(TlsFiles.of(ca, cert, key), admins=("ops",))
     security.check_exposure(host, insecure=False)  # ValueError: public and plaintext
-    port = security.bind(server, f"{host}:{port}")
+    port = security.bind(server, host_port(host, port))
     caller = security.principal(context)           # in a handler
 
 With TLS the server demands a client certificate signed by the CA (mutual
@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 # SO_REUSEPORT by default, so a second server started on a port in use would
 # bind it too, and the kernel would split callers between the two, silently.
 BIND_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 literal in brackets (``[::1]:50051``): gRPC reads
+    a bare ``::1:50051`` as another address."""
+    bare = host.strip("[]")
+    try:
+        literal_v6 = ipaddress.ip_address(bare).version == 6
+    except ValueError:
+        literal_v6 = False
+    return f"[{bare}]:{port}" if literal_v6 else f"{host}:{port}"
 
 
 def is_loopback(host: str) -> bool:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.wire.sizes import format_size
+
 ALIGN = 256  # bytes; keeps every slot 16-byte aligned for the copy kernels
 DEFAULT_SLAB_BYTES = 8 << 20
 
@@ -80,7 +82,14 @@ class SlotPool:
         self.device = device
         self.slab_bytes = slab_bytes
         self.num_slabs = num_slabs
-        self.buffer = torch.empty(num_slabs * slab_bytes, dtype=torch.uint8, device=device)
+        try:
+            self.buffer = torch.empty(num_slabs * slab_bytes, dtype=torch.uint8, device=device)
+        except RuntimeError as exc:  # out of memory (torch.OutOfMemoryError among them)
+            reason = str(exc).strip().splitlines()[0][:300]
+            raise ValueError(
+                f"pool_size {format_size(num_slabs * slab_bytes)} cannot be allocated on "
+                f"{device}: {reason}"
+            ) from None
         if device == "cpu":
             self.buffer.zero_()  # fault every page in now, not inside the first saves
         self.base = self.buffer.data_ptr()

@@ -41,9 +41,12 @@ def test_non_loopback_bind_with_insecure_serves_and_warns():
     assert "plaintext gRPC on 0.0.0.0 (--insecure)" in err
 
 
-def test_partial_tls_flags_are_refused(pki):
-    result = run("router", "--tls-cert", pki.server.cert, "--port", "0")
-    assert result.returncode == 2 and "missing: ca, key" in result.stderr
+@pytest.mark.parametrize("command", ["router", "serve", "stats"])
+def test_partial_tls_flags_are_refused_naming_them(pki, command):
+    port = [] if command == "stats" else ["--port", "0"]
+    result = run(command, "--tls-cert", pki.server.cert, *port)
+    assert result.returncode == 2, result.stderr
+    assert "missing: --tls-ca, --tls-key" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_client_commands_take_tls_flags(pki, tls_store):
