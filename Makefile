@@ -61,9 +61,9 @@ lint: $(STAMP)
 	$(VENV)/bin/vulture kvstore --min-confidence 80 --exclude kvstore/_proto
 
 bench-quick: $(STAMP)
-	$(PY) bench/copy_engine.py --quick
-	$(PY) bench/router.py --quick
-	$(PY) bench/transfer.py --quick
+	$(PY) bench/copy_engine.py --quick --out /tmp/kvstore-copy-quick.json
+	$(PY) bench/router.py --quick --out /tmp/kvstore-router-quick.json
+	$(PY) bench/transfer.py --quick --out /tmp/kvstore-transfer-quick.json
 	$(PY) bench/router_trace.py --quick --out /tmp/kvstore-router-trace-quick.json
 
 protos: $(STAMP)

@@ -11,7 +11,14 @@ alone moving the same bytes in this process the way the server copies them
 (by blocks through the registration's RegionTable on the host and with
 ``--gpu-copy blocks``, else by planned pieces), and the ceiling (the faster of
 a contiguous torch copy and the copier's own routine on one piece of the same
-bytes). Loaded bytes are compared with the saved ones at the end.
+bytes).
+
+Every Save stores bytes of its own: before it (untimed) the Save blocks of every
+layer get repeat r's pattern (Pattern: int32 words distinct across layers, K/V,
+blocks and 16 consecutive repeats). Before every Load (untimed) its destination
+blocks are poisoned (int32 -1, never a pattern word); after it (untimed) every
+loaded byte is compared with the pattern of the repeat whose keys it loaded. After
+the repeats the last Save's keys are loaded and checked the same way.
 """
 
 from __future__ import annotations
@@ -53,18 +60,68 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(ops: dict, repeats: int, seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per repeat of each op ``fn(r)``, ops in a fresh random order each repeat."""
+def interleaved(
+    ops: dict, repeats: int, seed: int = 0, before: dict | None = None, after: dict | None = None
+) -> dict[str, list[float]]:
+    """Seconds per repeat of each op ``fn(r)``, ops in a fresh random order each repeat;
+    ``before[name](r)`` and ``after[name](r)``, where given, run untimed around op name."""
+    before, after = before or {}, after or {}
     rng = np.random.default_rng(seed)
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(repeats):
         for name in rng.permutation(list(ops)):
+            if name in before:
+                before[name](r)
             _sync()
             t0 = time.perf_counter()
             ops[name](r)
             _sync()
             samples[name].append(time.perf_counter() - t0)
+            if name in after:
+                after[name](r)
     return samples
+
+
+class Pattern:
+    """Repeat r's bytes in the Save blocks 0..255: int32 word j of the K (kv 0) or V
+    (kv 1) half of block b of layer l is ``(r + 3) % 16 << 27 | l << 22 | kv << 21 |
+    b << 13 | j`` (32 layers, 256 blocks, 8,192 words a half: distinct within 16
+    consecutive repeats, never negative). Loads land in blocks 256..511."""
+
+    def __init__(self, layers: list[KVLayer], device: str):
+        self.layers = layers
+        words = BLOCK * HEADS * HEAD_DIM // 2
+        n = 2 * SAVE_BLOCKS * words
+        self.ramp = torch.arange(n, dtype=torch.int32, device=device).view(2, SAVE_BLOCKS, -1)
+        self.verified = 0
+
+    @staticmethod
+    def words(layer: KVLayer) -> torch.Tensor:
+        """The layer's cache as (K/V, blocks, int32 words)."""
+        return layer.tensor.view(torch.int32).view(2, layer.tensor.shape[1], -1)
+
+    def offset(self, r: int, i: int) -> int:
+        return ((r + 3) % 16) << 27 | i << 22
+
+    def write(self, r: int) -> None:
+        """Repeat r's pattern into the Save blocks of every layer."""
+        for i, layer in enumerate(self.layers):
+            torch.add(self.ramp, self.offset(r, i), out=self.words(layer)[:, :SAVE_BLOCKS])
+        _sync()
+
+    def poison(self) -> None:
+        """The Load blocks hold no pattern word."""
+        for layer in self.layers:
+            self.words(layer)[:, SAVE_BLOCKS : 2 * SAVE_BLOCKS].fill_(-1)
+        _sync()
+
+    def check(self, r: int) -> None:
+        """The Load blocks hold repeat r's pattern: every byte of every layer."""
+        for i, layer in enumerate(self.layers):
+            got = self.words(layer)[:, SAVE_BLOCKS : 2 * SAVE_BLOCKS]
+            if not torch.equal(got, self.ramp + self.offset(r, i)):
+                raise AssertionError(f"{layer.name}: loaded bytes differ from repeat {r}'s Save")
+        self.verified += 1
 
 
 def _key(r: int, b: int) -> int:
@@ -85,11 +142,13 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     layers = make_layers(device, 2 * SAVE_BLOCKS)
     client = StoreClient(f"127.0.0.1:{port}", timeout=120)
     sess = None
+    pattern = Pattern(layers, device)
     try:
         sess = client.register("bench", "bench", layers, block_size=BLOCK)
         sess.wait_sealed(30)
         ids = list(range(SAVE_BLOCKS))
         for r in (-3, -2, -1):
+            pattern.write(r)
             sess.save([(_key(r, b), b) for b in ids], timeout=300)
         local = _local_copies(layers, device, nbytes)
         ops = {
@@ -102,12 +161,13 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
             "one_range": lambda r: local.copier.save(local.one),
             "torch_copy": lambda r: local.dst.copy_(local.src),
         }
-        t = interleaved(ops, repeats)
-        for layer in layers:  # the check below must not see an earlier load's bytes
-            layer.tensor[:, SAVE_BLOCKS:].zero_()
-        sess.load([(_key(repeats - 1, b), SAVE_BLOCKS + b) for b in ids], timeout=300)
-        _check_loaded(layers)
+        before = {"save": pattern.write, "load": lambda r: pattern.poison()}
+        after = {"load": lambda r: pattern.check(r - 1)}  # Load r loads Save r - 1's keys
+        t = interleaved(ops, repeats, before=before, after=after)
         evictions = client.stats().evictions
+        pattern.poison()  # the last Save's keys, untimed
+        sess.load([(_key(repeats - 1, b), SAVE_BLOCKS + b) for b in ids], timeout=300)
+        pattern.check(repeats - 1)
     finally:
         if sess is not None:
             sess.close()
@@ -120,7 +180,7 @@ def bench_e2e(args) -> tuple[list[dict], dict]:
     rows = _rows(t, device, slot, nbytes)
     for row in rows:  # how the server copied: always by blocks on the host
         row["gpu_copy"] = args.gpu_copy if device != "cpu" else "blocks"
-    return rows, _meta(t, repeats, evictions)
+    return rows, _meta(t, repeats, evictions) | {"verified_loads": pattern.verified}
 
 
 def _rows(t: dict[str, list[float]], device: str, slot: int, nbytes: int) -> list[dict]:
@@ -150,23 +210,15 @@ def _meta(t: dict[str, list[float]], repeats: int, evictions: int) -> dict:
         f"e2e: Save {med['save']:.1f} ms (evicting), Load {med['load']:.1f} ms, copier alone "
         f"{med['copier_only']:.1f} ms, ceiling torch {med['torch_copy']:.1f} / one range "
         f"{med['one_range']:.1f} ms, empty Save call {med['empty_save']:.2f} ms; "
-        f"{evictions} evictions; loaded bytes verified"
+        f"{evictions} evictions; every Load's bytes verified"
     )
     return {
         "median_ms": med, "repeats": repeats, "evictions": evictions,
         "what": "one Save (into a full pool: evicts 256 blocks) / Load RPC of 256 blocks x 32 "
         "layers (TP1, 64 KiB slots), interleaved with the copier alone and the ceiling; "
-        "loaded bytes compared with the saved ones",
+        "every Save stores its repeat's own pattern (written untimed), every Load's bytes "
+        "compared with the pattern of the keys it loaded (untimed)",
     }  # fmt: skip
-
-
-def _check_loaded(layers: list[KVLayer]) -> None:
-    """Blocks 0..255 were saved last and loaded into 256..511: same bytes in every layer."""
-    for layer in layers:
-        a = layer.tensor[:, :SAVE_BLOCKS].contiguous().view(torch.int16)
-        b = layer.tensor[:, SAVE_BLOCKS : 2 * SAVE_BLOCKS].contiguous().view(torch.int16)
-        if not torch.equal(a, b):
-            raise AssertionError(f"{layer.name}: loaded bytes differ from the saved ones")
 
 
 @dataclass

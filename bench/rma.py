@@ -21,14 +21,22 @@ Per slot size (16 KiB .. 4 MiB, --total-mib bytes a fetch, default 256 MiB, so
   nixl_1req   the same with every run in one NIXL request (no chunking)
   raw_one     the same bytes as ONE ucxx tag message, pool to pool, the request
               round trip included (bench/transfer.py's raw_one)
-  memcpy      one in-process numpy copy of the same bytes (the host's own ceiling)
+  memcpy      one in-process numpy copyto of the same bytes (one thread)
+  torch_copy  one in-process torch copy_ of the same bytes, torch's threads set to
+              the cores this process may run on (torch_threads)
+  nixl_one    the same bytes as ONE NIXL READ run, serving pool start to fetching
+              pool start (bench/transfer.py's nixl_one), default chunking
 
-Ratios are per repeat (raw_one time / nixl_read time, memcpy time / nixl_read
-time), reported as p10/p50/p90. Then:
+The ceiling of a repeat is the fastest of memcpy, torch_copy and nixl_one in that
+repeat (ceiling_won counts which op it was). Ratios are per repeat (ceiling time /
+nixl_read time, raw_one time / nixl_read time, memcpy time / nixl_read time),
+reported as p10/p50/p90. Then:
 
   control floor   a 16 KiB one-slot nixl_read (SlotRuns built, checked,
                   described, posted, waited) vs a 16 KiB raw_one round trip,
-                  interleaved, --floor-repeats each, p10/p50/p90 in microseconds
+                  interleaved, --floor-repeats each, p10/p50/p90 in microseconds;
+                  the landing bytes poisoned before and compared after every op
+                  (untimed, warm-up included: verified_ops)
   prep per slot   host time to build the descriptors of N slot runs (plan_chunks,
                   get_xfer_descs, initialize_xfer; released unposted) for N = 1,
                   1024, 16384, p50 per slot in microseconds
@@ -41,10 +49,13 @@ UCX_RNDV_THRESH away from it).
 
 JSON to bench/results/rma.json: benchmark, note, generated, quick, host,
 nixl_version, sweeps[]: sweep, env (UCX_* / UCXPY_* both processes ran with),
-transports (ucxx's active transports), rows[] (slot_bytes, slots, total_bytes,
-repeats, ms_p10_p50_p90 per op, gbps_p50 per op, ratio_raw_one_p10_p50_p90,
-ratio_memcpy_p10_p50_p90, ratio_1req_p10_p50_p90, verified_reads),
-control_floor, prep_per_slot.
+transports (ucxx's active transports), torch_threads, rows[] (slot_bytes, slots,
+total_bytes, repeats, ms_p10_p50_p90 per op, gbps_p50 per op, ceiling_ms_p10_p50_p90,
+ceiling_gbps_p50, ceiling_won ({op: repeats it was the ceiling}),
+ratio_ceiling_p10_p50_p90 (ceiling time / nixl_read time), ratio_raw_one_p10_p50_p90,
+ratio_memcpy_p10_p50_p90, ratio_1req_p10_p50_p90, verified_reads (scattered NIXL
+reads checked so far in the sweep), verified_ops (ops of the row checked, warm-up
+included)), control_floor, prep_per_slot.
 
 Shared with bench/transfer.py (it imports them from here): the raw ucxx baseline's
 request protocol (RAW_ONE, RAW_REQUEST_TAG, RAW_DATA_TAG), ucx_env, one_run and
@@ -67,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvstore.transfer import rma
 from kvstore.transfer.ucx import loop_progress, post_recv
@@ -82,6 +94,7 @@ OUT = Path(__file__).parent / "results" / "rma.json"
 # (mode, nbytes) on RAW_REQUEST_TAG, the bytes back on RAW_DATA_TAG (+ i).
 RAW_ONE = 0  # mode: the first nbytes of the serving pool as ONE message
 RAW_REQUEST_TAG, RAW_DATA_TAG = 1, 2
+CEILING_OPS = ("memcpy", "torch_copy", "nixl_one")  # per repeat the fastest is the ceiling
 
 
 # ---- shared with bench/transfer.py: the raw baselines ----------------------------------
@@ -203,6 +216,9 @@ class Fetching:
         self.expected = np.empty(pool_bytes, dtype=np.uint8)  # the serving pool's bytes
         self.expected.view(np.uint64)[:] = pattern_words(0, pool_bytes // 8)
         self.verified = 0
+        self.threads = len(os.sched_getaffinity(0))  # torch_copy's threads: every core
+        torch.set_num_threads(self.threads)
+        self.pool_t, self.expected_t = torch.from_numpy(self.pool), torch.from_numpy(self.expected)
 
     def scattered(self, slot: int, count: int, seed: int) -> tuple[rma.SlotRuns, np.ndarray]:
         """``count`` slot runs, random slots on both sides; and the local slot offsets."""
@@ -250,26 +266,41 @@ class Fetching:
         np.copyto(self.pool[:nbytes], self.expected[:nbytes])
         return time.perf_counter() - start
 
+    def torch_copy(self, nbytes: int) -> float:
+        start = time.perf_counter()
+        self.pool_t[:nbytes].copy_(self.expected_t[:nbytes])
+        return time.perf_counter() - start
+
+    def nixl_one(self, nbytes: int) -> float:
+        """The first ``nbytes`` of the serving pool as ONE run into the fetching pool's."""
+        return timed_read(
+            self.endpoint, self.peer, one_run(self.card.region.addr, self.base, nbytes)
+        )
+
 
 async def measure_row(f: Fetching, slot: int, total: int, repeats: int, seed: int) -> dict:
     count = total // slot
     runs, offsets = f.scattered(slot, count, seed)
+    contiguous = {"memcpy": f.memcpy, "torch_copy": f.torch_copy, "nixl_one": f.nixl_one}
+    verified = 0
 
     async def op(name: str) -> float:
+        nonlocal verified
         f.poison(total)
         if name == "raw_one":
             t = await f.raw_one(total)
             f.check_contiguous(total)
-        elif name == "memcpy":
-            t = f.memcpy(total)
+        elif name in contiguous:
+            t = contiguous[name](total)
             f.check_contiguous(total)
         else:
             chunk = rma.DEFAULT_CHUNK_BYTES if name == "nixl_read" else total
             t = f.nixl_read(runs, chunk)
             f.check_slots(offsets, slot)
+        verified += 1
         return t
 
-    names = ["nixl_read", "nixl_1req", "raw_one", "memcpy"]
+    names = ["nixl_read", "nixl_1req", "raw_one", *CEILING_OPS]
     for name in names:  # warm-up
         await op(name)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -278,6 +309,8 @@ async def measure_row(f: Fetching, slot: int, total: int, repeats: int, seed: in
         for name in rng.permutation(names):
             times[str(name)].append(await op(str(name)))
     nixl = np.asarray(times["nixl_read"])
+    candidates = np.stack([np.asarray(times[n]) for n in CEILING_OPS])
+    ceiling, won = candidates.min(axis=0), candidates.argmin(axis=0)
     return {
         "slot_bytes": slot,
         "slots": count,
@@ -285,31 +318,41 @@ async def measure_row(f: Fetching, slot: int, total: int, repeats: int, seed: in
         "repeats": repeats,
         "ms_p10_p50_p90": {n: quantiles(t, 1e3) for n, t in times.items()},
         "gbps_p50": {n: round(total / float(np.median(t)) / 1e9, 3) for n, t in times.items()},
+        "ceiling_ms_p10_p50_p90": quantiles(ceiling, 1e3),
+        "ceiling_gbps_p50": round(total / float(np.median(ceiling)) / 1e9, 3),
+        "ceiling_won": {n: int((won == i).sum()) for i, n in enumerate(CEILING_OPS)},
+        "ratio_ceiling_p10_p50_p90": quantiles(ceiling / nixl),
         "ratio_raw_one_p10_p50_p90": quantiles(np.asarray(times["raw_one"]) / nixl),
         "ratio_memcpy_p10_p50_p90": quantiles(np.asarray(times["memcpy"]) / nixl),
         "ratio_1req_p10_p50_p90": quantiles(np.asarray(times["nixl_1req"]) / nixl),
         "verified_reads": f.verified,
+        "verified_ops": verified,
     }
 
 
 async def control_floor(f: Fetching, repeats: int) -> dict:
-    """A one-slot read, SlotRuns to done, against a one-message ucxx round trip."""
+    """A one-slot read, SlotRuns to done, against a one-message ucxx round trip; the
+    slot poisoned before and compared after every op (untimed)."""
     remote, local = f.card.region.addr, f.base
     times: dict[str, list[float]] = {"nixl_read_1slot": [], "raw_one_1slot": []}
+    verified = 0
     for r in range(repeats + 5):
         first = r % 2 == 0
         for name in ("nixl_read_1slot", "raw_one_1slot")[:: 1 if first else -1]:
+            f.poison(FLOOR_SLOT)
             if name == "raw_one_1slot":
                 t = await f.raw_one(FLOOR_SLOT)
             else:
                 start = time.perf_counter()
                 f.endpoint.read(f.peer, one_run(remote, local, FLOOR_SLOT), 10.0)
                 t = time.perf_counter() - start
+            f.check_contiguous(FLOOR_SLOT)
+            verified += 1
             if r >= 5:
                 times[name].append(t)
-    f.check_contiguous(FLOOR_SLOT)
     return {n: {"us_p10_p50_p90": quantiles(t, 1e6, 1)} for n, t in times.items()} | {
-        "repeats": repeats
+        "repeats": repeats,
+        "verified_ops": verified,
     }
 
 
@@ -369,6 +412,7 @@ async def _measure(ctrl: Any, args: dict) -> dict:
         "control_floor": floor,
         "prep_per_slot": prep,
         "transports": sorted(ucxx.get_active_transports()),
+        "torch_threads": f.threads,
     }
 
 
@@ -391,7 +435,8 @@ def print_row(row: dict) -> None:
     print(
         f"{row['slot_bytes'] // KIB:>5} KiB x {row['slots']:>5}: "
         + "  ".join(f"{n} {ms[n][1]:.2f} ms ({gbps[n]:.2f} GB/s)" for n in ms)
-        + f"  raw/nixl {row['ratio_raw_one_p10_p50_p90']}",
+        + f"  raw/nixl {row['ratio_raw_one_p10_p50_p90']}"
+        + f"  ceiling/nixl {row['ratio_ceiling_p10_p50_p90']} (won: {row['ceiling_won']})",
         flush=True,
     )
 
@@ -441,8 +486,10 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "one-sided NIXL READ vs raw two-sided ucxx, host memory, 2 processes",
         "note": (
             "per repeat ops interleaved in random order; ratio = other op time / nixl_read "
-            "time (ratio_raw_one > 1: NIXL faster than one raw ucxx message); every byte "
-            "of every op verified; GB = 1e9 bytes; one sweep per UCX environment"
+            "time (ratio_raw_one > 1: NIXL faster than one raw ucxx message); ceiling = per "
+            "repeat the fastest of memcpy (numpy, 1 thread), torch_copy (all cores) and "
+            "nixl_one (ONE NIXL READ run), ceiling_won says which; every byte of every op "
+            "verified; GB = 1e9 bytes; one sweep per UCX environment"
         ),
         "generated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "quick": args.quick,

@@ -24,8 +24,16 @@ reported as p10/p50/p90; ``slope_us_per_block`` is the least-squares slope of th
 median ``save_empty - copier`` over the block counts (the fixed cost per call is its
 intercept). ``full_over_empty`` is per repeat save_full / save_empty, p10/p50/p90.
 
-After the timed repeats the sources get fresh random bytes, each server saves them
-under new hashes and loads them into other block ids, and every byte is compared.
+Every Save (warm-up and timed) saves bytes of its own: before it (untimed) the first
+8 bytes of the K and V halves of each saved block of every layer are stamped with the
+block's new hash (the rest are the random bytes the sources started with). After it
+(untimed) the server loads those hashes back into the other half of the cache
+(blocks 1,024.., poisoned with 0xFF first: the random bytes are 0..254) and every byte
+is compared with the saved blocks; ``verified_saves`` counts them. The check runs after
+every timed Save, not only the first and last: a Load of the same blocks plus the compare
+costs about as much as the Save itself, so it adds to the run's wall time but not to the
+timed region. After the timed repeats the sources get fresh random bytes, each server
+saves them under new hashes and loads them into other block ids, and every byte is compared.
 
 JSON (--out, default bench/results/save_full_empty.json): ``runs[label]`` holds the
 rows of one run (``--label``, e.g. "before" and "after" a change, each measured by
@@ -107,13 +115,36 @@ class Keys:
         return list(range(first, first + n))
 
 
-def save(server: Server, keys: Keys, n: int) -> float:
-    refs = list(zip(keys.take(n), range(n), strict=True))
+def save(server: Server, keys: Keys, n: int, checked: list[int]) -> float:
+    """Timed: one Save of blocks 0..n-1 under new hashes. Untimed: the blocks stamped
+    with their hashes before it; after it the saved bytes loaded back and compared
+    (``checked[0]`` counts the Saves verified)."""
+    hashes = keys.take(n)
+    stamp = torch.tensor(hashes, dtype=torch.int64)
+    for layer in server.layers:  # word 0 of the K and of the V half of each block
+        layer.tensor.view(torch.int64).view(2, CACHE_BLOCKS, -1)[:, :n, 0] = stamp
+    refs = list(zip(hashes, range(n), strict=True))
     t0 = time.perf_counter()
     reply = server.session.save(refs, timeout=300)
     elapsed = time.perf_counter() - t0
     assert reply.written == n, reply
+    check_saved(server, hashes)
+    checked[0] += 1
     return elapsed
+
+
+def check_saved(server: Server, hashes: list[int]) -> None:
+    """Load ``hashes`` (saved from blocks 0..n-1) into the poisoned blocks from
+    max(COUNTS) on and compare every byte with the blocks they were saved from."""
+    n, first = len(hashes), max(COUNTS)
+    for layer in server.layers:
+        layer.tensor[:, first : first + n].view(torch.uint8).fill_(0xFF)
+    server.session.load([(h, first + i) for i, h in enumerate(hashes)], timeout=300)
+    for layer in server.layers:
+        a = layer.tensor[:, :n].view(torch.int16)
+        b = layer.tensor[:, first : first + n].view(torch.int16)
+        if not torch.equal(a, b):
+            raise AssertionError(f"{server.name} {layer.name}: saved bytes differ ({n} blocks)")
 
 
 def copier_op(layers: list[KVLayer], n: int):
@@ -140,13 +171,17 @@ def run(repeats: int, seed: int = 0) -> tuple[dict[str, list[float]], dict]:
     full = start("full", 3 * REQUEST)
     empty = start("empty", REQUEST + (8 << 20))
     keys = Keys()
+    checked = [0]  # Saves whose bytes were loaded back and compared
     try:
         for _ in range(4):  # fill the full server's pool; from the fourth on it evicts
-            save(full, keys, max(COUNTS))
+            save(full, keys, max(COUNTS), checked)
         ops = {}
         for n in COUNTS:
-            ops[f"full_{n}"] = lambda n=n: save(full, keys, n)
-            ops[f"empty_{n}"] = lambda n=n: (empty.client.clear(), save(empty, keys, n))[1]
+            ops[f"full_{n}"] = lambda n=n: save(full, keys, n, checked)
+            ops[f"empty_{n}"] = lambda n=n: (
+                empty.client.clear(),
+                save(empty, keys, n, checked),
+            )[1]
             ops[f"copier_{n}"] = copier_op(full.layers, n)
         for op in ops.values():  # warm-up
             op()
@@ -158,6 +193,7 @@ def run(repeats: int, seed: int = 0) -> tuple[dict[str, list[float]], dict]:
         meta = {
             "evictions_full": full.client.stats().evictions,
             "evictions_empty": empty.client.stats().evictions,
+            "verified_saves": checked[0],
             "verified_blocks": verify(full, keys) + verify(empty, keys),
         }
     finally:
@@ -235,7 +271,7 @@ def main() -> None:
         "note": "ms = wall time of one Save RPC seen by the client; copier = the host copier's "
         "RegionTable blocks path on the same blocks in-process; python_us_per_block = "
         "(save_empty - copier) / blocks per repeat; full_over_empty per repeat; all ops "
-        "interleaved in random order; bytes verified",
+        "interleaved in random order; every Save's bytes loaded back and compared (untimed)",
     })  # fmt: skip
     doc.setdefault("runs", {})[args.label] = {
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -52,16 +52,22 @@ untimed) before each op:
                fetch_rma reads (kvstore.transfer.onesided.runs_for: the serving
                side's lanes, into the slots the warm-up's fetch_rma of that set
                reserved)
-  device_copy  (--mem cuda) one device-to-device copy of the same bytes, in-process
+  device_copy  (--mem cuda) one device-to-device copy of the same bytes, in-process:
+               the serving pool's bytes (below) into the fetching pool's poisoned start
 
 After every timed fetch every fetched byte is compared with the pattern: each block's
 slots are read out of the fetching pool at the offsets the index gave them (a fetch
-that moved nothing reads 0xFF). The ceiling of a repeat is the faster of raw_one and
-raw_seg; the ratio is taken per repeat (ceiling time / fetch time) and reported as its
-median, min-max and interquartile range. One-sided fetches read with NIXL, faster than
-any ucxx message between these processes: their ceiling is the faster of nixl_one and
-nixl_runs in the same repeat (ratio_nixl_ceiling: ceiling time / fetch_rma time). Every
-raw NIXL read's bytes are checked like a fetch's (the landing slots poisoned first).
+that moved nothing reads 0xFF). After every raw_one, raw_seg and device_copy (warm-up
+included) the bytes that arrived are compared, untimed, with a copy of what the serving
+pool holds there (its first total_bytes, taken once per configuration after the saves:
+nothing writes the serving pool after them), on the fetching device; raw_seg's message
+sizes must add up to total_bytes. The ceiling of a repeat is the faster of raw_one and
+raw_seg; every ratio is taken per repeat (ceiling time / fetch time; the headline,
+ratio_ceiling) and reported as its median, min-max and interquartile range. One-sided
+fetches read with NIXL, faster than any ucxx message between these processes: their
+ceiling is the faster of nixl_one and nixl_runs in the same repeat (ratio_nixl_ceiling:
+ceiling time / fetch_rma time). Every raw NIXL read's bytes are checked like a fetch's
+(the landing slots poisoned first).
 
 --transport-only swaps both store nodes for the stubs the transfer layer was first
 measured with (a lease that only computes where a block lies, a reservation from the
@@ -81,11 +87,13 @@ source "stub"; a PNG of the same name is drawn beside it):
     repeats                     interleaved repeats timed
     gbps                        total_bytes / median fetch time (1 GB = 1e9 bytes)
     baseline_gbps               the same for raw_one (the old baseline)
-    ratio                       gbps / baseline_gbps (the old definition)
-    ratio_p10_p50_p90           per repeat raw_one time / fetch time
+    ratio                       median over repeats of raw_one time / fetch time
+                                (per repeat, as ratio_ceiling; not gbps / baseline_gbps)
+    ratio_p10_p50_p90           its p10, p50 (= ratio), p90
     segments_gbps               the same for raw_seg
     ceiling_gbps                the same for the per-repeat faster of raw_one, raw_seg
     ratio_ceiling               median over repeats of ceiling time / fetch time
+                                (the headline)
     ratio_ceiling_min_max, ratio_ceiling_iqr   its spread: [min, max], [p25, p75]
     fetch_ms_min_med_max        fetch wall time, ms
     messages                    data messages per fetch (median over repeats)
@@ -93,8 +101,11 @@ source "stub"; a PNG of the same name is drawn beside it):
     layers_by_name              --layers-by-name: the serving ranks registered their
                                 layers in name order (see --help)
     device_copy_gbps, ratio_device_copy   --mem cuda: one in-process device copy of
-                                the same bytes, and gbps / that
+                                the same bytes, and the median over repeats of its
+                                time / fetch time
     verified, verified_fetches  every byte of every fetch (warm-up included) compared
+    verified_raw                raw_one, raw_seg, device_copy ops (warm-up included)
+                                whose bytes were compared with the serving pool's
     rma                         (store rows, nixl installed, not --no-rma) the
                                 same sets fetched one-sided, op fetch_rma interleaved
                                 with the others: gbps, ms_p10_p50_p90,
@@ -113,12 +124,12 @@ source "stub"; a PNG of the same name is drawn beside it):
                slot_bytes, total_bytes, repeats, {op}_ms_p10_p50_p90 per op (fetch,
                fetch_rma, raw_one, raw_seg, nixl_one, nixl_runs), the nixl_ceiling_,
                ratio_nixl_ceiling_, over_nixl_ceiling_ fields above, verified_fetches,
-               nixl_verified_reads
+               verified_raw, nixl_verified_reads
   latency[]    per sweep, the TP2 prefix: transport, mem, source, model, block_tokens,
                slot_bytes, slots_per_block, num_blocks, total_bytes, iters,
                p50_ms, p99_ms, min_ms (fetch), ceiling_p50_ms, ratio_ceiling
                (+ _min_max, _iqr), messages, evictions, layers_by_name, verified,
-               verified_fetches
+               verified_fetches, verified_raw
 """
 
 from __future__ import annotations
@@ -186,9 +197,9 @@ NIXL_OPS = ("nixl_one", "nixl_runs")  # the raw one-sided ceiling's two ops
 NOTE = (
     "gbps = total_bytes / median wall time of one fetch; baseline_gbps = the same bytes as "
     "ONE raw ucxx message, segments_gbps = as the same messages the fetch sent, "
-    "ceiling = per repeat the faster of the two; ratio = gbps / baseline_gbps (old "
-    "definition), ratio_ceiling = median over interleaved repeats of ceiling time / fetch "
-    "time; every fetched byte verified; rma: the same sets fetched one-sided (NIXL "
+    "ceiling = per repeat the faster of the two; ratio_ceiling (headline) = median over "
+    "interleaved repeats of ceiling time / fetch time, ratio = the same for raw_one time; "
+    "every fetched and raw-received byte verified; rma: the same sets fetched one-sided (NIXL "
     "READ into reserved slots), interleaved with the rest, against the raw NIXL ceiling "
     "(per repeat the faster of ONE NIXL READ of the bytes and a READ of the fetch's own "
     "slot runs, bytes verified): ratio_nixl_ceiling = ceiling time / fetch_rma time; "
@@ -654,22 +665,37 @@ async def _serve(ctrl: Any, opts: dict) -> None:
         if command == "stop":
             break
         try:
-            if command == "prepare":
-                reply: Any = await side.prepare(Shape(**arg))
-            elif command == "offsets":  # where set ``arg`` lies here (raw NIXL reads of it)
-                reply = side.offsets(arg)
-            elif command == "progress":  # on (arg True) around every raw NIXL read
-                progressing.set(arg)
-                reply = None
-            else:  # "segments": sizes of the last fetch's messages; raw_seg will send them
-                reply = [int(v.nbytes) for v in server.last_views]
-                starts = np.concatenate(([0], np.cumsum(reply)[:-1])).tolist()
-                raw_views[:] = [ucx_view(side.buffer, a, n) for a, n in zip(starts, reply)]
+            reply = await answer(command, arg, side, server, raw_views, progressing)
             ctrl.send((True, reply))
         except Exception:
             ctrl.send((False, traceback.format_exc()))
     raw.close()
     await server.stop()
+
+
+async def answer(
+    command: str,
+    arg: Any,
+    side: Any,
+    server: RecordingPeerServer,
+    raw_views: list[Any],
+    progressing: Progressing,
+) -> Any:
+    """The serving process's reply to one command of the fetching process."""
+    if command == "prepare":
+        return await side.prepare(Shape(**arg))
+    if command == "held":  # the pool's first ``arg`` bytes: what raw_one and raw_seg send
+        return side.buffer[:arg].cpu().numpy()
+    if command == "offsets":  # where set ``arg`` lies here (raw NIXL reads of it)
+        return side.offsets(arg)
+    if command == "progress":  # on (arg True) around every raw NIXL read
+        progressing.set(arg)
+        return None
+    # "segments": sizes of the last fetch's messages; raw_seg will send them
+    sizes = [int(v.nbytes) for v in server.last_views]
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+    raw_views[:] = [ucx_view(side.buffer, a, n) for a, n in zip(starts, sizes)]
+    return sizes
 
 
 # ---- fetching process -----------------------------------------------------------------------
@@ -703,6 +729,7 @@ class Row:
     ratio_device_copy: float | None = None
     verified: bool = False
     verified_fetches: int = 0
+    verified_raw: int = 0
     rma: dict | None = None  # one-sided fetches of the same sets (one_sided_fields)
 
 
@@ -771,8 +798,8 @@ class Bench:
         if self.side.namespace != namespace:
             raise AssertionError(f"namespaces differ: {self.side.namespace} vs {namespace}")
         self.shape, self.namespace, self.verified, self.messages = shape, namespace, 0, []
-        buffer = self.side.buffer
-        scratch = torch.empty_like(buffer) if self.device != "cpu" else None
+        self.held = self.serving_bytes(shape.nbytes)
+        self.raw_verified = 0
         await self.warm_up(one_sided)
         evictions = self.side.evictions()
         ops = {
@@ -784,8 +811,8 @@ class Bench:
             ops["fetch_rma"] = lambda r: self.fetch(one_sided=True)
             ops["nixl_one"] = lambda r: self.nixl("nixl_one", r)
             ops["nixl_runs"] = lambda r: self.nixl("nixl_runs", r)
-        if scratch is not None:
-            ops["device_copy"] = lambda r: self.device_copy(scratch)
+        if self.device != "cpu":
+            ops["device_copy"] = lambda r: self.device_copy()
         times: dict[str, list[float]] = {name: [] for name in ops}
         rng = np.random.default_rng(seed)
         for r in range(repeats):
@@ -797,9 +824,29 @@ class Bench:
             "messages": int(statistics.median(self.messages[2:] or self.messages)),
             "evictions": self.side.evictions() - evictions,
             "verified_fetches": self.verified,
+            "verified_raw": self.raw_verified,
             "nixl_runs": len(self.nixl_reads["nixl_runs", 0].runs.nbytes) if one_sided else 0,
             "nixl_verified": self.nixl_verified,
         }
+
+    def serving_bytes(self, nbytes: int) -> torch.Tensor:
+        """A copy, on this device, of what the serving pool holds in its first ``nbytes``
+        (what raw_one and raw_seg send; nothing writes that pool after its saves)."""
+        held = torch.from_numpy(ask(self.ctrl, "held", nbytes)).to(self.device)
+        if len(held) != nbytes or bool((held == POISON).all()):
+            raise AssertionError("the serving pool's bytes would not tell a raw op from none")
+        return held
+
+    def check_raw(self, what: str) -> None:
+        """Untimed: the fetching pool's first total_bytes hold the serving pool's."""
+        got = self.side.buffer[: self.shape.nbytes]
+        if not torch.equal(got, self.held):
+            bad = int((got != self.held).nonzero()[0])
+            raise AssertionError(
+                f"{what}: byte {bad} is {int(got[bad])}, the serving pool holds "
+                f"{int(self.held[bad])}"
+            )
+        self.raw_verified += 1
 
     def new_side(self, shape: Shape, one_sided: bool) -> None:
         """A fresh fetching side for ``shape`` (the last one's NIXL endpoint closed)."""
@@ -828,8 +875,9 @@ class Bench:
             self.plan_nixl()
             for name in NIXL_OPS:
                 await self.nixl(name, 0)
-        await self.raw_one()
-        await self.raw_seg()
+        for raw in (self.raw_one, self.raw_seg):
+            self.poison()
+            await raw()
 
     def plan_nixl(self) -> None:
         """The raw NIXL ceiling's reads of sets A and B: the same agent and registered
@@ -904,11 +952,15 @@ class Bench:
             await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
             await recv
         self.sync()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.check_raw("raw_one")
+        return elapsed
 
     async def raw_seg(self) -> float:
         """The last fetch's message sizes, back to back from the start of the pool."""
         sizes = ask(self.ctrl, "segments")
+        if sum(sizes) != self.shape.nbytes:
+            raise AssertionError(f"the last fetch sent {sum(sizes)} of {self.shape.nbytes} bytes")
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
         views = [ucx_view(self.side.buffer, a, n) for a, n in zip(starts, sizes)]
         self.request[:] = (RAW_SEG, sum(sizes))
@@ -922,16 +974,21 @@ class Bench:
             await self.raw_ep.send(self.request, tag=RAW_REQUEST_TAG)
             await asyncio.gather(*recvs)
         self.sync()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.check_raw("raw_seg")
+        return elapsed
 
-    async def device_copy(self, scratch: torch.Tensor) -> float:
-        """The GPU's own ceiling for these bytes: one device-to-device copy."""
+    async def device_copy(self) -> float:
+        """The GPU's own ceiling for these bytes: one device-to-device copy of the
+        serving pool's bytes (held on this device) into the fetching pool's poisoned start."""
         nbytes = self.shape.nbytes
         self.sync()
         start = time.perf_counter()
-        scratch[:nbytes].copy_(self.side.buffer[:nbytes])
+        self.side.buffer[:nbytes].copy_(self.held)
         self.sync()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.check_raw("device_copy")
+        return elapsed
 
 
 def ratios(times: dict[str, list[float]]) -> dict[str, np.ndarray]:
@@ -1007,7 +1064,7 @@ def make_row(opts: dict, shape: Shape, out: dict) -> Row:
         repeats=len(t["fetch"]),
         gbps=round(gbps["fetch"], 3),
         baseline_gbps=round(gbps["one"], 3),
-        ratio=round(gbps["fetch"] / gbps["one"], 3),
+        ratio=round(float(np.median(t["one"] / t["fetch"])), 3),
         ratio_p10_p50_p90=[round(float(q), 3) for q in vs_one],
         segments_gbps=round(gbps["seg"], 3),
         ceiling_gbps=round(gbps["ceiling"], 3),
@@ -1017,12 +1074,14 @@ def make_row(opts: dict, shape: Shape, out: dict) -> Row:
         layers_by_name=opts["layers_by_name"],
         verified=True,
         verified_fetches=out["verified_fetches"],
+        verified_raw=out["verified_raw"],
         **spread(t["r"]),
         rma=one_sided_fields(shape, out),
     )
     if "device_copy" in out["times"]:
-        dc = nbytes / statistics.median(out["times"]["device_copy"]) / 1e9
-        row.device_copy_gbps, row.ratio_device_copy = round(dc, 3), round(gbps["fetch"] / dc, 3)
+        dc = np.asarray(out["times"]["device_copy"])
+        row.device_copy_gbps = round(nbytes / float(np.median(dc)) / 1e9, 3)
+        row.ratio_device_copy = round(float(np.median(dc / t["fetch"])), 3)
     return row
 
 
@@ -1050,6 +1109,7 @@ def make_latency(opts: dict, shape: Shape, out: dict) -> dict:
         "layers_by_name": opts["layers_by_name"],
         "verified": True,
         "verified_fetches": out["verified_fetches"],
+        "verified_raw": out["verified_raw"],
         "rma": one_sided_fields(shape, out),
     }
 
@@ -1131,6 +1191,7 @@ def floor_fields(shape: Shape, out: dict) -> dict:
         **{f"{op}_ms_p10_p50_p90": quantiles(np.asarray(x), 1e3) for op, x in t.items()},
         **nixl_ceiling(shape, t),
         "verified_fetches": out["verified_fetches"],
+        "verified_raw": out["verified_raw"],
         **({"nixl_verified_reads": out["nixl_verified"]} if "fetch_rma" in t else {}),
     }
 
