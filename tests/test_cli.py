@@ -237,6 +237,7 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["serve", "--fetch-timeout", "-1"], "argument --fetch-timeout: '-1' is not a number"),
         (["serve", "--etcd-ttl", "0"], "argument --etcd-ttl: '0' is not a whole number >= 1"),
         (["serve", "--pool-size", "99999999T"], "argument --pool-size: '99999999T' is more than"),
+        (["serve", "--pool-size", "9" * 400], "is more than 1 PiB"),
         (["router", "--gpu-weight", "1.5"], "--gpu-weight is a fraction of a block's prefill"),
         (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
     ],

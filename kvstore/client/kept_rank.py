@@ -110,6 +110,10 @@ class KeptRank:
             except KVError as err:
                 self._failed(err)
                 return
+            except Exception as exc:  # grpc's ValueError on a closed channel, and the like:
+                log.exception("kvstore: registering rank %d failed", self.spec.rank)
+                self._failed(KVError(Code.UNKNOWN, f"{type(exc).__name__}: {exc}"))
+                return  # retried like any failure: this thread must not end
             with self._lock:
                 closed = self._stop.is_set()  # close() ran while this registered
                 if not closed:

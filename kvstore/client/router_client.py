@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore._proto import router_pb2, router_pb2_grpc
-from kvstore.client.tls import open_channel
+from kvstore.client.tls import RECONNECT_OPTIONS, open_channel
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.card_proto import card_to_proto
 from kvstore.wire.errors import Code, KVError
@@ -69,7 +69,7 @@ class RouterClient:
     def _stub(self, i: int) -> router_pb2_grpc.RouterStub:
         with self._lock:
             if i not in self._stubs:
-                self._channels[i] = open_channel(self.addresses[i], self.tls)
+                self._channels[i] = open_channel(self.addresses[i], self.tls, RECONNECT_OPTIONS)
                 self._stubs[i] = router_pb2_grpc.RouterStub(self._channels[i])
             return self._stubs[i]
 

@@ -24,7 +24,7 @@ import torch
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client.shared_memory import ShmTensor, cuda_ipc_export, device_uuid_of, shm_empty
-from kvstore.client.tls import open_channel
+from kvstore.client.tls import RECONNECT_OPTIONS, open_channel
 from kvstore.copy import region_from_tensor
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.hashing import HASH_FORMAT
@@ -37,11 +37,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 16 << 20),
-    # a restarted store is found again within a second, not gRPC's default 2 minutes:
-    # calls fail fast until the channel's next connect attempt, and the store is on
-    # this node, so an attempt costs one refused connect
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    *RECONNECT_OPTIONS,
 ]
 
 
@@ -54,6 +50,10 @@ class KVLayer:
     ``[num_blocks, block_size, dim]`` (docs/design.md §3); stored as the enum.
     ``kv_layout``: byte order inside a block, "NHD", "HND" or "MLA".
     ``shm``: the shared-memory object holding a host tensor.
+    ``kv_dtype``: the KV's own format where the tensor holds it as raw bytes
+    (engines keep fp8 KV of any variant in uint8): part of the layout
+    fingerprint, so fp8_e4m3 and fp8_e5m2 caches never share blocks; default
+    the tensor's dtype.
     """
 
     name: str
@@ -62,6 +62,7 @@ class KVLayer:
     kv_layout: str = "NHD"
     shm: ShmTensor | None = None
     replicated: bool = False
+    kv_dtype: str = ""
 
     def __post_init__(self) -> None:
         self.kind = LayoutKind(self.kind)
@@ -71,7 +72,7 @@ class KVLayer:
         region = region_from_tensor(self.tensor, self.kind.value)
         return pb.LayerSpec(
             name=self.name,
-            dtype=str(self.tensor.dtype).removeprefix("torch."),
+            dtype=self.kv_dtype or str(self.tensor.dtype).removeprefix("torch."),
             bytes_per_block=region.segments * region.segment_bytes,
             segments=region.segments,
             kv_layout=self.kv_layout,
@@ -119,6 +120,11 @@ def kv_cache_shm(
     return shm_empty(shape, dtype)
 
 
+# The store answers a registration once it has checked and mapped the layers:
+# well under a second as a rule, and a hung server must not hang the engine.
+ACCEPT_TIMEOUT_S = 60.0
+
+
 @dataclass
 class SealInfo:
     """What a rank learns when its instance seals (docs/design.md §1, the seal)."""
@@ -144,15 +150,30 @@ class RankSession:
     _error: KVError | None = None
     _thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, timeout: float = ACCEPT_TIMEOUT_S) -> None:
         """Wait for the server's first answer, then follow the stream in a thread.
 
-        Raises :class:`KVError` when the registration is refused.
+        Raises :class:`KVError` when the registration is refused, the stream
+        ends unanswered, or no answer comes within ``timeout`` (a server whose
+        port is up but whose service hangs: gRPC's keepalive would not tell).
         """
+        timer = threading.Timer(timeout, self.call.cancel)
+        timer.daemon = True
+        timer.start()
         try:
             self._apply(next(self.call))
+        except StopIteration:
+            raise KVError(Code.UNAVAILABLE, "registration stream ended unanswered") from None
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.CANCELLED and not timer.is_alive():
+                raise KVError(
+                    Code.DEADLINE_EXCEEDED,
+                    f"instance {self.instance_id!r} rank {self.rank}: the store did not "
+                    f"answer the registration within {timeout:g}s",
+                ) from None
             raise kv_error(exc, "registration refused") from None
+        finally:
+            timer.cancel()
         self._thread = threading.Thread(
             target=self._follow, daemon=True, name=f"kvstore-session-{self.rank}"
         )
@@ -267,8 +288,10 @@ class StoreClient:
         world_size: int | None = None,
         block_size: int = 16,
         hash_format: str = HASH_FORMAT,
+        accept_timeout: float = ACCEPT_TIMEOUT_S,
     ) -> RankSession:
-        """Register this rank's layers; returns once the server accepted them."""
+        """Register this rank's layers; returns once the server accepted them
+        (KVError DEADLINE_EXCEEDED when it does not answer within ``accept_timeout``)."""
         request = pb.RegisterLayersRequest(
             instance_id=instance_id,
             client_namespace=client_namespace,
@@ -283,7 +306,7 @@ class StoreClient:
         session = RankSession(
             request.instance_id, request.rank, self.stub, self.stub.RegisterLayers(request)
         )
-        session.start()
+        session.start(accept_timeout)
         return session
 
     def register_rank(self, spec: RankSpec, layers: list[KVLayer]) -> RankSession:

@@ -22,6 +22,15 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     )
 
 
+# A restarted server is found again within a second, not gRPC's default two
+# minutes: calls fail fast until the channel's next connect attempt, and an
+# attempt costs one refused connect.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 def open_channel(address: str, tls: TlsFiles | None = None, options=None) -> grpc.Channel:
     """A blocking channel to ``address``."""
     if tls is None:

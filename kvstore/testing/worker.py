@@ -42,6 +42,7 @@ class WorkerSpec:
     block_size: int = 16
     num_blocks: int = 64
     dtype: str = "float16"
+    kv_dtype: str = ""  # the KV's format where dtype holds raw bytes (KVLayer.kv_dtype)
     kind: str = "kv_first"
     kv_layout: str = "NHD"
     device: str = "cpu"
@@ -93,9 +94,9 @@ class WorkerRank:
                 dtype,
                 spec.kv_layout,
             )
-            return KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm)
+            return KVLayer(name, shm.tensor, spec.kind, spec.kv_layout, shm, kv_dtype=spec.kv_dtype)
         tensor = torch.zeros(spec.shape(), dtype=dtype, device=spec.torch_device())
-        return KVLayer(name, tensor, spec.kind, spec.kv_layout)
+        return KVLayer(name, tensor, spec.kind, spec.kv_layout, kv_dtype=spec.kv_dtype)
 
     def blocks_of(self, layer: KVLayer, block_id: int) -> list[torch.Tensor]:
         t = layer.tensor

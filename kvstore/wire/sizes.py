@@ -19,10 +19,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r} is not a size like 4GiB, 512MiB or 1048576")
     unit = (m.group(2) or "").upper()[:1]
-    value = int(float(m.group(1)) * UNITS[unit if unit != "B" else ""])
-    if value > MAX_SIZE:
+    number = float(m.group(1)) * UNITS[unit if unit != "B" else ""]
+    if not number <= MAX_SIZE:  # also inf, from a number too long for a float
         raise ValueError(f"{text!r} is more than {format_size(MAX_SIZE)}")
-    return value
+    return int(number)
 
 
 def format_size(nbytes: int) -> str:

@@ -274,6 +274,15 @@ class SGLangRank:
         pool, backend, _ = self.ranks[key]
         return backend.batch_set(keys, [pool.get_data_page(p * PAGE).clone() for p in pages])
 
+    def side_pool_error(self, key: str) -> str:
+        """register_mem_host_pool_v2 of a hybrid group's side pool on a live backend."""
+        pool, backend, _ = self.ranks[key]
+        try:
+            backend.register_mem_host_pool_v2(pool, "swa")
+        except ValueError as err:
+            return str(err)
+        return "registered"
+
     def unshared_pool_error(self) -> str:
         """register_mem_pool_host of a pool from SGLang's default (non-shm) allocator."""
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -539,6 +548,7 @@ def test_store_down_is_a_miss_then_it_comes_back(workdir, ranks, sglang_keys):
         assert r.set(key, keys, [1, 2]) == [False, False]
         assert r.get(key, keys, [3, 4]) == [False, False]
         assert "allocator" in r.unshared_pool_error()  # SGLang's default allocator: told to use shm
+        assert "hybrid pool group" in r.side_pool_error(key)  # SWA, Mamba, ...: refused
 
         s.start()
         assert r.ready(30)

@@ -86,6 +86,18 @@ def test_layout_changes_give_another_namespace(server, change):
         close_all(other)
 
 
+def test_fp8_formats_held_in_uint8_get_other_namespaces(server):
+    """Engines keep fp8 KV of every variant in uint8 tensors; the layer's kv_dtype
+    (vLLM's and SGLang's --kv-cache-dtype) keeps e4m3 and e5m2 caches apart."""
+    e4m3, s1 = start_instance(server, "e4m3", tp_size=1, dtype="uint8", kv_dtype="fp8_e4m3")
+    e5m2, s2 = start_instance(server, "e5m2", tp_size=1, dtype="uint8", kv_dtype="fp8_e5m2")
+    try:
+        assert s1[0]["final_namespace"] != s2[0]["final_namespace"]
+    finally:
+        close_all(e4m3)
+        close_all(e5m2)
+
+
 def test_killing_a_rank_unseals_the_instance(server):
     workers, _ = start_instance(server, "a")
     try:

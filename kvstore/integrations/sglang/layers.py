@@ -33,6 +33,7 @@ through ``/proc/<pid>/fd/<fd>`` (the ``host_fd`` memory handle).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,32 @@ class MemfdKVLayer(KVLayer):
         )
 
 
-def pool_layers(pool, is_mla: bool) -> list[MemfdKVLayer]:
-    """The kvstore layers of an SGLang host pool (see the module docstring).
+def kv_format(pool, kv_cache_dtype: Callable[[], str | None]) -> str:
+    """The layers' dtype where the pool's tensor does not tell it ("" where it does).
+
+    SGLang keeps fp8 KV of every variant in uint8 pools, so the tensor's dtype
+    cannot keep fp8_e4m3 and fp8_e5m2 engines apart; SGLang's
+    ``--kv-cache-dtype`` does, which ``kv_cache_dtype()`` tells (asked only for
+    a uint8 pool). A uint8 pool without it is refused: an engine must never
+    load pages of another fp8 format.
+    """
+    buf = getattr(pool, "kv_buffer", None)
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
+        return ""
+    named = kv_cache_dtype()
+    if not named or named == "auto":
+        raise UnsupportedPool(
+            "SGLang keeps fp8 KV in uint8 pools and this backend cannot tell which fp8 "
+            'format: add "kv_cache_dtype" (SGLang\'s --kv-cache-dtype, e.g. fp8_e4m3) to '
+            "--hicache-storage-backend-extra-config, so engines of another format never "
+            "share its pages"
+        )
+    return named
+
+
+def pool_layers(pool, is_mla: bool, kv_dtype: str = "") -> list[MemfdKVLayer]:
+    """The kvstore layers of an SGLang host pool (see the module docstring);
+    ``kv_dtype``: their dtype where the tensor's is not it (:func:`kv_format`).
 
     Raises :class:`UnsupportedPool` for a layout or pool kind this backend
     cannot register, or a pool that is not in shared memory.
@@ -112,6 +137,7 @@ def pool_layers(pool, is_mla: bool) -> list[MemfdKVLayer]:
             LayoutKind.MLA if is_mla else LayoutKind.KV_FIRST,
             "MLA" if is_mla else ("HND" if layout == "page_head" else "NHD"),
             replicated=is_mla,
+            kv_dtype=kv_dtype,
             host_fd=host_fd,
         )
         for name, view in views

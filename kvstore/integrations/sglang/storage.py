@@ -28,6 +28,8 @@ Extra config keys read here (all optional but ``allocator``):
     namespace        the client namespace; default ``<model>-<digest>-<layout>``
     instance_id      this engine's id in the store; default from the parent pid
     seal_timeout_s   how long registration waits for every rank (60)
+    kv_cache_dtype   SGLang's --kv-cache-dtype; needed for fp8 KV when SGLang's
+                     runtime context does not tell it (fp8 pools are uint8)
     retry_s          how often an unreachable store is retried (5)
     timeout_s        deadline of a prefix query (5)
     io_timeout_s     deadline of a Save or Load (60)
@@ -57,7 +59,7 @@ from kvstore.integrations.sglang.identity import (
     page_key,
     rank_identity,
 )
-from kvstore.integrations.sglang.layers import pool_layers
+from kvstore.integrations.sglang.layers import UnsupportedPool, kv_format, pool_layers
 from kvstore.integrations.sglang.link import RankLink
 from kvstore.wire.tls import TlsFiles
 
@@ -139,7 +141,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """
         super().register_mem_pool_host(mem_pool_host)
         cfg = self.config
-        layers = pool_layers(mem_pool_host, cfg.is_mla_model)
+        fp8 = kv_format(
+            mem_pool_host,
+            lambda: cfg.extra_config.get("kv_cache_dtype") or _server_kv_cache_dtype(),
+        )
+        layers = pool_layers(mem_pool_host, cfg.is_mla_model, fp8)
         self.page_size = int(mem_pool_host.page_size)
         self.instance_id = instance_id(
             f"{'mla' if cfg.is_mla_model else 'mha'}-{mem_pool_host.layout}",
@@ -177,6 +183,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             io_timeout=self.io_timeout_s,
         )
         self.link.start()
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid pool groups (SWA, Mamba, DSA side pools, sidecars) register
+        here; this backend stores one KV pool per rank, so it refuses them and the
+        attach fails at start-up, rather than every request failing later in the
+        ``*_v2`` transfers the base class does not implement."""
+        raise UnsupportedPool(
+            f"SGLang host pool {host_pool_name!r} ({type(host_pool).__name__}) belongs to a "
+            "hybrid pool group (SWA, Mamba, DSA or a sidecar), which kvstore does not store; "
+            "run this model without a kvstore HiCache backend"
+        )
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
         """True once this rank is registered and sealed (a helper for tests and scripts)."""
@@ -356,3 +373,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.link is not None:
             self.link.close()
         self.client.close()
+
+
+def _server_kv_cache_dtype() -> str | None:
+    """SGLang's --kv-cache-dtype in this scheduler process, where its runtime
+    context tells it (None where not: another SGLang, or no context yet)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return getattr(get_server_args(), "kv_cache_dtype", None)
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # ValueError: not set yet
+        return None

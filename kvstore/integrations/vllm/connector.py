@@ -193,7 +193,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             world_size=pp.world_size * tp_size,
         )
         layout = cache.get_resolved_kv_cache_layout().name
-        layers = paged_layers(kv_caches, s.block_size, layout, self._pool)
+        layers = paged_layers(kv_caches, s.block_size, layout, self._pool, cache.cache_dtype)
         self._worker = WorkerSide(
             self.client, identity, seal_timeout=s.seal_timeout_s, retry_s=s.retry_s
         )

@@ -92,8 +92,14 @@ def paged_layers(
     block_size: int,
     vllm_layout: str,
     pool: SharedMemoryKVPool | None,
+    cache_dtype: str = "auto",
 ) -> list[KVLayer]:
     """One ``paged`` KVLayer per distinct layer view.
+
+    ``cache_dtype``: vLLM's ``--kv-cache-dtype``. Other than "auto" (the
+    model's dtype, which the tensors carry) it names the layers' dtype: vLLM
+    keeps every fp8 variant in uint8 tensors, and fp8_e4m3 KV loaded as
+    fp8_e5m2 would be garbage.
 
     vLLM registers kernel-granular views when its kernel block is smaller than
     its scheduler block: ``ratio`` consecutive kernel blocks make one block,
@@ -115,7 +121,9 @@ def paged_layers(
         ratio = block_size // kernel_block
         t = view.unflatten(0, (view.shape[0] // ratio, ratio)) if ratio > 1 else view
         shm = pool.owner_of(view) if pool is not None and not view.is_cuda else None
-        layers.append(KVLayer(name, t, LayoutKind.PAGED, paged_layout(vllm_layout, ratio), shm))
+        kv_dtype = "" if cache_dtype == "auto" else cache_dtype
+        layout = paged_layout(vllm_layout, ratio)
+        layers.append(KVLayer(name, t, LayoutKind.PAGED, layout, shm, kv_dtype=kv_dtype))
     return layers
 
 
