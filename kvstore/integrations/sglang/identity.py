@@ -75,7 +75,12 @@ def client_namespace(model_name: str | None, layout: str, override: str | None =
 
 
 def instance_id(
-    pool: str, *, dp_rank: int = 0, replica: int | None = None, override: str | None = None
+    pool: str,
+    *,
+    dp_rank: int = 0,
+    replica: int | None = None,
+    override: str | None = None,
+    engine_port: int | None = None,
 ) -> str:
     """The id every rank of one SGLang engine (one DP replica, one attention-DP
     group) computes alike without talking to the others.
@@ -85,12 +90,17 @@ def instance_id(
     names the engine; ``replica`` (SGLang's data-parallel rank, None without a
     DP controller) and ``dp_rank`` (the attention-DP group) tell its parts
     apart, and ``pool`` (e.g. ``mha-page_first``) the host pools of one
-    process. ``override`` (extra config ``instance_id``) replaces it all.
+    process. ``engine_port`` (the engine's NCCL port, where SGLang's runtime
+    context tells it) keeps apart two engines one process started, and two
+    containers whose hostname and launcher pid agree. ``override`` (extra
+    config ``instance_id``) replaces it all.
     """
     if override:
         return override
     host = _UNSAFE_ID.sub("-", socket.gethostname())[:64] or "host"
     value = f"sglang-{host}-{os.getppid()}"
+    if engine_port:
+        value += f"-p{engine_port}"
     if replica is not None:
         value += f"-r{replica}"
     if dp_rank:

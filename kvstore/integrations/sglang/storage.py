@@ -143,7 +143,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         cfg = self.config
         fp8 = kv_format(
             mem_pool_host,
-            lambda: cfg.extra_config.get("kv_cache_dtype") or _server_kv_cache_dtype(),
+            lambda: cfg.extra_config.get("kv_cache_dtype") or _server_arg("kv_cache_dtype"),
         )
         layers = pool_layers(mem_pool_host, cfg.is_mla_model, fp8)
         self.page_size = int(mem_pool_host.page_size)
@@ -152,6 +152,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             dp_rank=cfg.dp_rank,
             replica=self.replica,
             override=cfg.extra_config.get("instance_id"),
+            engine_port=_server_arg("nccl_port"),
         )
         self.identity = rank_identity(
             instance=self.instance_id,
@@ -375,12 +376,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.client.close()
 
 
-def _server_kv_cache_dtype() -> str | None:
-    """SGLang's --kv-cache-dtype in this scheduler process, where its runtime
-    context tells it (None where not: another SGLang, or no context yet)."""
+def _server_arg(name: str) -> Any:
+    """SGLang's server argument ``name`` in this scheduler process, where its
+    runtime context tells it (None where not: another SGLang, or no context yet)."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        return getattr(get_server_args(), "kv_cache_dtype", None)
+        return getattr(get_server_args(), name, None)
     except (ImportError, AttributeError, RuntimeError, ValueError):  # ValueError: not set yet
         return None
