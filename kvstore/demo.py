@@ -186,7 +186,7 @@ def start_instance(
         head_dim=args.head_dim,
         block_size=args.block_size,
         num_blocks=num_blocks,
-        device="cpu" if device == "cpu" else "cuda",
+        device=device,  # cpu; cuda (ranks spread over the GPUs); cuda:N (both on GPU N)
     )
 
 

@@ -304,7 +304,11 @@ def add_demo(sub) -> None:
     p.add_argument(
         "--suffix-tokens", type=positive_int, default=128, help="tokens per prompt suffix (128)"
     )
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda (the ranks spread over the GPUs) or cuda:N (auto)",
+    )
     p.add_argument(
         "--pool-size", type=parse_size, default=parse_size("2GiB"), help="server pool size (2GiB)"
     )

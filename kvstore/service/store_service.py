@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -128,7 +129,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Load(self, request, context):
         who, refs = codec.caller_id(request), codec.refs(request.blocks)
-        return codec.load_response(await self._call(context, self.node.load, who, refs))
+        left = context.time_remaining()  # None: the caller set no deadline
+        deadline = None if left is None else time.monotonic() + left
+        return codec.load_response(await self._call(context, self.node.load, who, refs, deadline))
 
     async def Prefetch(self, request, context):
         caller = await self._caller(context)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from kvstore.store.registry import (
 )
 from kvstore.store.tenants import Tenants
 from kvstore.store.validation import check_instance_id
-from kvstore.wire.errors import KVError, invalid, not_found, precondition
+from kvstore.wire.errors import Code, KVError, invalid, not_found, precondition
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
 from kvstore.wire.principal import LOCAL, Principal, check_owner
@@ -42,6 +43,11 @@ from kvstore.wire.principal import LOCAL, Principal, check_owner
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_MS = 30_000
+# A Load starts its copy only with time for it left before the caller's deadline:
+# a copy goes on once begun, and one the caller stopped waiting for would land in
+# pages its engine reuses. Far below either copier's pace: time to spare.
+MIN_COPY_BYTES_PER_S = 1e9
+COPY_START_S = 0.05
 BlockRef = tuple[int, int]  # (block_hash, block_id)
 
 
@@ -182,9 +188,13 @@ class StoreNode:
         self.counters.bytes_saved += job.nbytes
         return SaveResult(done.written, claim.skipped, done.sealed, job.nbytes)
 
-    async def load(self, who: CallerId, refs: list[BlockRef]) -> LoadResult:
+    async def load(
+        self, who: CallerId, refs: list[BlockRef], deadline: float | None = None
+    ) -> LoadResult:
         """Copy the caller's slots of sealed blocks ``refs`` into its paged cache,
-        fetching a missing prefix from a peer first when peer transfer is on."""
+        fetching a missing prefix from a peer first when peer transfer is on.
+        ``deadline`` (time.monotonic): when the caller stops waiting; a copy that
+        might not end by then is not begun (DEADLINE_EXCEEDED, nothing copied)."""
         caller = self.registry.caller(who)
         reg = caller.reg
         check_load_refs(reg, refs)  # before a fetch brings anything in
@@ -202,6 +212,7 @@ class StoreNode:
                     f"on {block.devices[reg.tp_rank]}, caller is on {reg.device}"
                 )
         job = self._job(LOAD, caller, blocks, [i for _, i in refs], caller.seal.slots_of(reg))
+        _check_time_for(job, deadline)
         lease = self.index.pin(blocks)  # kept from eviction and clear while the bytes move
         try:
             await self._copy(job, reg)
@@ -346,6 +357,20 @@ def check_slot_sizes(reg: Registration, limit: int) -> None:
                 f"is larger than this server's slabs ({limit} bytes): its blocks cannot be "
                 "stored; use smaller blocks (block_size) or fewer heads a rank"
             )
+
+
+def _check_time_for(job: CopyJob, deadline: float | None) -> None:
+    """DEADLINE_EXCEEDED unless ``job`` has time to end before ``deadline``."""
+    if deadline is None:
+        return
+    left, need = deadline - time.monotonic(), COPY_START_S + job.nbytes / MIN_COPY_BYTES_PER_S
+    if left < need:
+        raise KVError(
+            Code.DEADLINE_EXCEEDED,
+            f"{job.op}: {max(left, 0.0):.3f}s of the caller's deadline left, and copying "
+            f"{job.nbytes} bytes may take {need:.3f}s: nothing copied (a copy the caller "
+            "stopped waiting for would land in pages it reuses)",
+        )
 
 
 def check_refs(reg: Registration, refs: list[BlockRef]) -> None:
