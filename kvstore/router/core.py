@@ -38,6 +38,7 @@ from kvstore.router.requests import (
     check_peer,
     check_request_id,
     check_route,
+    check_token_blocks,
     decode_store_events,
 )
 from kvstore.router.routing import (
@@ -224,6 +225,9 @@ class Router:
         if worker is None:
             self._drops.add(DropCause.UNKNOWN_WORKER, events)
             return 0
+        # all or nothing: a domain index without room refuses the batch before any of it lands
+        tiers = {tier for run in runs for tier, ops in run.tiers.items() if ops.hashes}
+        self.domains.check_room((worker, tier) for tier in tiers)
         self.domains.apply(worker, runs)
         self._blocks_ingested += stored
         self._events_applied += events
@@ -458,6 +462,7 @@ class Router:
             sets = self.admission.resolve(model, namespace, role)
             wset = draw_worker_set(sets, self.rng)
             if token_ids:
+                check_token_blocks(len(token_ids), wset.reference.kv_block_size)
                 hashes = hash_tokens(wset, token_ids)
             block_size = wset.reference.kv_block_size
             prompt_tokens = len(token_ids) if token_ids else len(hashes) * block_size

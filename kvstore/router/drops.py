@@ -21,6 +21,7 @@ class DropCause(StrEnum):
     NOT_INDEXABLE = "not_indexable"  # a store event about another holder, or not final
     UNDECODABLE = "undecodable"  # a feed message that does not decode
     OTHER_KV_GROUP = "other_kv_group"  # vLLM events of KV-cache groups other than 0
+    NO_ROOM = "no_room"  # a worker's batch whose new holders a full domain index cannot take
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EventDrops:
     not_indexable: int = 0
     undecodable: int = 0
     other_kv_group: int = 0
+    no_room: int = 0
 
     def add(self, cause: DropCause, count: int = 1) -> None:
         setattr(self, cause.value, getattr(self, cause.value) + count)

@@ -37,6 +37,17 @@ def check_route(
     return checked
 
 
+def check_token_blocks(tokens: int, block_size: int) -> None:
+    """Prompt tokens that hash to at most MAX_BLOCK_HASHES blocks of ``block_size``
+    (the cap block_hashes has: 2^20 tokens of a 1-token block were a million
+    hashes, seconds of the router's loop)."""
+    if tokens // max(block_size, 1) > limits.MAX_BLOCK_HASHES:
+        raise invalid(
+            f"token_ids: {tokens} tokens make {tokens // max(block_size, 1)} blocks of "
+            f"{block_size}, at most {limits.MAX_BLOCK_HASHES}"
+        )
+
+
 def check_request_id(request_id: str) -> None:
     if len(request_id) > limits.MAX_REQUEST_ID_LEN:
         raise invalid(f"request_id: longer than {limits.MAX_REQUEST_ID_LEN}")

@@ -39,6 +39,7 @@ from kvstore.router.core import Router
 from kvstore.router.drops import DropCause
 from kvstore.router.vllm_events import decode_message
 from kvstore.wire import limits
+from kvstore.wire.errors import KVError
 from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.tls import TlsFiles
 
@@ -93,10 +94,14 @@ async def follow_vllm(
             if last_seq is not None and batch.seq != last_seq + 1:
                 log.info("vLLM events from %s: seq jumped %d -> %d", endpoint, last_seq, batch.seq)
             last_seq = batch.seq
-            if ref is not None:
-                router.apply_vllm_batch(ref, batch)
-            else:
-                router.apply_named_vllm_batch(name, batch)
+            try:
+                if ref is not None:
+                    router.apply_vllm_batch(ref, batch)
+                else:
+                    router.apply_named_vllm_batch(name, batch)
+            except KVError as exc:  # a full domain index: this batch goes, the feed stays
+                router.record_dropped(batch.events, DropCause.NO_ROOM)
+                log.warning("vLLM events from %s: batch %d dropped: %s", endpoint, batch.seq, exc)
     finally:
         sock.disable_monitor()
         monitor.close(0)

@@ -222,9 +222,9 @@ class RemoteRouterLink:
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
                 log.warning(
-                    "could not forward %d events to router %s (%s); re-advertising "
+                    "could not forward %s to router %s (%s); re-advertising "
                     "with a full snapshot within %.0f s",
-                    len(batch),
+                    "the snapshot" if batch is None else f"{len(batch)} events",
                     self.client.address,
                     _brief(exc),
                     REFRESH_S,

@@ -37,6 +37,7 @@ from kvstore.membership.replica import RouterReplica
 from kvstore.membership.worksets import Refused
 from kvstore.router.admission import Worker, WorkerRef, key_of, refusal
 from kvstore.router.core import Router
+from kvstore.router.requests import decode_store_events
 from kvstore.service import status
 from kvstore.service.feeds import Subscriptions
 from kvstore.service.metrics import MetricsServer
@@ -220,14 +221,15 @@ class ClusterRouterService(RouterService):
 
     async def PublishEvents(self, request, context):
         try:
-            check_name("node_id", request.node_id)
+            # decoded and bounded first: a refused batch claims no node in etcd
+            events = decode_store_events(request.node_id, list(request.events))
             caller = self.security.principal(context)
             await self.replica.check_publisher(request.node_id, request.generation, caller)
         except KVError as exc:
             await status.abort(context, exc)
         if request.snapshot:  # its relayed GPU-tier blocks go to the current admissions
             await self.replica.workers_settled()
-        result = await self._publish(request, context)
+        result = await self._publish(request, context, events)
         if result.stale:
             await status.abort(
                 context,

@@ -19,11 +19,13 @@ from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.router.admission import Worker
 from kvstore.router.core import EventsApplied, Router
 from kvstore.router.load import LoadReport
+from kvstore.router.requests import decode_store_events
 from kvstore.router.routing import RouteResult
 from kvstore.service import malformed, status
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError
+from kvstore.wire.events import StoreEvent
 from kvstore.wire.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -188,15 +190,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def PublishEvents(self, request, context):
         return published_reply(await self._publish(request, context))
 
-    async def _publish(self, request, context):
-        """Apply a PublishEvents request as its caller; the core's result."""
+    async def _publish(self, request, context, events: list[StoreEvent] | None = None):
+        """Apply a PublishEvents request as its caller (``events``: its payloads
+        already decoded); the core's result."""
         caller = await self._caller(context)
+        if events is None:
+            events = await self._call(
+                context, decode_store_events, request.node_id, list(request.events)
+            )
         return await self._call(
             context,
-            self.router.publish_store_events,
+            self.router.apply_store_events,
             request.node_id,
             request.generation,
-            list(request.events),
+            events,
             caller,
             request.seq,
             request.snapshot,

@@ -159,6 +159,21 @@ def test_a_store_node_id_belongs_to_its_first_publisher_on_every_replica(
     assert store_owner(etcd_config, "node-a") is None
 
 
+def test_a_batch_refused_as_invalid_claims_no_node_id(etcd_config, replicas, clients):
+    """The publisher used to be written into the store's etcd value before its
+    batch was decoded: a batch refused as INVALID_ARGUMENT had taken the node id."""
+    from kvstore.wire import limits
+
+    gen = register_store(etcd_config, "node-a")
+    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    too_many = [StoreEvent("stored", NS, [1], "node-a")] * (limits.MAX_EVENTS_PER_PUBLISH + 1)
+    err = refused(clients["rogue"][0].publish, too_many, "node-a", gen)
+    assert err.code is Code.INVALID_ARGUMENT and "events" in err.message
+    assert store_owner(etcd_config, "node-a") is None
+    stored = [StoreEvent("stored", NS, [1, 2], "node-a")]
+    assert clients["node-a"][1].publish(stored, "node-a", gen).applied == 1
+
+
 def test_two_publishers_racing_through_two_replicas_have_one_winner(etcd_config, replicas, clients):
     gen = register_store(etcd_config, "node-a")
     wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))

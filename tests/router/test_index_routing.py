@@ -184,3 +184,19 @@ def test_token_ids_need_the_native_hash_format(router):
         router.route("llama-8b", token_ids=PROMPT)
     assert err.value.code.name == "FAILED_PRECONDITION" and "block_hashes" in err.value.message
     assert router.route("llama-8b", hashes=[1, 2], track=False).total_blocks == 2
+
+
+def test_token_ids_of_more_blocks_than_block_hashes_allows_are_refused(router):
+    """2^20 tokens of a 1-token block were a million hashes, seconds of the
+    router's loop; token_ids now make at most MAX_BLOCK_HASHES blocks."""
+    from kvstore.wire import limits
+
+    router.register_worker("w", card(kv_block_size=1))
+    tokens = [1] * (limits.MAX_BLOCK_HASHES + 1)
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", token_ids=tokens)
+    assert err.value.code.name == "INVALID_ARGUMENT" and "token_ids" in err.value.message
+    assert router.stats().active_requests == 0
+    assert (
+        router.route("llama-8b", token_ids=tokens[:-1], track=False).total_blocks == len(tokens) - 1
+    )

@@ -193,6 +193,37 @@ def test_an_oversized_event_frame_is_refused_on_the_wire_and_later_batches_land(
     assert router.stats().events_dropped == 0  # refused by ZMQ: never received, never decoded
 
 
+def test_a_batch_a_full_domain_cannot_take_is_dropped_and_the_feed_goes_on(served, pub):
+    """A domain index holds MAX_WORKERS_PER_DOMAIN holders. A batch of a worker new
+    to a full one was half applied, and its RESOURCE_EXHAUSTED ended the feed: the
+    worker's later batches were never read. Now the batch is dropped whole
+    (no_room) and the feed reads on."""
+    from kvstore.wire import limits
+    from kvstore.wire.events import StoreEvent
+
+    router, client, _ = served
+    sock, endpoint = pub()
+    hot = card(hash_format="vllm-sha256", kv_events_endpoint=endpoint)
+    client.register_worker("hot", hot)
+    fillers = [
+        router.register_worker(f"w{i}", card(hash_format="vllm-sha256"))
+        for i in range(limits.MAX_WORKERS_PER_DOMAIN)
+    ]
+    namespace = hot.final_namespace
+    for w in fillers:
+        router.apply_relayed_worker_event(StoreEvent("stored", namespace, [7], w.name, tier="gpu"))
+    indexed = router.stats().indexed_blocks
+    seq = iter(range(1_000_000))
+
+    def send(*events):
+        sock.send_multipart(frames(batch(*events), seq=next(seq)))
+
+    wait_for(lambda: router.stats().dropped_by.no_room > 0, lambda: send(stored(H)))
+    assert router.stats().indexed_blocks == indexed  # nothing of it landed
+    router.remove_worker("w0")  # room for one holder again
+    wait_for(lambda: router.stats().indexed_blocks == indexed + len(H), lambda: send(stored(H)))
+
+
 def test_replaced_worker_old_publisher_is_ignored(served, pub):
     router, client, _ = served
     old_sock, old_ep = pub()

@@ -1,0 +1,52 @@
+"""A store's link to a standalone router keeps forwarding after a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.client.router_client import RouterClient
+from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
+from kvstore.wire.events import STORED, StoreEvent
+from tests.membership.conftest import RouterThread
+
+NS = "m.0123456789abcdef"
+
+
+def test_a_snapshot_that_fails_is_sent_again_and_later_events_still_flow():
+    """The pump's failure log read len() of the snapshot's None batch: the
+    TypeError ended the pump, and the router never heard from the store again."""
+    router = RouterThread(None)
+    client = RouterClient(router.address, timeout_s=2)
+    snapshots = []
+
+    def snapshot() -> list[StoreEvent]:
+        snapshots.append(1)
+        if len(snapshots) == 1:
+            raise RuntimeError("the first snapshot fails")
+        return [StoreEvent(STORED, NS, [1, 2], "n1")]
+
+    async def run() -> int:
+        link = RemoteRouterLink(router.address, "n1")
+        await link.start("127.0.0.1:1", "", snapshot)
+        try:
+            deadline = asyncio.get_running_loop().time() + 3 * REFRESH_S
+            while await asyncio.to_thread(known, 2) < 2:  # the second snapshot's blocks
+                assert asyncio.get_running_loop().time() < deadline, "no snapshot reached it"
+                await asyncio.sleep(0.1)
+            link.publish(StoreEvent(STORED, NS, [3], "n1"))  # and an event after it
+            while await asyncio.to_thread(known, 3) < 3:
+                assert asyncio.get_running_loop().time() < deadline, "the event never came"
+                await asyncio.sleep(0.1)
+            return len(snapshots)
+        finally:
+            await link.stop()
+
+    def known(n: int) -> int:
+        peers = client.query_prefix(NS, [1, 2, 3][:n])
+        return max((p.prefix_blocks for p in peers), default=0)
+
+    try:
+        assert asyncio.run(run()) >= 2
+    finally:
+        client.close()
+        router.stop()
