@@ -51,11 +51,11 @@ from kvstore.router.routing import (
 from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
 from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
 from kvstore.wire.card import WorkerCard, validate_card
-from kvstore.wire.errors import invalid, not_found
+from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, denied
+from kvstore.wire.principal import LOCAL, Principal, check_owner, denied
 
 log = logging.getLogger(__name__)
 
@@ -447,15 +447,20 @@ class Router:
         request_id: str = "",
         track: bool = True,
         decode_tokens: int = 0,
+        caller: Principal = LOCAL,
     ) -> RouteResult:
         """Pick a WorkerSet for ``model`` and the worker in it with the lowest
         expected time to first token (scoring.py). ``track`` adds the request to
-        the chosen worker's queue until it is reported started and finished.
+        the chosen worker's queue until ``caller`` (or an admin) reports it
+        started and finished; a ``request_id`` another principal's tracked
+        request holds is ALREADY_EXISTS.
         ``decode_tokens`` is checked but not scored: a request's output length
         does not change its own first token."""
         hashes = check_route(model, token_ids, hashes, request_id, decode_tokens)
         cfg = self.config.scoring
         with self._lock:
+            if track and request_id and self.loads.taken_by_another(request_id, caller):
+                raise exists(f"request_id {request_id!r}: another caller's request")
             now = self.clock()
             self.loads.expire(now)
             self.peers.expire(now)
@@ -472,7 +477,10 @@ class Router:
             if track:
                 queued = best.estimate.uncached_tokens
                 deadline = now + cfg.request_timeout_s
-                self.loads.add(rid, TrackedRequest(best.ref, queued, best.overlap, deadline))
+                tracked = TrackedRequest(
+                    best.ref, queued, best.overlap, deadline, owner=caller.name
+                )
+                self.loads.add(rid, tracked)
             return route_result(wset, sets, best, cands, rid, len(hashes), cfg)
 
     def _choose(
@@ -485,32 +493,38 @@ class Router:
 
     # -- load and request life cycle ---------------------------------------
 
-    def report_load(self, worker: str, report: LoadReport) -> None:
+    def report_load(self, worker: str, report: LoadReport, caller: Principal = LOCAL) -> None:
         """Worker ``worker`` (its current generation) reports its load; routes use
         it for ``load_staleness_s`` seconds, then fall back to the router's own
-        accounting. NOT_FOUND when no worker of that name is admitted."""
+        accounting. NOT_FOUND when no worker of that name is admitted,
+        PERMISSION_DENIED unless ``caller`` admitted it or is an admin."""
         check_load_report(worker, report)
         with self._lock:
             admitted = self.admission.workers.get(worker)
             if admitted is None:
                 raise not_found(f"worker: {worker!r} is not registered")
+            check_owner(f"worker {worker!r}", admitted.owner, caller)
             self.loads.report(admitted.ref, report, self.clock())
 
-    def request_started(self, request_id: str) -> None:
+    def request_started(self, request_id: str, caller: Principal = LOCAL) -> None:
         """A routed request's prefill began: it leaves its worker's queue and runs.
-        An unknown, untracked or already started request changes nothing."""
+        An unknown, untracked or already started request, or another
+        principal's, changes nothing."""
         check_request_id(request_id)
         with self._lock:
-            self.loads.start(request_id)
+            self.loads.start(request_id, caller)
 
-    def request_finished(self, request_id: str, cached_blocks: int | None = None) -> None:
+    def request_finished(
+        self, request_id: str, cached_blocks: int | None = None, caller: Principal = LOCAL
+    ) -> None:
         """A routed request is done (or abandoned): its load is freed.
         ``cached_blocks``, the prefix blocks it really found cached, is set
-        against what its route saw (``RouterStats.hit_blocks_*``)."""
+        against what its route saw (``RouterStats.hit_blocks_*``). Another
+        principal's request changes nothing."""
         check_request_id(request_id)
         check_cached_blocks(cached_blocks)
         with self._lock:
-            self.loads.finish(request_id, cached_blocks)
+            self.loads.finish(request_id, cached_blocks, caller)
 
     # -- introspection -----------------------------------------------------
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvstore.router.admission import WorkerRef
 from kvstore.wire import limits
+from kvstore.wire.principal import LOCAL, Principal
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class TrackedRequest:
     predicted_blocks: int  # the longest cached prefix the route saw
     deadline: float
     started: bool = False
+    owner: str = ""  # the principal that routed it: only it (or an admin) starts or ends it
 
 
 @dataclass
@@ -110,7 +112,9 @@ class LoadTracker:
         self.load_reports += 1
 
     def add(self, request_id: str, request: TrackedRequest) -> None:
-        """Track a routed request: its prefill tokens join its worker's queue."""
+        """Track a routed request: its prefill tokens join its worker's queue
+        (one of the same id and owner is finished first; another owner's id is
+        taken by the caller: check :meth:`taken_by_another` first)."""
         if request_id in self.requests:
             self.finish(request_id)
         if len(self.requests) >= limits.MAX_ACTIVE_REQUESTS:
@@ -124,10 +128,16 @@ class LoadTracker:
             self._deadlines = [(r.deadline, rid) for rid, r in self.requests.items()]
             heapq.heapify(self._deadlines)
 
-    def start(self, request_id: str) -> bool:
-        """The request's prefill began: it leaves the queue and runs."""
+    def taken_by_another(self, request_id: str, caller: Principal) -> bool:
+        """Whether ``request_id`` tracks a request ``caller`` may not act on."""
         req = self.requests.get(request_id)
-        if req is None or req.started:
+        return req is not None and not caller.may_act_for(req.owner)
+
+    def start(self, request_id: str, caller: Principal = LOCAL) -> bool:
+        """The request's prefill began: it leaves the queue and runs. Another
+        principal's request is as an unknown one: nothing changes."""
+        req = self.requests.get(request_id)
+        if req is None or req.started or not caller.may_act_for(req.owner):
             return False
         self._dequeue(req)
         req.started = True
@@ -136,12 +146,16 @@ class LoadTracker:
         acc.running_since_report += 1
         return True
 
-    def finish(self, request_id: str, cached_blocks: int | None = None) -> bool:
+    def finish(
+        self, request_id: str, cached_blocks: int | None = None, caller: Principal = LOCAL
+    ) -> bool:
         """The request is done: its load is freed, and ``cached_blocks`` (what it
-        really hit) counted against its route. False when it is unknown."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        really hit) counted against its route. False when it is unknown, or
+        ``caller``'s to end it is not (nothing changes then)."""
+        req = self.requests.get(request_id)
+        if req is None or not caller.may_act_for(req.owner):
             return False
+        del self.requests[request_id]
         if req.started:
             acc = self.workers[req.ref]
             acc.running = max(0, acc.running - 1)

@@ -10,6 +10,7 @@ lifetime: the worker stays admitted while its call is open.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import asdict
 
@@ -120,9 +121,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.RemoveWorkerResponse(removed=True)
 
     async def Route(self, request, context):
+        caller = await self._caller(context)
         result = await self._call(
             context,
-            self.router.route,
+            functools.partial(self.router.route, caller=caller),
             request.model,
             namespace=request.namespace,
             role=request.role,
@@ -138,16 +140,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
         report = LoadReport(
             request.queued_prefill_tokens, request.running_requests, request.kv_usage
         )
-        await self._call(context, self.router.report_load, request.worker, report)
+        caller = await self._caller(context)
+        await self._call(context, self.router.report_load, request.worker, report, caller)
         return router_pb2.ReportLoadResponse()
 
     async def RequestStarted(self, request, context):
-        await self._call(context, self.router.request_started, request.request_id)
+        caller = await self._caller(context)
+        await self._call(context, self.router.request_started, request.request_id, caller)
         return router_pb2.RequestStartedResponse()
 
     async def RequestFinished(self, request, context):
+        caller = await self._caller(context)
         cached = request.cached_blocks if request.HasField("cached_blocks") else None
-        await self._call(context, self.router.request_finished, request.request_id, cached)
+        await self._call(context, self.router.request_finished, request.request_id, cached, caller)
         return router_pb2.RequestFinishedResponse()
 
     async def AdvertisePeer(self, request, context):

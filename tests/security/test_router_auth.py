@@ -50,6 +50,28 @@ def test_foreign_remove_worker_is_permission_denied_but_admin_may(pki, tls_route
     assert refused(owner.route, "llama-8b", token_ids=[1]).code is Code.NOT_FOUND
 
 
+def test_a_tenant_cannot_touch_another_tenants_load_or_requests(pki, tls_router):
+    """Before: any certificate could report a huge queue on another tenant's
+    worker (routes then avoided it), or finish its tracked requests and reuse
+    their ids. Now a load report is the worker owner's, a tracked request its
+    router's, and a stranger's start or finish changes nothing."""
+    owner = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    stranger = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    owner.register_worker("w0", card())
+    err = refused(stranger.report_load, "w0", 1 << 40, 1000)
+    assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+    routed = owner.route("llama-8b", token_ids=list(range(64)), request_id="q1", track=True)
+    assert owner.stats().active_requests == 1 and routed.request_id == "q1"
+    stranger.request_started("q1")
+    stranger.request_finished("q1")
+    assert owner.stats().active_requests == 1  # still tracked: the stranger changed nothing
+    err = refused(stranger.route, "llama-8b", token_ids=[1], request_id="q1", track=True)
+    assert err.code is Code.ALREADY_EXISTS
+    owner.report_load("w0", 10, 1)
+    owner.request_finished("q1")
+    assert owner.stats().active_requests == 0
+
+
 def test_node_id_spoofing_on_advertise_and_publish_is_permission_denied(pki, tls_router):
     """Before: anyone could advertise or publish as any store node and poison
     QueryPrefix (issue 12, item 1). Now a node id is its first advertiser's."""
