@@ -184,9 +184,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 log.warning(
                     "event subscriber fell %d events behind; disconnecting it", queue.qsize()
                 )
-                del self._subscribers[queue]  # its handler aborts on its next event
+                del self._subscribers[queue]
                 self._fanout.event_subscribers_cut += 1
                 self._fanout.events_dropped += queue.qsize() + 1  # the queued ones and this
+                _cut(queue)
                 continue
             queue.put_nowait(payload)
 
@@ -231,3 +232,13 @@ def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
     """``add_KVStoreServicer_to_server``, but a request that does not parse is
     INVALID_ARGUMENT naming its message type, never UNKNOWN."""
     malformed.add_service(server, SERVICE, pb, service)
+
+
+def _cut(queue: asyncio.Queue) -> None:
+    """Empty a cut subscriber's queue and leave one payload in it, which wakes
+    its handler to abort: a client that stopped reading holds its handler at a
+    yield, and with it the queue, until its stream ends; empty, that costs
+    nothing."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(b"")
