@@ -46,6 +46,7 @@ MAX_EVENT_BYTES = 4 << 20  # one msgpack event / one vLLM batch
 MAX_HASHES_PER_EVENT = 1 << 16
 MAX_WORKERS_PER_DOMAIN = 4096  # bits in one holder mask
 MAX_PEERS = 4096
+MAX_PEERS_PER_PRINCIPAL = 64  # store nodes one (non-admin) certificate may advertise
 MAX_NAMESPACES_PER_PEER = 256
 MAX_REQUEST_ID_LEN = 256
 MAX_ACTIVE_REQUESTS = 1 << 20  # tracked loads; the oldest are dropped past it

@@ -132,3 +132,20 @@ def test_certificate_of_another_ca_is_refused(tmp_path, tls_router):
     client = RouterClient(tls_router.address, timeout_s=5, tls=rogue)
     assert refused(client.register_worker, "w0", card()).code is Code.UNAVAILABLE
     assert tls_router.router.stats().workers == 0
+
+
+def test_one_certificate_cannot_fill_the_routers_peers(pki, tls_router, monkeypatch):
+    """Any certificate may advertise a store node; one that advertised
+    MAX_PEERS_PER_PRINCIPAL of them is RESOURCE_EXHAUSTED (it could fill
+    MAX_PEERS and lock every real store out), other certificates are not."""
+    from kvstore.wire import limits
+
+    monkeypatch.setattr(limits, "MAX_PEERS_PER_PRINCIPAL", 3)  # the router runs in this process
+    greedy = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    store = RouterClient(tls_router.address, tls=pki.issue("node-a"))
+    for i in range(3):
+        greedy.advertise_peer(f"n{i}", "127.0.0.1:1", "", [NS])
+    err = refused(greedy.advertise_peer, "n3", "127.0.0.1:1", "", [NS])
+    assert err.code is Code.RESOURCE_EXHAUSTED and "tenant-a" in err.message
+    greedy.advertise_peer("n0", "127.0.0.1:1", "", [NS])  # its own again: a restart
+    assert store.advertise_peer("node-a", "127.0.0.1:2", "", [NS]) > 0
