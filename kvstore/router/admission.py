@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
+from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
-from kvstore.wire.errors import KVError, not_found, precondition
+from kvstore.wire.errors import KVError, exhausted, not_found, precondition
 from kvstore.wire.names import check_name
 from kvstore.wire.principal import LOCAL, Principal, check_owner
 
@@ -120,6 +121,8 @@ class Admission:
         old = self.workers.get(name)
         if old is not None:
             check_owner(f"worker name {name!r}", old.owner, caller)
+        elif not generation and not caller.admin:  # etcd's admissions are judged in etcd
+            self._check_quota(caller)
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
@@ -150,6 +153,17 @@ class Admission:
         wset.members[name] = worker
         self.workers[name] = worker
         return worker, old
+
+    def _check_quota(self, caller: Principal) -> None:
+        """RESOURCE_EXHAUSTED when ``caller`` (not admin) already has
+        MAX_WORKERS_PER_PRINCIPAL workers admitted: each may cost the router an
+        event feed (a task, two ZMQ sockets)."""
+        owned = sum(1 for worker in self.workers.values() if worker.owner == caller.name)
+        if owned >= limits.MAX_WORKERS_PER_PRINCIPAL:
+            raise exhausted(
+                f"{caller} already has {owned} workers admitted, at most "
+                f"{limits.MAX_WORKERS_PER_PRINCIPAL}"
+            )
 
     def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED

@@ -45,6 +45,7 @@ MAX_EVENTS_PER_PUBLISH = 4096
 MAX_EVENT_BYTES = 4 << 20  # one msgpack event / one vLLM batch
 MAX_HASHES_PER_EVENT = 1 << 16
 MAX_WORKERS_PER_DOMAIN = 4096  # bits in one holder mask
+MAX_WORKERS_PER_PRINCIPAL = 4096  # workers one (non-admin) certificate may have admitted
 MAX_PEERS = 4096
 MAX_PEERS_PER_PRINCIPAL = 64  # store nodes one (non-admin) certificate may advertise
 MAX_NAMESPACES_PER_PEER = 256

@@ -149,3 +149,21 @@ def test_one_certificate_cannot_fill_the_routers_peers(pki, tls_router, monkeypa
     assert err.code is Code.RESOURCE_EXHAUSTED and "tenant-a" in err.message
     greedy.advertise_peer("n0", "127.0.0.1:1", "", [NS])  # its own again: a restart
     assert store.advertise_peer("node-a", "127.0.0.1:2", "", [NS]) > 0
+
+
+def test_one_certificate_cannot_admit_workers_without_end(pki, tls_router, monkeypatch):
+    """Each worker may cost the router an event feed (a task, two ZMQ sockets):
+    a non-admin certificate may have MAX_WORKERS_PER_PRINCIPAL admitted."""
+    from kvstore.wire import limits
+
+    monkeypatch.setattr(limits, "MAX_WORKERS_PER_PRINCIPAL", 2)
+    greedy = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    other = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    greedy.register_worker("a0", card())
+    greedy.register_worker("a1", card())
+    err = refused(greedy.register_worker, "a2", card())
+    assert err.code is Code.RESOURCE_EXHAUSTED and "tenant-a" in err.message
+    greedy.register_worker("a1", card(address="10.0.0.9:8000"))  # its own again: a restart
+    other.register_worker("b0", card())
+    greedy.remove_worker("a0")
+    greedy.register_worker("a2", card())
