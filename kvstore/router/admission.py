@@ -39,9 +39,9 @@ from typing import NamedTuple
 from kvstore.router.identity import Domain, IdentityAlgorithm, domain_of
 from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
-from kvstore.wire.errors import KVError, exhausted, not_found, precondition
+from kvstore.wire.errors import KVError, not_found, precondition
 from kvstore.wire.names import check_name
-from kvstore.wire.principal import LOCAL, Principal, check_owner
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
 
 
 @dataclass(frozen=True, order=True)
@@ -121,8 +121,8 @@ class Admission:
         old = self.workers.get(name)
         if old is not None:
             check_owner(f"worker name {name!r}", old.owner, caller)
-        elif not generation and not caller.admin:  # etcd's admissions are judged in etcd
-            self._check_quota(caller)
+        elif not generation:  # etcd's were checked before etcd took them
+            self.check_quota(name, caller)
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
@@ -154,16 +154,13 @@ class Admission:
         self.workers[name] = worker
         return worker, old
 
-    def _check_quota(self, caller: Principal) -> None:
-        """RESOURCE_EXHAUSTED when ``caller`` (not admin) already has
-        MAX_WORKERS_PER_PRINCIPAL workers admitted: each may cost the router an
-        event feed (a task, two ZMQ sockets)."""
-        owned = sum(1 for worker in self.workers.values() if worker.owner == caller.name)
-        if owned >= limits.MAX_WORKERS_PER_PRINCIPAL:
-            raise exhausted(
-                f"{caller} already has {owned} workers admitted, at most "
-                f"{limits.MAX_WORKERS_PER_PRINCIPAL}"
-            )
+    def check_quota(self, name: str, caller: Principal) -> None:
+        """RESOURCE_EXHAUSTED when ``name`` is new and ``caller`` (not an admin)
+        already has MAX_WORKERS_PER_PRINCIPAL workers admitted: each may cost
+        the router an event feed (a task, two ZMQ sockets)."""
+        if name not in self.workers:
+            owners = (worker.owner for worker in self.workers.values())
+            check_quota("workers admitted", owners, limits.MAX_WORKERS_PER_PRINCIPAL, caller)
 
     def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED

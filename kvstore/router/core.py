@@ -171,6 +171,13 @@ class Router:
         self._notify(worker, old)
         return worker
 
+    def check_worker_quota(self, name: str, caller: Principal) -> None:
+        """RESOURCE_EXHAUSTED when admitting ``name`` would give ``caller`` more
+        than its share of workers (register_worker checks it; a replica on etcd
+        asks before etcd admits, judged by what it has seen of etcd)."""
+        with self._lock:
+            self.admission.check_quota(name, caller)
+
     def remove_worker(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove a worker; its index entries and tracked load go with it.
         Only its owner or an admin may (PERMISSION_DENIED)."""

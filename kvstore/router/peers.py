@@ -31,7 +31,7 @@ from kvstore.wire import limits
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, check_owner
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
 
 Holder = tuple[str, str]  # (node id, tier)
 
@@ -101,16 +101,6 @@ class Peers:
         self._next_generation = 1
         self._leases: list[tuple[float, str, int]] = []
 
-    def _check_quota(self, caller: Principal) -> None:
-        """RESOURCE_EXHAUSTED when ``caller`` (not admin) already advertised
-        MAX_PEERS_PER_PRINCIPAL nodes: one certificate cannot fill MAX_PEERS."""
-        owned = sum(1 for peer in self.peers.values() if peer.owner == caller.name)
-        if owned >= limits.MAX_PEERS_PER_PRINCIPAL:
-            raise exhausted(
-                f"{caller} already advertised {owned} store nodes, at most "
-                f"{limits.MAX_PEERS_PER_PRINCIPAL}"
-            )
-
     def advertise(
         self,
         node_id: str,
@@ -148,8 +138,9 @@ class Peers:
         else:
             if old is None and len(self.peers) >= limits.MAX_PEERS:
                 raise exhausted(f"router already has {limits.MAX_PEERS} peers")
-            if old is None and not caller.admin:
-                self._check_quota(caller)
+            if old is None:  # one certificate cannot fill MAX_PEERS
+                owners = (peer.owner for peer in self.peers.values())
+                check_quota("store nodes", owners, limits.MAX_PEERS_PER_PRINCIPAL, caller)
             if old is not None:
                 self.remove(node_id)
             peer = Peer(node_id, self._next_generation, store_address, ucx_address, set(namespaces))

@@ -155,4 +155,5 @@ def stats_response(s: NodeStats, fanout: FanoutStats, ucx_address: str) -> pb.St
         served_blocks=s.source.served_blocks,
         events_dropped=fanout.events_dropped,
         event_subscribers_cut=fanout.event_subscribers_cut,
+        event_subscribers=fanout.event_subscribers,
     )

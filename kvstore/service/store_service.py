@@ -25,9 +25,10 @@ from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
+from kvstore.wire import limits
 from kvstore.wire.errors import KVError, exhausted
 from kvstore.wire.events import StoreEvent
-from kvstore.wire.principal import Principal
+from kvstore.wire.principal import Principal, check_quota
 
 log = logging.getLogger(__name__)
 EVENT_QUEUE_MAX = 65536
@@ -154,7 +155,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return codec.query_response(result)
 
     async def Release(self, request, context):
-        n = await self._call(context, self.node.release, request.lease_id)
+        caller = await self._caller(context)
+        n = await self._call(context, self.node.release, request.lease_id, caller)
         return pb.ReleaseResponse(released_blocks=n)
 
     async def Clear(self, request, context):
@@ -167,8 +169,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return codec.stats_response(self.node.stats(), self.fanout_stats(), ucx_address)
 
     def fanout_stats(self) -> FanoutStats:
-        """What the Events fan-out has not delivered so far (a copy; docs/design.md §6)."""
-        return replace(self._fanout)
+        """What the Events fan-out has not delivered so far, and to how many
+        streams it fans out now (a copy; docs/design.md §6)."""
+        return replace(self._fanout, event_subscribers=len(self._subscribers))
 
     # -------------------------------------------------------------- events
 
@@ -195,8 +198,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         """A snapshot of the sealed blocks, then store events as they happen, each
         numbered in this stream (docs/design.md §6); a non-admin sees only its own
         namespaces'. A subscriber that falls ``event_queue_max`` events behind is
-        cut off with RESOURCE_EXHAUSTED."""
+        cut off with RESOURCE_EXHAUSTED; so is a non-admin's stream past
+        MAX_EVENT_STREAMS_PER_PRINCIPAL (each may queue ``event_queue_max`` events)."""
         caller = await self._caller(context)
+        watchers = (watcher.name for watcher in self._subscribers.values())
+        try:
+            check_quota("event streams", watchers, limits.MAX_EVENT_STREAMS_PER_PRINCIPAL, caller)
+        except KVError as e:
+            await status.abort(context, e)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
         self._subscribers[queue] = caller  # in the same step as the snapshot: no gap, no overlap
         sealed = [e for e in self.snapshot() if self.node.may_see(e.namespace, caller)]
@@ -216,11 +225,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 @dataclass
 class FanoutStats:
-    """What the Events fan-out could not deliver (docs/design.md §6); the fields
-    are named as in ``StatsResponse`` and, under the ``store`` part, on /metrics."""
+    """What the Events fan-out could not deliver (docs/design.md §6), and its
+    open streams; the fields are named as in ``StatsResponse`` and, under the
+    ``store`` part, on /metrics."""
 
     events_dropped: int = 0  # events cut-off subscribers did not receive
     event_subscribers_cut: int = 0  # subscribers cut off for falling behind
+    event_subscribers: int = 0  # Events streams open now (a gauge)
 
 
 # ------------------------------------------------------------ registration on a server

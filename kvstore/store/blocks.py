@@ -25,7 +25,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +57,7 @@ class Lease:
     blocks: list[Block]
     lease_id: str = ""  # set when a client holds the lease by id; then it expires
     expires: float = math.inf
+    owner: str = ""  # the principal that holds it by id
     released: bool = False
 
     @property
@@ -307,11 +308,14 @@ class BlockIndex:
 
     # ------------------------------------------------------------------- pins
 
-    def pin(self, blocks: list[Block], *, ttl_ms: int = 0, refresh: bool = True) -> Lease:
+    def pin(
+        self, blocks: list[Block], *, ttl_ms: int = 0, refresh: bool = True, owner: str = ""
+    ) -> Lease:
         """Pin sealed ``blocks`` until :meth:`unpin`. With ``ttl_ms`` the lease gets
-        an id, is released by :meth:`release` and expires. ``refresh`` makes the
-        blocks most recently used (a load and a client lease do; a peer's read does not)."""
-        lease = Lease(blocks)
+        an id, is ``owner``'s, is released by :meth:`release` and expires. ``refresh``
+        makes the blocks most recently used (a load and a client lease do; a peer's
+        read does not)."""
+        lease = Lease(blocks, owner=owner)
         for block in blocks:
             block.pins += 1
             if refresh:
@@ -331,13 +335,16 @@ class BlockIndex:
         for block in lease.blocks:
             block.pins -= 1
 
-    def release(self, lease_id: str) -> int:
-        """Release a lease held by id; the number of blocks it pinned."""
+    def held(self, lease_id: str) -> Lease:
+        """The lease held by id ``lease_id``: NOT_FOUND when unknown or expired."""
         lease = self._leases.get(lease_id)
         if lease is None:
             raise not_found(f"lease_id {lease_id[:64]!r} is unknown or expired")
-        self.unpin(lease)
-        return len(lease.blocks)
+        return lease
+
+    def lease_owners(self) -> Iterator[str]:
+        """The owner of each lease held by id."""
+        return (lease.owner for lease in self._leases.values())
 
     # --------------------------------------------------------------- detached
 

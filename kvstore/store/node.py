@@ -35,10 +35,11 @@ from kvstore.store.registry import (
 )
 from kvstore.store.tenants import Tenants
 from kvstore.store.validation import check_instance_id
+from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError, invalid, not_found, precondition
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
-from kvstore.wire.principal import LOCAL, Principal, check_owner
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,8 @@ class StoreNode:
     ) -> QueryResult:
         """Longest sealed prefix of ``hashes``; with ``lease`` it is pinned for
         ``lease_ms`` (DEFAULT_LEASE_MS when 0) or until released. Only a caller
-        that owns the namespace (or an admin) may ask: PERMISSION_DENIED."""
+        that owns the namespace (or an admin) may ask: PERMISSION_DENIED. A
+        non-admin holds at most MAX_LEASES_PER_PRINCIPAL leases: RESOURCE_EXHAUSTED."""
         check_count("block_hashes", len(hashes))
         check_final_namespace("namespace", namespace)  # a client namespace never holds blocks
         self.tenants.check_see("namespace", namespace, caller)
@@ -293,12 +295,19 @@ class StoreNode:
         self.counters.misses += len(hashes) - len(blocks)
         if not lease or not blocks:
             return QueryResult(len(blocks))
-        held = self.index.pin(blocks, ttl_ms=lease_ms or DEFAULT_LEASE_MS)
+        # Each pins up to MAX_BLOCKS_PER_REQUEST blocks for up to MAX_LEASE_MS.
+        owners = self.index.lease_owners()
+        check_quota("query leases", owners, limits.MAX_LEASES_PER_PRINCIPAL, caller)
+        held = self.index.pin(blocks, ttl_ms=lease_ms or DEFAULT_LEASE_MS, owner=caller.name)
         return QueryResult(len(blocks), held.lease_id)
 
-    def release(self, lease_id: str) -> int:
-        """Release a query lease; the number of blocks it held."""
-        return self.index.release(lease_id)
+    def release(self, lease_id: str, caller: Principal = LOCAL) -> int:
+        """Release a query lease; the number of blocks it held. Only the
+        principal that took it (or an admin) may: PERMISSION_DENIED."""
+        held = self.index.held(lease_id)
+        check_owner(f"lease_id {lease_id[:64]!r}", held.owner, caller)
+        self.index.unpin(held)
+        return len(held.blocks)
 
     def clear(self, namespace: str = "", caller: Principal = LOCAL) -> int:
         """Drop every unpinned sealed block of final namespace ``namespace`` ("" = all).

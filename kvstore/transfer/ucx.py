@@ -154,7 +154,7 @@ def loop_progress() -> LoopProgress | None:
     from ucxx._lib_async import application_context as app
 
     loop = asyncio.get_running_loop()
-    ctx = ucxx_module().core._get_ctx()  # noqa: SLF001 -- no public handle on it
+    ctx = _context()
     progress = app.ProgressTasks.get(loop)
     if isinstance(progress, LoopProgress) and progress.current(ctx.worker):
         return progress
@@ -169,6 +169,11 @@ def loop_progress() -> LoopProgress | None:
         _run_finalizers(theirs)  # its socket
     progress = app.ProgressTasks[loop] = LoopProgress(ctx.worker, loop)
     return progress
+
+
+def _context() -> Any:
+    """ucxx's application context of this process (its worker, progress mode)."""
+    return ucxx_module().core._get_ctx()  # noqa: SLF001 -- no public handle on it
 
 
 def _kick_progress() -> None:
@@ -359,7 +364,7 @@ async def recv_exact(endpoint: Any, buffer: Any, tag: int) -> None:
 
     array = ucxx_array(buffer)
     progress = loop_progress()
-    worker = ucxx_module().core._get_ctx().worker  # noqa: SLF001 -- as in loop_progress
+    worker = _context().worker if progress is None else progress.worker
     arrival = _Arrival(endpoint, worker, _hashed_tag(endpoint, "msg_recv", tag))
     if progress is not None:
         if not arrival.settled:
@@ -751,7 +756,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 async def connect(address: str, deadline: float) -> Conn:
     host, port = parse_address(address)
-    ucxx = ucxx_module()
+    ucxx_module()  # imported with our UCX defaults set before anything starts it
     health = worker_health()
     await health.ready(deadline)
     remaining = deadline - asyncio.get_running_loop().time()
@@ -759,7 +764,7 @@ async def connect(address: str, deadline: float) -> Conn:
         raise PeerTimeout(f"peer {address}: no time left to connect")
     health.connecting += 1
     try:
-        ep = await _create_endpoint(ucxx, host, port, remaining)
+        ep = await _create_endpoint(host, port, remaining)
     except TimeoutError:
         health.connect_timed_out(address)
         raise PeerTimeout(f"peer {address}: connect did not finish in {remaining:.1f}s") from None
@@ -773,7 +778,7 @@ async def connect(address: str, deadline: float) -> Conn:
     return Conn(ep, peer=address)
 
 
-async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> Any:
+async def _create_endpoint(host: str, port: int, timeout: float) -> Any:
     """``ucxx.create_endpoint``, except that an endpoint whose peer info exchange
     fails or times out is closed rather than dropped.
 
@@ -791,7 +796,7 @@ async def _create_endpoint(ucxx: Any, host: str, port: int, timeout: float) -> A
     from ucxx.exceptions import UCXMessageTruncatedError
 
     progress = loop_progress()
-    ctx = ucxx.core._get_ctx()  # noqa: SLF001 -- ucxx's context: no public handle on it
+    ctx = _context()
     ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)  # peer-failure handling
     if progress is not None:
         _progress_now(ctx.worker)

@@ -15,9 +15,10 @@ first claimed them; another non-admin principal is PERMISSION_DENIED.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.wire.errors import Code, KVError
+from kvstore.wire.errors import Code, KVError, exhausted
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,14 @@ def check_owner(what: str, owner: str, caller: Principal) -> None:
     """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
     if not caller.may_act_for(owner):
         raise denied(f"{what} belongs to {Principal(owner)}, not to {caller}")
+
+
+def check_quota(what: str, owners: Iterable[str], limit: int, caller: Principal) -> None:
+    """RESOURCE_EXHAUSTED when ``caller`` (not an admin) already owns ``limit``
+    of ``what``; ``owners`` names the owner of each one held (read only for a
+    non-admin, so pass a generator)."""
+    if caller.admin:
+        return
+    owned = sum(1 for owner in owners if owner == caller.name)
+    if owned >= limit:
+        raise exhausted(f"{caller} already holds {owned} {what}, at most {limit}")

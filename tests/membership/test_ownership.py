@@ -209,3 +209,27 @@ def test_a_card_naming_a_foreign_event_endpoint_is_refused_before_etcd(
     )
     assert err.code is Code.PERMISSION_DENIED and "card.kv_events_endpoint" in err.message
     assert not any(k.startswith(("workers/", "worksets/")) for k in etcd_keys(etcd_config))
+
+
+def test_workers_per_certificate_are_capped_on_etcd_too(
+    etcd_config, replicas, clients, monkeypatch
+):
+    """Before: a replica on etcd admitted any number of workers for one
+    certificate (each costs every replica an event feed). Now a new name past
+    MAX_WORKERS_PER_PRINCIPAL, as the replica has seen etcd, is
+    RESOURCE_EXHAUSTED and never reaches etcd; the owner may still register
+    its own names again, and others are not held back."""
+    from kvstore.wire import limits
+
+    monkeypatch.setattr(limits, "MAX_WORKERS_PER_PRINCIPAL", 2)  # the replicas run here
+    a, b = clients["tenant-a"], clients["tenant-b"]
+    a[0].register_worker("a0", card())
+    a[1].register_worker("a1", card())
+    wait_until(lambda: all(set(generations(r)) == {"a0", "a1"} for r in replicas))
+    for i in (0, 1):
+        err = refused(a[i].register_worker, "a2", card())
+        assert err.code is Code.RESOURCE_EXHAUSTED and "workers admitted" in err.message
+    assert "workers/a2" not in etcd_keys(etcd_config)
+    assert a[1].register_worker("a0", card(address="10.0.0.1:8001")).generation  # its own
+    assert b[0].register_worker("b0", card()).generation
+    assert clients[ADMIN][1].register_worker("c0", card()).generation  # an admin: no cap

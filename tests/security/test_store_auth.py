@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client.router_client import RouterClient
 from kvstore.client.store_client import KVLayer, StoreClient, kv_cache_shm
 from kvstore.client.tls import open_channel
+from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from tests.conftest import ServerThread, wait_for
@@ -39,6 +41,18 @@ class Rank:
             self.session.close()
         for shm in self.shms:
             shm.close()
+
+
+class Callers(NamedTuple):
+    a: StoreClient  # tenant-a
+    b: StoreClient  # tenant-b
+    admin: StoreClient
+
+
+def callers(pki, address: str) -> Callers:
+    return Callers(
+        *(StoreClient(address, tls=pki.issue(cn)) for cn in ("tenant-a", "tenant-b", ADMIN))
+    )
 
 
 def refused(fn, *args, **kwargs) -> KVError:
@@ -66,9 +80,7 @@ def test_stranger_cannot_register_into_read_or_clear_another_tenants_namespace(p
     """Before: a stranger registering the same client namespace and layout loaded
     8 of 8 of another tenant's blocks and deleted them with Clear. Now each step
     is PERMISSION_DENIED and the blocks stay."""
-    a = StoreClient(tls_store.address, tls=pki.issue("tenant-a"))
-    b = StoreClient(tls_store.address, tls=pki.issue("tenant-b"))
-    admin = StoreClient(tls_store.address, tls=pki.issue(ADMIN))
+    a, b, admin = callers(pki, tls_store.address)
     victim = Rank(a, "victim", "llama")
     try:
         ns = victim.session.wait_sealed(10).final_namespace
@@ -177,3 +189,61 @@ def test_plaintext_loopback_keeps_todays_trust(server):
     finally:
         r1.close()
         r2.close()
+
+
+def test_query_leases_are_their_takers_and_capped(pki, tls_store, monkeypatch):
+    """Before: any certificate could release another tenant's lease by its id, and
+    one could hold leases without bound (each pins up to 8,192 blocks for up to
+    10 minutes). Now a lease is released by its taker or an admin only, and a
+    non-admin holds at most MAX_LEASES_PER_PRINCIPAL: RESOURCE_EXHAUSTED past it,
+    with nothing pinned."""
+    monkeypatch.setattr(limits, "MAX_LEASES_PER_PRINCIPAL", 2)  # the server runs in this process
+    a, b, admin = callers(pki, tls_store.address)
+    owner = Rank(a, "leased", "llama")
+    try:
+        ns = owner.session.wait_sealed(10).final_namespace
+        owner.session.save([(100 + i, i) for i in range(4)])
+        first = a.query(ns, [100, 101], lease=True)
+        second = a.query(ns, [102], lease=True)
+        assert first.lease_id and second.lease_id
+        err = refused(a.query, ns, [103], lease=True)
+        assert err.code is Code.RESOURCE_EXHAUSTED and "query leases" in err.message
+        assert admin.stats().leases == 2  # the refused one pinned nothing
+        assert a.query(ns, [103]).prefix_blocks == 1  # a plain query needs no lease
+        assert admin.query(ns, [103], lease=True).lease_id  # an admin is not capped
+        err = refused(b.release, first.lease_id)
+        assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+        assert a.release(first.lease_id) == 2
+        assert a.query(ns, [103], lease=True).lease_id  # room again
+        assert admin.release(second.lease_id) == 1  # an admin may release any
+    finally:
+        owner.close()
+
+
+def test_event_streams_per_certificate_are_capped(pki, tls_store, monkeypatch):
+    """Each Events stream may queue 65,536 events; a non-admin may hold
+    MAX_EVENT_STREAMS_PER_PRINCIPAL of them, RESOURCE_EXHAUSTED past that."""
+    monkeypatch.setattr(limits, "MAX_EVENT_STREAMS_PER_PRINCIPAL", 2)
+    tls_a = pki.issue("tenant-a")
+    admin = StoreClient(tls_store.address, tls=pki.issue(ADMIN))
+    seen: list[list] = [[], [], [], []]
+    calls = [watch(tls_store.address, tls_a, seen[i]) for i in range(2)]
+    try:
+        assert wait_for(lambda: admin.stats().event_subscribers == 2)
+        third = pb_grpc.KVStoreStub(open_channel(tls_store.address, tls_a)).Events(
+            pb.EventsRequest()
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            next(third)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "event streams" in info.value.details()
+        calls.append(watch(tls_store.address, pki.issue("tenant-b"), seen[2]))  # another's own
+        calls.append(watch(tls_store.address, pki.issue(ADMIN), seen[3]))  # an admin's
+        assert wait_for(lambda: admin.stats().event_subscribers == 4)
+        calls.pop(0).cancel()
+        assert wait_for(lambda: admin.stats().event_subscribers == 3)
+        calls.append(watch(tls_store.address, tls_a, seen[0]))  # room again
+        assert wait_for(lambda: admin.stats().event_subscribers == 4)
+    finally:
+        for call in calls:
+            call.cancel()
