@@ -67,6 +67,7 @@ MAX_BATCH = 1024
 RESYNC_BATCH = 64  # snapshot events (up to MAX_BATCH hashes each) per publish
 QUERY_TIMEOUT_S = 1.0  # a Load miss waits this long on the router at most
 RETRY_S = 0.1  # a feed's first retry; doubling up to REFRESH_S
+STOP_WAIT_S = 5.0  # stop() waits this long for its cancelled tasks to end
 
 
 def router_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -244,8 +245,12 @@ class RemoteRouterLink:
         return await asyncio.to_thread(self.lookups.query_prefix, namespace, hashes, self.node_id)
 
     async def stop(self) -> None:
+        """Stop the pump (what is still queued is not sent) and close the clients."""
         for task in self._tasks:
             task.cancel()
+        if self._tasks:  # ended before the clients close under them
+            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+        self._tasks.clear()
         self.client.close()
         self.lookups.close()
 

@@ -286,6 +286,7 @@ class StoreServer:
     async def stop(self, grace: float = 2.0) -> None:
         if self._expirer:
             self._expirer.cancel()
+            await asyncio.wait([self._expirer])  # it never holds a cancellation
         if self.metrics is not None:
             await self.metrics.stop()
         await self.health.enter_graceful_shutdown()

@@ -138,6 +138,7 @@ class BlockIndex:
         self._on_event = on_event
         self._seq = 0
         self._evictions = 0
+        self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
 
     # --------------------------------------------------------------- look-ups
 
@@ -171,7 +172,7 @@ class BlockIndex:
             inflight_blocks=len(self.blocks) - len(self._lru),
             leases=len(self._leases),
             evictions=self._evictions,
-            pinned_blocks=sum(1 for b in self.blocks.values() if b.pins),
+            pinned_blocks=self._pinned,
         )
 
     def slot_limit(self) -> int:
@@ -312,11 +313,12 @@ class BlockIndex:
         self, blocks: list[Block], *, ttl_ms: int = 0, refresh: bool = True, owner: str = ""
     ) -> Lease:
         """Pin sealed ``blocks`` until :meth:`unpin`. With ``ttl_ms`` the lease gets
-        an id, is ``owner``'s, is released by :meth:`release` and expires. ``refresh``
+        an id, is ``owner``'s, is found by :meth:`held` and expires. ``refresh``
         makes the blocks most recently used (a load and a client lease do; a peer's
         read does not)."""
         lease = Lease(blocks, owner=owner)
         for block in blocks:
+            self._pinned += block.pins == 0
             block.pins += 1
             if refresh:
                 self._lru.move_to_end(block.key)
@@ -334,6 +336,7 @@ class BlockIndex:
         self._leases.pop(lease.lease_id, None)
         for block in lease.blocks:
             block.pins -= 1
+            self._pinned -= block.pins == 0
 
     def held(self, lease_id: str) -> Lease:
         """The lease held by id ``lease_id``: NOT_FOUND when unknown or expired."""

@@ -50,3 +50,21 @@ def test_a_snapshot_that_fails_is_sent_again_and_later_events_still_flow():
     finally:
         client.close()
         router.stop()
+
+
+def test_stop_leaves_no_task_of_the_link_running():
+    """stop() cancelled the pump and keepalive and returned at once: they were
+    still running (mid-publish) when the clients under them closed."""
+    router = RouterThread(None)
+
+    async def run() -> list[asyncio.Task]:
+        link = RemoteRouterLink(router.address, "n1")
+        await link.start("127.0.0.1:1", "", list)
+        link.publish(StoreEvent(STORED, NS, [1], "n1"))
+        await link.stop()
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        assert asyncio.run(run()) == []
+    finally:
+        router.stop()

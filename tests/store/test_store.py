@@ -256,6 +256,8 @@ def test_lru_invariants(ops):
                 assert node.index.blocks[(ns, h)].sealed, "a leased block was evicted"
         assert set(node.index.snapshot()) == {k for k, b in node.index.blocks.items() if b.sealed}
         assert all(b.pins >= 0 for b in node.index.blocks.values())
+        pinned = sum(1 for b in node.index.blocks.values() if b.pins)
+        assert node.index.stats().pinned_blocks == pinned  # kept as pins change
         used = sum(b.nbytes for b in node.index.blocks.values() if b.sealed)
         assert used_bytes(node) == used + sum(
             int(b.slot_bytes[b.offsets >= 0].sum())
