@@ -240,6 +240,7 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["serve", "--pool-size", "9" * 400], "is more than 1 PiB"),
         (["router", "--gpu-weight", "1.5"], "--gpu-weight is a fraction of a block's prefill"),
         (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
+        (["router", "--store-cn", "node-a"], "--store-cn names certificate CNs"),
     ],
 )
 def test_out_of_range_flags_are_refused_naming_them(args, words):

@@ -105,6 +105,15 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         add_metrics(parser)
         add_etcd(parser)
         add_tls(parser, server=True)
+        parser.add_argument(
+            "--store-cn",
+            action="append",
+            default=[],
+            metavar="CN",
+            help="a client certificate CN of a store node: only these (and admins) may "
+            "advertise store nodes, publish their events and ask which peers hold a "
+            "prefix (repeatable; with TLS; default: any certificate of the CA)",
+        )
     parser.add_argument(
         "--identity",
         choices=[a.value for a in IdentityAlgorithm],
@@ -195,10 +204,18 @@ def build_served_router(args: argparse.Namespace) -> ServedRouter:
 
 
 def security(args: argparse.Namespace) -> Security:
-    """TLS and admins of --tls-*/--admin; ValueError when a TLS flag is missing,
-    or when a non-loopback --host has no TLS and no --insecure."""
-    result = Security(tls_files(args), tuple(args.admin))
+    """TLS, admins and store nodes of --tls-*/--admin/--store-cn; ValueError
+    when a TLS flag is missing, --store-cn comes without TLS, or a non-loopback
+    --host has no TLS and no --insecure."""
+    result = Security(tls_files(args), tuple(args.admin), tuple(args.store_cn))
     result.check_exposure(args.host, args.insecure)
+    if args.store_cn and result.tls is None:
+        raise ValueError("--store-cn names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key")
+    if result.tls is not None and not args.store_cn:
+        log.warning(
+            "no --store-cn: any certificate of the CA may act as a store node here "
+            "(advertise, publish events, ask which peers hold a tenant's prefix)"
+        )
     return result
 
 

@@ -46,7 +46,7 @@ from kvstore.membership.mirror import RouterCore, StoreMirror, WorkerMirror
 from kvstore.membership.worksets import Admitted, Refused, WorkerSets
 from kvstore.wire.card import WorkerCard, card_checksum
 from kvstore.wire.errors import Code, KVError
-from kvstore.wire.principal import LOCAL, Principal
+from kvstore.wire.principal import LOCAL, Principal, check_store
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,9 @@ class RouterReplica:
 
     async def check_publisher(self, node_id: str, generation: int, caller: Principal) -> None:
         """PublishEvents as store ``node_id`` at ``generation``: PERMISSION_DENIED
-        unless ``caller`` is its first publisher (recorded in etcd) or an admin."""
+        unless ``caller`` may act as a store node and is its first publisher
+        (recorded in etcd), or is an admin."""
+        check_store("PublishEvents", caller)
         await self.claims.check(node_id, generation, caller)
 
     async def workers_settled(self, timeout_s: float = SNAPSHOT_SETTLE_S) -> bool:

@@ -55,7 +55,7 @@ from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, check_owner, denied
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_store, denied
 
 log = logging.getLogger(__name__)
 
@@ -297,15 +297,16 @@ class Router:
         """Apply decoded store events from peer (node_id, generation).
 
         Only the principal that advertised ``node_id`` (or an admin) may
-        publish as it: PERMISSION_DENIED. Room for every namespace and holder
-        the batch brings is checked before its first event applies:
-        RESOURCE_EXHAUSTED changes nothing.
+        publish as it, and only one that may act as a store: PERMISSION_DENIED.
+        Room for every namespace and holder the batch brings is checked before
+        its first event applies: RESOURCE_EXHAUSTED changes nothing.
 
         ``seq`` numbers the peer's batches (0: unsequenced, always applied); a
         numbered batch that does not follow the last one applied is dropped
         whole and answered ``resync`` (docs/design.md §6). A ``snapshot`` batch
         replaces every block indexed for the peer, then applies.
         """
+        check_store("PublishEvents", caller)
         with self._lock:
             known = self.peers.get(node_id)
             if known is not None:
@@ -367,9 +368,11 @@ class Router:
         lease_ms: int = 0,
         caller: Principal = LOCAL,
     ) -> Peer:
-        """Advertise store ``node_id`` for ``caller``, who then owns that node id."""
+        """Advertise store ``node_id`` for ``caller``, who then owns that node id
+        (PERMISSION_DENIED unless ``caller`` may act as a store node)."""
         final_namespaces = list(final_namespaces)
         check_peer(node_id, store_address, ucx_address, final_namespaces, lease_ms)
+        check_store("AdvertisePeer", caller)
         with self._lock:
             now = self.clock()
             self.peers.expire(now)
@@ -432,6 +435,7 @@ class Router:
         answer tells which prefixes a tenant holds (PERMISSION_DENIED otherwise)."""
         check_final_namespace("final_namespace", final_namespace)
         hashes = check_hashes("block_hashes", hashes)
+        check_store("QueryPrefix", caller)
         with self._lock:
             if not (caller.admin or self.peers.owned_by(caller.name)):
                 raise denied(

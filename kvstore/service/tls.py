@@ -61,10 +61,12 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class Security:
-    """TLS files (None = plaintext) and the CNs trusted as admin."""
+    """TLS files (None = plaintext), the CNs trusted as admin and, on a router,
+    the CNs of its store nodes."""
 
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
+    stores: tuple[str, ...] = ()  # CNs that may act as store nodes; () = every caller
 
     def check_exposure(self, host: str, insecure: bool) -> None:
         """Plaintext on a non-loopback address: ValueError unless ``insecure``,
@@ -117,7 +119,8 @@ class Security:
         name = names[0].decode() if names else ""
         if not name:
             raise KVError(Code.UNAUTHENTICATED, "client certificate has no subject CN")
-        return Principal(name, admin=name in self.admins)
+        store = not self.stores or name in self.stores
+        return Principal(name, admin=name in self.admins, store=store)
 
 
 PLAINTEXT = Security()

@@ -10,7 +10,8 @@ That default trusts every local process; multi-tenant deployments use TLS.
 
 Ownership rules (docs/design.md, "Authentication and ownership"): a worker
 name, a peer node id and a client namespace belong to the principal that
-first claimed them; another non-admin principal is PERMISSION_DENIED.
+first claimed them; another non-admin principal is PERMISSION_DENIED. A
+router told its store nodes' CNs lets only those (and admins) act as stores.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from kvstore.wire.errors import Code, KVError, exhausted
 
 @dataclass(frozen=True)
 class Principal:
-    """An authenticated caller: ``name`` is its certificate CN ("" = anonymous local)."""
+    """An authenticated caller: ``name`` is its certificate CN ("" = anonymous local).
+    ``store``: it may act as a store node towards a router (advertise, publish
+    events, ask which peers hold a prefix); every caller may unless the router
+    names its store CNs (``--store-cn``)."""
 
     name: str
     admin: bool = False
+    store: bool = True
 
     def may_act_for(self, owner: str) -> bool:
         """May this caller act on something ``owner`` claimed?"""
@@ -47,6 +52,12 @@ def check_owner(what: str, owner: str, caller: Principal) -> None:
     """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
     if not caller.may_act_for(owner):
         raise denied(f"{what} belongs to {Principal(owner)}, not to {caller}")
+
+
+def check_store(call: str, caller: Principal) -> None:
+    """PERMISSION_DENIED unless ``caller`` may act as a store node (or is an admin)."""
+    if not (caller.admin or caller.store):
+        raise denied(f"{call} is for store nodes: {caller} is not one of this router's --store-cn")
 
 
 def check_quota(what: str, owners: Iterable[str], limit: int, caller: Principal) -> None:

@@ -233,3 +233,28 @@ def test_workers_per_certificate_are_capped_on_etcd_too(
     assert a[1].register_worker("a0", card(address="10.0.0.1:8001")).generation  # its own
     assert b[0].register_worker("b0", card()).generation
     assert clients[ADMIN][1].register_worker("c0", card()).generation  # an admin: no cap
+
+
+def test_a_replica_told_its_store_cns_lets_no_other_certificate_claim_a_node(etcd_config, pki):
+    """With --store-cn, a certificate not named there cannot claim a store node
+    registered in etcd by publishing first (it would own the node id), nor ask
+    QueryPrefix; the store's own CN then claims it."""
+    security = Security(pki.server, admins=(ADMIN,), stores=("node-a",))
+    replica = RouterThread(etcd_config, security=security)
+    rogue = RouterClient(replica.address, tls=pki.issue("rogue"))
+    node = RouterClient(replica.address, tls=pki.issue("node-a"))
+    try:
+        gen = register_store(etcd_config, "node-a")
+        wait_until(lambda: replica.call(replica.router.peer_generations) == {"node-a": gen})
+        stored = [StoreEvent("stored", NS, [1, 2], "node-a")]
+        err = refused(rogue.publish, stored, "node-a", gen)
+        assert err.code is Code.PERMISSION_DENIED and "--store-cn" in err.message
+        assert store_owner(etcd_config, "node-a") is None  # nothing claimed
+        assert refused(rogue.query_prefix, NS, [1]).code is Code.PERMISSION_DENIED
+        assert node.publish(stored, "node-a", gen).applied == 1
+        assert store_owner(etcd_config, "node-a") == "node-a"
+        assert [p.prefix_blocks for p in node.query_prefix(NS, [1, 2])] == [2]
+    finally:
+        rogue.close()
+        node.close()
+        replica.stop()

@@ -8,8 +8,11 @@ import pytest
 
 from kvstore._proto import router_pb2, router_pb2_grpc
 from kvstore.client.router_client import RouterClient
+from kvstore.router.core import Router, RouterConfig
+from kvstore.service.tls import Security
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
+from tests.router.conftest import ServerThread as RouterThread
 from tests.router.conftest import card
 from tests.security.conftest import ADMIN
 
@@ -167,3 +170,31 @@ def test_one_certificate_cannot_admit_workers_without_end(pki, tls_router, monke
     other.register_worker("b0", card())
     greedy.remove_worker("a0")
     greedy.register_worker("a2", card())
+
+
+def test_a_router_told_its_store_cns_lets_no_other_certificate_act_as_a_store(pki):
+    """Before: any certificate of the CA could advertise a dummy store node and
+    then ask QueryPrefix which peers hold any tenant's prefixes. With --store-cn
+    only those CNs (and admins) may advertise, publish or ask; nothing changes
+    on a refusal."""
+    security = Security(pki.server, admins=(ADMIN,), stores=("node-a",))
+    router = RouterThread(Router(RouterConfig()), security=security)
+    try:
+        node = RouterClient(router.address, tls=pki.issue("node-a"))
+        tenant = RouterClient(router.address, tls=pki.issue("tenant-b"))
+        admin = RouterClient(router.address, tls=pki.issue(ADMIN))
+        err = refused(tenant.advertise_peer, "n-rogue", "127.0.0.1:1", "", [NS])
+        assert err.code is Code.PERMISSION_DENIED and "--store-cn" in err.message
+        assert router.router.stats().peers == 0
+        gen = node.advertise_peer("node-a", "127.0.0.1:1", "127.0.0.1:2", [NS])
+        node.publish([StoreEvent("stored", NS, [1, 2], "node-a")], "node-a", gen)
+        err = refused(tenant.publish, [StoreEvent("stored", NS, [3], "node-a")], "node-b", 1)
+        assert err.code is Code.PERMISSION_DENIED and "PublishEvents" in err.message
+        err = refused(tenant.query_prefix, NS, [1, 2])
+        assert err.code is Code.PERMISSION_DENIED and "QueryPrefix" in err.message
+        assert [p.prefix_blocks for p in node.query_prefix(NS, [1, 2, 3])] == [2]
+        assert admin.advertise_peer("node-b", "127.0.0.1:3", "", [NS]) > 0  # an admin may
+        held = {p.node_id: p.prefix_blocks for p in admin.query_prefix(NS, [1, 2])}
+        assert held["node-a"] == 2
+    finally:
+        router.stop()
