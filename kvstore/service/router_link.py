@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from kvstore.membership.directory import Directory
@@ -541,6 +542,22 @@ async def send_snapshot(
         if not await send(events[i : i + RESYNC_BATCH], i == 0):
             return False
     return True
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A node's sealed block keys at one moment (``BlockIndex.snapshot()``): taken
+    on the loop in one step, turned into events anywhere (O(blocks) of Python,
+    0.3 s for a million blocks on a 2-core host)."""
+
+    keys: list[tuple[str, int]]
+    node_id: str
+
+    def events(self) -> list[StoreEvent]:
+        return snapshot_events(self.keys, self.node_id)
+
+
+NO_BLOCKS = Sealed([], "")
 
 
 def snapshot_events(sealed: list[tuple[str, int]], node_id: str) -> list[StoreEvent]:

@@ -23,7 +23,7 @@ from kvstore.service.router_link import (
     ClusterRouterLink,
     LocalRouterLink,
     RemoteRouterLink,
-    snapshot_events,
+    Sealed,
 )
 from kvstore.service.router_server import ServedRouter
 from kvstore.service.store_service import KVStoreService, add_to_server
@@ -168,9 +168,7 @@ class StoreServer:
         self.node = StoreNode(
             self.registry, self.index, copiers, fetcher, source, gpu_blocks=config.gpu_blocks
         )
-        self.service = KVStoreService(
-            self.node, self.peer_server, config.security, self.snapshot_events
-        )
+        self.service = KVStoreService(self.node, self.peer_server, config.security, self.sealed)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -193,9 +191,13 @@ class StoreServer:
             records["router"] = self.router.stats()
         return records
 
+    def sealed(self) -> Sealed:
+        """Every sealed block's key now."""
+        return Sealed(self.index.snapshot(), self.node_id)
+
     def snapshot_events(self) -> list[StoreEvent]:
         """Every sealed block as ``stored`` events of this node."""
-        return snapshot_events(self.index.snapshot(), self.node_id)
+        return self.sealed().events()
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""

@@ -21,6 +21,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.service import malformed, status
 from kvstore.service import store_codec as codec
+from kvstore.service.router_link import NO_BLOCKS, Sealed
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
@@ -40,13 +41,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         node: StoreNode,
         peer_server: PeerServer | None = None,
         security: Security = PLAINTEXT,
-        snapshot: Callable[[], list[StoreEvent]] = list,
+        snapshot: Callable[[], Sealed] = lambda: NO_BLOCKS,
     ):
         """``peer_server``: the node's peer-transfer listener, None when transfer is off.
         ``security``: who callers are (their certificate CN with TLS); the node
         decides what each may see and do (tenant scoping). ``snapshot``: the
-        sealed blocks as ``stored`` events of this node, which open every
-        Events stream."""
+        sealed blocks' keys of this node, which open every Events stream as
+        ``stored`` events."""
         self.node = node
         self.snapshot = snapshot
         self.event_queue_max = EVENT_QUEUE_MAX  # events a subscriber may fall behind
@@ -207,10 +208,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except KVError as e:
             await status.abort(context, e)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
-        self._subscribers[queue] = caller  # in the same step as the snapshot: no gap, no overlap
-        sealed = [e for e in self.snapshot() if self.node.may_see(e.namespace, caller)]
+        self._subscribers[queue] = caller
         seq = 0
         try:
+            taken = self.snapshot()  # in the same step as subscribing: no gap, no overlap
+            events = await asyncio.to_thread(taken.events)  # off the loop: O(blocks)
+            sealed = [e for e in events if self.node.may_see(e.namespace, caller)]
             for seq, event in enumerate(sealed, 1):
                 yield pb.Event(payload=event.encode(), seq=seq, snapshot=True)
             while True:
