@@ -161,6 +161,8 @@ def loop_progress() -> LoopProgress | None:
     if ctx.progress_mode != "blocking":
         ctx.continuous_ucx_progress()
         return None
+    for closed in [other for other in app.ProgressTasks if other.is_closed()]:
+        del app.ProgressTasks[closed]  # a loop that ended without stop_progress: let go
     theirs = app.ProgressTasks.pop(loop, None)
     if isinstance(theirs, LoopProgress):  # a recreated worker's predecessor, or failed
         theirs.retire()

@@ -47,3 +47,22 @@ def test_an_idle_pooled_connection_costs_neither_side_cpu(nodes, rma, env):
     again = client.call("fetch", address=address, hashes=HASHES[:4])
     assert again["error"] is None and again["n"] == [4] and again["corrupt"] == [], again
     assert server.call("port_stats")["connections"] == 1
+
+
+def test_a_loop_that_ended_without_stop_progress_is_let_go():
+    """Each event loop that used UCX kept its entry in ucxx's ProgressTasks (and
+    with it the loop, its progress and whatever it held) after the loop closed."""
+    import asyncio
+
+    from ucxx._lib_async import application_context as app
+
+    from kvstore.transfer.ucx import loop_progress
+
+    async def closed_entries() -> list | None:
+        if loop_progress() is None:
+            return None
+        return [loop for loop in app.ProgressTasks if loop.is_closed()]
+
+    if asyncio.run(closed_entries()) is None:
+        pytest.skip("ucxx progresses on a thread of its own here")
+    assert asyncio.run(closed_entries()) == []
