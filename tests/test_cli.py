@@ -241,6 +241,7 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["router", "--gpu-weight", "1.5"], "--gpu-weight is a fraction of a block's prefill"),
         (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
         (["router", "--store-cn", "node-a"], "--store-cn names certificate CNs"),
+        (["serve", "--store-cn", "node-a", "--no-transfer"], "--store-cn names certificate CNs"),
     ],
 )
 def test_out_of_range_flags_are_refused_naming_them(args, words):

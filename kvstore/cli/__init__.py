@@ -458,6 +458,7 @@ async def _serve(args) -> None:
             metrics_port=args.metrics_port,
             tls=tls_files(args),
             admins=tuple(args.admin),
+            stores=tuple(args.store_cn),
             insecure=args.insecure,
             peer_secret=_peer_secret(args),
         )
@@ -465,8 +466,9 @@ async def _serve(args) -> None:
         config.check_peer_exposure()
         router = None
         if not args.no_router and not args.router:
-            from kvstore.cli.router import build_served_router
+            from kvstore.cli.router import build_served_router, check_store_cns
 
+            check_store_cns(config.security)
             router = build_served_router(args)
         server = StoreServer(config, router)
     except ValueError as exc:

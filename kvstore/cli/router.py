@@ -105,15 +105,15 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         add_metrics(parser)
         add_etcd(parser)
         add_tls(parser, server=True)
-        parser.add_argument(
-            "--store-cn",
-            action="append",
-            default=[],
-            metavar="CN",
-            help="a client certificate CN of a store node: only these (and admins) may "
-            "advertise store nodes, publish their events and ask which peers hold a "
-            "prefix (repeatable; with TLS; default: any certificate of the CA)",
-        )
+    parser.add_argument(
+        "--store-cn",
+        action="append",
+        default=[],
+        metavar="CN",
+        help="a client certificate CN of a store node: only these (and admins) may "
+        "advertise store nodes, publish their events and ask which peers hold a "
+        "prefix (repeatable; with TLS; default: any certificate of the CA)",
+    )
     parser.add_argument(
         "--identity",
         choices=[a.value for a in IdentityAlgorithm],
@@ -209,14 +209,20 @@ def security(args: argparse.Namespace) -> Security:
     --host has no TLS and no --insecure."""
     result = Security(tls_files(args), tuple(args.admin), tuple(args.store_cn))
     result.check_exposure(args.host, args.insecure)
-    if args.store_cn and result.tls is None:
+    check_store_cns(result)
+    return result
+
+
+def check_store_cns(served: Security) -> None:
+    """A served router's --store-cn: ValueError without TLS (there are no CNs);
+    a warning under TLS without it (any certificate may act as a store)."""
+    if served.stores and served.tls is None:
         raise ValueError("--store-cn names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key")
-    if result.tls is not None and not args.store_cn:
+    if served.tls is not None and not served.stores:
         log.warning(
             "no --store-cn: any certificate of the CA may act as a store node here "
             "(advertise, publish events, ask which peers hold a tenant's prefix)"
         )
-    return result
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
 from kvstore.wire.errors import KVError, not_found, precondition
 from kvstore.wire.names import check_name
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, owned_by
 
 
 @dataclass(frozen=True, order=True)
@@ -159,8 +159,8 @@ class Admission:
         already has MAX_WORKERS_PER_PRINCIPAL workers admitted: each may cost
         the router an event feed (a task, two ZMQ sockets)."""
         if name not in self.workers:
-            owners = (worker.owner for worker in self.workers.values())
-            check_quota("workers admitted", owners, limits.MAX_WORKERS_PER_PRINCIPAL, caller)
+            owned = owned_by(caller, (worker.owner for worker in self.workers.values()))
+            check_quota("workers admitted", owned, limits.MAX_WORKERS_PER_PRINCIPAL, caller)
 
     def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED

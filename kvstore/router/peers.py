@@ -31,7 +31,7 @@ from kvstore.wire import limits
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, owned_by
 
 Holder = tuple[str, str]  # (node id, tier)
 
@@ -139,8 +139,8 @@ class Peers:
             if old is None and len(self.peers) >= limits.MAX_PEERS:
                 raise exhausted(f"router already has {limits.MAX_PEERS} peers")
             if old is None:  # one certificate cannot fill MAX_PEERS
-                owners = (peer.owner for peer in self.peers.values())
-                check_quota("store nodes", owners, limits.MAX_PEERS_PER_PRINCIPAL, caller)
+                owned = owned_by(caller, (peer.owner for peer in self.peers.values()))
+                check_quota("store nodes", owned, limits.MAX_PEERS_PER_PRINCIPAL, caller)
             if old is not None:
                 self.remove(node_id)
             peer = Peer(node_id, self._next_generation, store_address, ucx_address, set(namespaces))

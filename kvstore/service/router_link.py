@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 from kvstore.membership.directory import Directory
@@ -55,8 +54,9 @@ from kvstore.membership.keeper import LeaseKeeper
 from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
 from kvstore.membership.relayed import RelayedWorkers
+from kvstore.service.sealed import NOTHING, Snapshot, events_of
 from kvstore.wire.errors import KVError, unavailable
-from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
+from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.tls import TlsFiles
 
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 LEASE_MS = 10_000
 REFRESH_S = 3.0
 MAX_BATCH = 1024
-RESYNC_BATCH = 64  # snapshot events (up to MAX_BATCH hashes each) per publish
+RESYNC_BATCH = 64  # snapshot events (up to HASHES_PER_EVENT hashes each) per publish
 QUERY_TIMEOUT_S = 1.0  # a Load miss waits this long on the router at most
 RETRY_S = 0.1  # a feed's first retry; doubling up to REFRESH_S
 STOP_WAIT_S = 5.0  # stop() waits this long for its cancelled tasks to end
@@ -85,12 +85,11 @@ class LocalRouterLink:
         self.node_id = node_id
         self.generation = 0
 
-    async def start(
-        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
-    ) -> None:
+    async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         peer = self.router.advertise_peer(self.node_id, store_address, ucx_address, [])
         self.generation = peer.generation
-        self.router.apply_store_events(self.node_id, self.generation, snapshot(), snapshot=True)
+        events = snapshot().events()
+        self.router.apply_store_events(self.node_id, self.generation, events, snapshot=True)
 
     def publish(self, event: StoreEvent) -> None:
         self.router.apply_store_events(self.node_id, self.generation, [event])
@@ -122,11 +121,9 @@ class RemoteRouterLink:
         self.advertised = False
         self._failed_publishes = 0  # publishes that may not have reached the router
         self._synced = 0  # _failed_publishes when the last full snapshot was sent
-        self._snapshot: Callable[[], list[StoreEvent]] = list
+        self._snapshot: Snapshot = lambda: NOTHING
 
-    async def start(
-        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
-    ) -> None:
+    async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
         self._args = (store_address, ucx_address)
         self._snapshot = snapshot
@@ -216,7 +213,7 @@ class RemoteRouterLink:
                 continue  # the snapshot replays them once the router is back
             try:
                 if batch is None:
-                    in_sequence = await send_snapshot(self._send, self._snapshot())
+                    in_sequence = await send_snapshot(self._send, await events_of(self._snapshot))
                 else:
                     in_sequence = await self._send(batch)
                 if not in_sequence:
@@ -279,7 +276,7 @@ class RouterFeed:
         self,
         address: str,
         node_id: str,
-        snapshot: Callable[[], list[StoreEvent]],
+        snapshot: Snapshot,
         tls: TlsFiles | None = None,
     ):
         self.address = address
@@ -325,7 +322,7 @@ class RouterFeed:
         delay, failures = RETRY_S, 0
         while True:
             drain(self._queue)  # the snapshot covers them
-            events = self._snapshot()
+            events = await events_of(self._snapshot)
             try:
                 if await send_snapshot(self._send, events):
                     break
@@ -390,7 +387,7 @@ class ClusterRouterLink:
         self.layout = Layout(config.prefix)
         self.feeds: dict[str, RouterFeed] = {}
         self._router_generations: dict[str, int] = {}
-        self._snapshot: Callable[[], list[StoreEvent]] = list
+        self._snapshot: Snapshot = lambda: NOTHING
         self.registration: KeyLease | None = None
         self.directory = Directory(
             self.etcd, self.layout.routers, self, f"store {node_id}: routers"
@@ -402,9 +399,7 @@ class ClusterRouterLink:
     def generation(self) -> int:
         return self.registration.generation if self.registration is not None else 0
 
-    async def start(
-        self, store_address: str, ucx_address: str, snapshot: Callable[[], list[StoreEvent]]
-    ) -> None:
+    async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Register in etcd now if it answers (else keep trying), follow the replicas."""
         self._snapshot = snapshot
         record = StoreRecord(store_address, ucx_address).encode()
@@ -542,32 +537,3 @@ async def send_snapshot(
         if not await send(events[i : i + RESYNC_BATCH], i == 0):
             return False
     return True
-
-
-@dataclass(frozen=True)
-class Sealed:
-    """A node's sealed block keys at one moment (``BlockIndex.snapshot()``): taken
-    on the loop in one step, turned into events anywhere (O(blocks) of Python,
-    0.3 s for a million blocks on a 2-core host)."""
-
-    keys: list[tuple[str, int]]
-    node_id: str
-
-    def events(self) -> list[StoreEvent]:
-        return snapshot_events(self.keys, self.node_id)
-
-
-NO_BLOCKS = Sealed([], "")
-
-
-def snapshot_events(sealed: list[tuple[str, int]], node_id: str) -> list[StoreEvent]:
-    """Sealed block keys (``BlockIndex.snapshot()``) as STORED events of ``node_id``,
-    batched per namespace."""
-    by_ns: dict[str, list[int]] = {}
-    for ns, block_hash in sealed:
-        by_ns.setdefault(ns, []).append(block_hash)
-    return [
-        StoreEvent(STORED, ns, hashes[i : i + MAX_BATCH], node_id)
-        for ns, hashes in by_ns.items()
-        for i in range(0, len(hashes), MAX_BATCH)
-    ]

@@ -23,9 +23,9 @@ from kvstore.service.router_link import (
     ClusterRouterLink,
     LocalRouterLink,
     RemoteRouterLink,
-    Sealed,
 )
 from kvstore.service.router_server import ServedRouter
+from kvstore.service.sealed import Sealed
 from kvstore.service.store_service import KVStoreService, add_to_server
 from kvstore.service.tls import BIND_OPTIONS, Security, host_port, is_loopback
 from kvstore.store.attach import attach
@@ -85,13 +85,14 @@ class ServerConfig:
     # unless insecure). admins: certificate CNs trusted with everything.
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
+    stores: tuple[str, ...] = ()  # the embedded router's store CNs; () = any caller
     insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
     # The cluster secret every UCX peer proves (docs/design.md §8); None = no handshake.
     peer_secret: PeerSecret | None = None
 
     @property
     def security(self) -> Security:
-        return Security(self.tls, self.admins)
+        return Security(self.tls, self.admins, self.stores)
 
     def check_peer_exposure(self) -> None:
         """The UCX peer port without a secret is for loopback-only, plaintext use:
@@ -192,12 +193,8 @@ class StoreServer:
         return records
 
     def sealed(self) -> Sealed:
-        """Every sealed block's key now."""
+        """Every sealed block's key now (its events: ``.events()``, off the loop)."""
         return Sealed(self.index.snapshot(), self.node_id)
-
-    def snapshot_events(self) -> list[StoreEvent]:
-        """Every sealed block as ``stored`` events of this node."""
-        return self.sealed().events()
 
     def add_event_sink(self, sink) -> None:
         """Also hand every store event to ``sink`` (the embedded router)."""
@@ -276,7 +273,7 @@ class StoreServer:
         await self.link.start(
             f"{self.config.host}:{self.port}",
             self.peer_server.address if self.peer_server is not None else "",
-            self.snapshot_events,
+            self.sealed,
         )
         self.add_event_sink(self.link.publish)
 

@@ -21,7 +21,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.service import malformed, status
 from kvstore.service import store_codec as codec
-from kvstore.service.router_link import NO_BLOCKS, Sealed
+from kvstore.service.sealed import NOTHING, Snapshot, events_of
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
@@ -29,7 +29,7 @@ from kvstore.transfer import PeerServer
 from kvstore.wire import limits
 from kvstore.wire.errors import KVError, exhausted
 from kvstore.wire.events import StoreEvent
-from kvstore.wire.principal import Principal, check_quota
+from kvstore.wire.principal import Principal, check_quota, owned_by
 
 log = logging.getLogger(__name__)
 EVENT_QUEUE_MAX = 65536
@@ -41,7 +41,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         node: StoreNode,
         peer_server: PeerServer | None = None,
         security: Security = PLAINTEXT,
-        snapshot: Callable[[], Sealed] = lambda: NO_BLOCKS,
+        snapshot: Snapshot = lambda: NOTHING,
     ):
         """``peer_server``: the node's peer-transfer listener, None when transfer is off.
         ``security``: who callers are (their certificate CN with TLS); the node
@@ -56,6 +56,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.security = security
         self._watchers: dict[str, asyncio.Queue] = {}  # session -> updates
         self._subscribers: dict[asyncio.Queue, Principal] = {}  # queue -> who watches
+        # every Events stream open, cut or not (a cut one lives until its client reads)
+        self._streams: dict[asyncio.Queue, str] = {}  # queue -> its caller's name
         self._seal_waiters: set[asyncio.Event] = set()  # GetInstance calls waiting
         node.watch(self._instance_changed)
 
@@ -172,7 +174,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def fanout_stats(self) -> FanoutStats:
         """What the Events fan-out has not delivered so far, and to how many
         streams it fans out now (a copy; docs/design.md §6)."""
-        return replace(self._fanout, event_subscribers=len(self._subscribers))
+        return replace(self._fanout, event_subscribers=len(self._streams))
 
     # -------------------------------------------------------------- events
 
@@ -202,17 +204,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         cut off with RESOURCE_EXHAUSTED; so is a non-admin's stream past
         MAX_EVENT_STREAMS_PER_PRINCIPAL (each may queue ``event_queue_max`` events)."""
         caller = await self._caller(context)
-        watchers = (watcher.name for watcher in self._subscribers.values())
+        owned = owned_by(caller, self._streams.values())
         try:
-            check_quota("event streams", watchers, limits.MAX_EVENT_STREAMS_PER_PRINCIPAL, caller)
+            check_quota("event streams", owned, limits.MAX_EVENT_STREAMS_PER_PRINCIPAL, caller)
         except KVError as e:
             await status.abort(context, e)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
         self._subscribers[queue] = caller
+        self._streams[queue] = caller.name
         seq = 0
         try:
-            taken = self.snapshot()  # in the same step as subscribing: no gap, no overlap
-            events = await asyncio.to_thread(taken.events)  # off the loop: O(blocks)
+            # taken in the same step as subscribing (no gap, no overlap), made off the loop
+            events = await events_of(self.snapshot)
             sealed = [e for e in events if self.node.may_see(e.namespace, caller)]
             for seq, event in enumerate(sealed, 1):
                 yield pb.Event(payload=event.encode(), seq=seq, snapshot=True)
@@ -224,6 +227,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield pb.Event(payload=payload, seq=seq)
         finally:
             self._subscribers.pop(queue, None)
+            del self._streams[queue]
 
 
 @dataclass

@@ -24,8 +24,8 @@ import logging
 import math
 import secrets
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +139,7 @@ class BlockIndex:
         self._seq = 0
         self._evictions = 0
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
+        self._leases_of: Counter[str] = Counter()  # owner -> leases it holds by id
 
     # --------------------------------------------------------------- look-ups
 
@@ -326,6 +327,7 @@ class BlockIndex:
             lease.lease_id = secrets.token_hex(12)
             lease.expires = time.monotonic() + ttl_ms / 1000
             self._leases[lease.lease_id] = lease
+            self._leases_of[owner] += 1
         return lease
 
     def unpin(self, lease: Lease) -> None:
@@ -333,7 +335,10 @@ class BlockIndex:
         if lease.released:
             return
         lease.released = True
-        self._leases.pop(lease.lease_id, None)
+        if self._leases.pop(lease.lease_id, None) is not None:
+            self._leases_of[lease.owner] -= 1
+            if not self._leases_of[lease.owner]:
+                del self._leases_of[lease.owner]
         for block in lease.blocks:
             block.pins -= 1
             self._pinned -= block.pins == 0
@@ -345,9 +350,9 @@ class BlockIndex:
             raise not_found(f"lease_id {lease_id[:64]!r} is unknown or expired")
         return lease
 
-    def lease_owners(self) -> Iterator[str]:
-        """The owner of each lease held by id."""
-        return (lease.owner for lease in self._leases.values())
+    def leases_of(self, owner: str) -> int:
+        """How many leases ``owner`` holds by id."""
+        return self._leases_of[owner]
 
     # --------------------------------------------------------------- detached
 

@@ -291,13 +291,14 @@ class StoreNode:
         if lease_ms > MAX_LEASE_MS:
             raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
         blocks = self.index.sealed_prefix(namespace, hashes)
+        leased = lease and bool(blocks)
+        if leased:  # each pins up to MAX_BLOCKS_PER_REQUEST blocks for up to MAX_LEASE_MS
+            owned = self.index.leases_of(caller.name)
+            check_quota("query leases", owned, limits.MAX_LEASES_PER_PRINCIPAL, caller)
         self.counters.hits += len(blocks)
         self.counters.misses += len(hashes) - len(blocks)
-        if not lease or not blocks:
+        if not leased:
             return QueryResult(len(blocks))
-        # Each pins up to MAX_BLOCKS_PER_REQUEST blocks for up to MAX_LEASE_MS.
-        owners = self.index.lease_owners()
-        check_quota("query leases", owners, limits.MAX_LEASES_PER_PRINCIPAL, caller)
         held = self.index.pin(blocks, ttl_ms=lease_ms or DEFAULT_LEASE_MS, owner=caller.name)
         return QueryResult(len(blocks), held.lease_id)
 

@@ -49,6 +49,7 @@ from kvstore.router.core import Router, RouterConfig, RouteResult
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_link import MAX_BATCH, ClusterRouterLink
 from kvstore.service.router_server import ServedRouter, serve_router
+from kvstore.service.sealed import Listed
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.events import GPU_TIER, STORE_TIER, STORED, StoreEvent
 
@@ -149,8 +150,8 @@ class SimStore:
             yield from _stored(history[: self.shape.gpu_blocks], self.shape.worker(j), GPU_TIER)
             yield from _stored(history, self.node_id, STORE_TIER)
 
-    def snapshot(self) -> list[StoreEvent]:
-        return list(self.sealed)
+    def snapshot(self) -> Listed:
+        return Listed(list(self.sealed))
 
     def seal_next(self) -> bool:
         """Seal and publish the next event's blocks; False when all are sealed."""

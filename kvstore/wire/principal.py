@@ -60,12 +60,15 @@ def check_store(call: str, caller: Principal) -> None:
         raise denied(f"{call} is for store nodes: {caller} is not one of this router's --store-cn")
 
 
-def check_quota(what: str, owners: Iterable[str], limit: int, caller: Principal) -> None:
+def owned_by(caller: Principal, owners: Iterable[str]) -> int:
+    """How many of ``owners`` (the owner of each thing held) are ``caller``."""
+    return sum(1 for owner in owners if owner == caller.name)
+
+
+def check_quota(what: str, owned: int, limit: int, caller: Principal) -> None:
     """RESOURCE_EXHAUSTED when ``caller`` (not an admin) already owns ``limit``
-    of ``what``; ``owners`` names the owner of each one held (read only for a
-    non-admin, so pass a generator)."""
+    (``owned``) of ``what``."""
     if caller.admin:
         return
-    owned = sum(1 for owner in owners if owner == caller.name)
     if owned >= limit:
         raise exhausted(f"{caller} already holds {owned} {what}, at most {limit}")

@@ -6,6 +6,7 @@ import asyncio
 
 from kvstore.client.router_client import RouterClient
 from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
+from kvstore.service.sealed import NOTHING, Listed
 from kvstore.wire.events import STORED, StoreEvent
 from tests.membership.conftest import RouterThread
 
@@ -19,11 +20,11 @@ def test_a_snapshot_that_fails_is_sent_again_and_later_events_still_flow():
     client = RouterClient(router.address, timeout_s=2)
     snapshots = []
 
-    def snapshot() -> list[StoreEvent]:
+    def snapshot() -> Listed:
         snapshots.append(1)
         if len(snapshots) == 1:
             raise RuntimeError("the first snapshot fails")
-        return [StoreEvent(STORED, NS, [1, 2], "n1")]
+        return Listed([StoreEvent(STORED, NS, [1, 2], "n1")])
 
     async def run() -> int:
         link = RemoteRouterLink(router.address, "n1")
@@ -59,7 +60,7 @@ def test_stop_leaves_no_task_of_the_link_running():
 
     async def run() -> list[asyncio.Task]:
         link = RemoteRouterLink(router.address, "n1")
-        await link.start("127.0.0.1:1", "", list)
+        await link.start("127.0.0.1:1", "", lambda: NOTHING)
         link.publish(StoreEvent(STORED, NS, [1], "n1"))
         await link.stop()
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

@@ -258,6 +258,7 @@ def test_lru_invariants(ops):
         assert all(b.pins >= 0 for b in node.index.blocks.values())
         pinned = sum(1 for b in node.index.blocks.values() if b.pins)
         assert node.index.stats().pinned_blocks == pinned  # kept as pins change
+        assert node.index.leases_of("") == node.index.stats().leases  # LOCAL's, by id
         used = sum(b.nbytes for b in node.index.blocks.values() if b.sealed)
         assert used_bytes(node) == used + sum(
             int(b.slot_bytes[b.offsets >= 0].sum())
