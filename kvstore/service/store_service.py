@@ -205,10 +205,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         MAX_EVENT_STREAMS_PER_PRINCIPAL (each may queue ``event_queue_max`` events)."""
         caller = await self._caller(context)
         owned = owned_by(caller, self._streams.values())
-        try:
-            check_quota("event streams", owned, limits.MAX_EVENT_STREAMS_PER_PRINCIPAL, caller)
-        except KVError as e:
-            await status.abort(context, e)
+        limit = limits.MAX_EVENT_STREAMS_PER_PRINCIPAL
+        await self._call(context, check_quota, "event streams", owned, limit, caller)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
         self._subscribers[queue] = caller
         self._streams[queue] = caller.name

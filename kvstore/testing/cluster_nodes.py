@@ -47,9 +47,9 @@ from kvstore.membership.etcd import EtcdConfig
 from kvstore.membership.keeper import LeaseKeeper
 from kvstore.router.core import Router, RouterConfig, RouteResult
 from kvstore.router.scoring import ScoringConfig
-from kvstore.service.router_link import MAX_BATCH, ClusterRouterLink
+from kvstore.service.router_link import ClusterRouterLink
 from kvstore.service.router_server import ServedRouter, serve_router
-from kvstore.service.sealed import Listed
+from kvstore.service.sealed import HASHES_PER_EVENT, Listed
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.events import GPU_TIER, STORE_TIER, STORED, StoreEvent
 
@@ -168,12 +168,13 @@ class SimStore:
 
 
 def _stored(hashes: np.ndarray, holder: str, tier: str):
-    for i in range(0, len(hashes), MAX_BATCH):
-        yield StoreEvent(STORED, FINAL_NAMESPACE, hashes[i : i + MAX_BATCH].tolist(), holder, tier)
+    n = HASHES_PER_EVENT
+    for i in range(0, len(hashes), n):
+        yield StoreEvent(STORED, FINAL_NAMESPACE, hashes[i : i + n].tolist(), holder, tier)
 
 
 async def fill(stores: list[SimStore], events_per_s: float) -> None:
-    """Seal every store's blocks, one event (up to MAX_BATCH blocks) at a time,
+    """Seal every store's blocks, one event (up to HASHES_PER_EVENT blocks) at a time,
     round-robin over the stores, at most ``events_per_s`` (0: unpaced, every
     block at once, yielding to the loop only between rounds)."""
     if events_per_s <= 0:
