@@ -367,9 +367,11 @@ def test_a_replica_whose_lease_was_lost_does_not_readmit_over_a_newer_registrati
             await r1.seen("w0", first)
             await r1.directories[1].close()  # a partition: R1 hears no worker changes ...
             member = await probe.get(r1.layout.member(SetId.of(old), "w0"))
-            await probe.revoke(member.lease)  # ... and its lease for w0 expires
+            # w0 registers again through R2 first: were R1's loss noticed before that
+            # (its keeper looks every TTL/3), R1 would rightly readmit the unclaimed name
             second = (await r2.admit("w0", new)).generation
             await r2.seen("w0", second)
+            await probe.revoke(member.lease)  # ... and R1's lease for w0 expires
             for _ in range(100):  # R1 hears its lease is gone, and lets go
                 if not r1.holds("w0"):
                     break
