@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -14,7 +15,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client import KVLayer, StoreClient, kv_cache_shm
 from kvstore.wire.events import StoreEvent
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, wait_for
 
 
 def scrape(port: int, path: str = "/metrics") -> dict[str, float]:
@@ -126,3 +127,43 @@ def test_a_standalone_router_serves_its_metrics():
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_cut_stream_whose_client_stopped_reading_stays_counted_until_it_ends():
+    """A subscriber cut for falling behind whose client stopped reading holds its
+    handler at a write (its HTTP/2 window is full) until the stream ends. It
+    must stay counted as open: the per-certificate stream cap counts the same
+    streams, and a cut that uncounted it would let a tenant open streams
+    without bound, each holding its handler and its buffered events."""
+    server = ServerThread(pool_size=16 << 20, device="cpu", slab_bytes=4 << 20)
+    shm = kv_cache_shm("kv_first", num_blocks=8, block_size=16, heads=2, head_dim=64)
+    client = StoreClient(server.address)
+    # no BDP probing: the window stays at its initial 64 KiB and fills
+    channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        layer = KVLayer("model.layers.0.self_attn", shm.tensor, "kv_first", "NHD", shm)
+        session = client.register("m", "stalled", [layer], block_size=16)
+        ns = session.wait_sealed(timeout=30).final_namespace
+        session.save([(1, 0)])
+        service = server.server.service
+        service.event_queue_max = 2
+        stream = pb_grpc.KVStoreStub(channel).Events(pb.EventsRequest(), timeout=120)
+        assert next(stream).snapshot  # subscribed; then it reads nothing more
+        wide = StoreEvent("removed", ns, list(range(1, 8193)), "n0")  # about 72 KiB encoded
+
+        def one() -> None:
+            service.publish(wide)
+
+        deadline = time.monotonic() + 60
+        while client.stats().event_subscribers_cut == 0:  # one event a loop step
+            server.call(one)
+            assert time.monotonic() < deadline, "the stalled stream was never cut"
+        time.sleep(0.5)  # a handler that could reach its abort would have by now
+        assert client.stats().event_subscribers == 1  # cut, but open: still counted
+        stream.cancel()
+        assert wait_for(lambda: client.stats().event_subscribers == 0)
+    finally:
+        channel.close()
+        client.close()
+        server.stop()
+        shm.close()
