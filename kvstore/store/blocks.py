@@ -44,6 +44,7 @@ from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
+from kvstore.wire.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,20 @@ class IndexStats:
     leases: int = 0  # leases clients hold by id
     evictions: int = 0
     pinned_blocks: int = 0  # held by a load, a lease or a peer's fetch right now
+
+
+def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
+    """A request the pool could not hold even empty is refused before anything
+    is evicted for it."""
+    by_size, per_block = np.unique(sizes, return_counts=True)
+    wanted = {int(s): int(n) * num_blocks for s, n in zip(by_size, per_block)}
+    if not pool.holds_when_empty(wanted):
+        nbytes = sum(round_size(s) * n for s, n in wanted.items())
+        raise exhausted(
+            f"{num_blocks} blocks of {len(sizes)} slots ({format_size(nbytes)}) are more "
+            f"than the pool on {pool.device} holds even empty ({format_size(pool.pool_bytes)} "
+            "in slabs of one slot size each): save fewer blocks at a time or grow --pool-size"
+        )
 
 
 def _place(
@@ -452,6 +467,7 @@ class BlockIndex:
         pool = self._pools[device]
         slots = np.sort(slots)
         sizes = blocks[0].slot_bytes[slots]
+        _check_fits(pool, sizes, len(blocks))  # else it would evict for nothing
         taken: list[tuple[int, np.ndarray]] = []
         try:
             for size in np.unique(sizes).tolist():
@@ -486,8 +502,8 @@ class BlockIndex:
         if offsets is None:
             raise exhausted(
                 f"pool on {pool.device} cannot hold {count} slots of {size} bytes: "
-                f"{pool.used_bytes} of {pool.pool_bytes} bytes used and every sealed "
-                f"block there is held by a load or lease"
+                f"{pool.used_bytes} of {pool.pool_bytes} bytes used, by blocks held by "
+                "a load, a lease or a save in flight"
             )
         return offsets
 

@@ -130,6 +130,17 @@ class SlotPool:
         have = self._class_free.get(size, 0) + len(self._free_slabs) * (self.slab_bytes // size)
         return max(0, count - have)
 
+    def holds_when_empty(self, wanted: dict[int, int]) -> bool:
+        """Whether this pool, emptied of every slot, could hold ``wanted`` (slot
+        bytes -> count) at once: each size takes whole slabs of its own."""
+        slabs = 0
+        for nbytes, count in wanted.items():
+            size = round_size(nbytes)
+            if size > self.slab_bytes:
+                return False
+            slabs += -(-count // (self.slab_bytes // size))
+        return slabs <= self.num_slabs
+
     def alloc(self, nbytes: int, count: int) -> np.ndarray | None:
         """``count`` slot offsets of at least ``nbytes`` each, or None (nothing taken)."""
         if not self.can_alloc(nbytes, count):

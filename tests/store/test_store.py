@@ -164,6 +164,26 @@ def test_everything_pinned_gives_resource_exhausted():
     assert node.query(seal.final_namespace, [99]).prefix_blocks == 1
 
 
+def test_a_save_larger_than_the_pool_is_refused_before_anything_is_evicted():
+    """Before: a Save the pool could not hold even empty evicted every unpinned
+    block, then failed anyway (a long prompt flushed the whole cache and stored
+    nothing). Now it is RESOURCE_EXHAUSTED up front and the cache is as it was."""
+    node = make_store(pool_bytes=256 << 10, slab_bytes=64 << 10)  # 256 slots of 1 KiB
+    ranks = make_instance(node.registry, "a", num_blocks=512)
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(h, h) for h in range(16)]))
+    used = used_bytes(node)
+    with pytest.raises(KVError) as info:  # 300 blocks x 2 layers of one rank: 600 slots
+        run(node.save(ranks[0].reg.caller_id, [(1000 + h, h) for h in range(300)]))
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert "300 blocks" in info.value.message and "--pool-size" in info.value.message
+    stats = node.index.stats()
+    assert (stats.sealed_blocks, stats.inflight_blocks, stats.evictions) == (16, 0, 0)
+    assert used_bytes(node) == used and node.query(ns, list(range(16))).prefix_blocks == 16
+    run(node.save(ranks[0].reg.caller_id, [(1000 + h, h) for h in range(100)]))  # it fits
+    assert node.index.stats().inflight_blocks == 100
+
+
 def test_a_save_of_new_and_inflight_blocks_seals_each_once_every_rank_wrote():
     """Rank 1's save mixes blocks rank 0 claimed (inflight) with new ones: each
     seals once both ranks wrote it, with each rank's bytes. Such a mixed claim
