@@ -76,8 +76,9 @@ class PortLimits:
     ``handshake_s``; it pins nothing until it has. A connection must send its
     first REQUEST within ``first_request_s`` and each later one within
     ``idle_s``, else it is closed. A one-sided read's lease (no GO: the
-    fetcher reads while the blocks are pinned) lasts until its RELEASE, the
-    connection's close or ``rma_lease_s``, whichever comes first.
+    fetcher reads while the blocks are pinned) lasts until its RELEASE or
+    ``rma_lease_s``: a connection that closes first does not end it, since the
+    fetcher's read, on another transport, may still be landing.
     """
 
     max_connections: int = 256  # each costs UCX endpoint descriptors
@@ -300,10 +301,11 @@ class PeerServer:
             return
         held = len(lease.hashes)
         self._pinned += held
+        granted = _Granted()
         try:
-            await self._send_lease(conn, lease, request, deadline)
+            await self._send_lease(conn, lease, request, deadline, granted)
         finally:
-            when_settled(conn, functools.partial(self._release, lease, held))
+            when_settled(conn, functools.partial(self._release, lease, held, granted))
 
     async def _lease(
         self, conn: Conn, namespace: str, hashes: list[int], deadline: float
@@ -322,12 +324,32 @@ class PeerServer:
             await send_frame(conn, Kind.REPLY, deadline, body=encode_offer([]))
         return lease
 
-    def _release(self, lease: Lease, held: int) -> None:
+    def _release(self, lease: Lease, held: int, granted: _Granted) -> None:
+        """Unpin now, or, while a one-sided read of the lease may still be landing
+        (granted, never RELEASEd: the connection closed under it, the RELEASE was
+        wrong or never came), when the lease ends: the fetcher reads only until
+        then, and a slot reused before would reach it torn."""
+        loop = asyncio.get_running_loop()
+        wait = granted.until - loop.time()
+        if wait <= 0:
+            self._unpin(lease, held)
+            return
+        self._hold_rma()  # the read may need this side's NIXL progress to land
+        loop.call_later(wait, self._unpin, lease, held, True)
+
+    def _unpin(self, lease: Lease, held: int, rma_held: bool = False) -> None:
         self._pinned -= held
+        self._rma_held -= rma_held
         lease.release()
 
+    def _hold_rma(self) -> None:
+        """One more one-sided lease held: progress NIXL while any is."""
+        self._rma_held += 1
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.ensure_future(self._progress_rma())
+
     async def _send_lease(
-        self, conn: Conn, lease: Lease, request: FetchRequest, deadline: float
+        self, conn: Conn, lease: Lease, request: FetchRequest, deadline: float, granted: _Granted
     ) -> None:
         try:
             table = _offerable(lease, request.hashes)
@@ -338,9 +360,13 @@ class PeerServer:
         layouts, block_layout = table.layouts()
         lanes = choose_lanes(table)
         if request.rma and table.num_blocks and self._readable(table):
+            # from here a read may land until the lease ends (its grant counts a
+            # moment later), unless its RELEASE comes: _grant returns only then
+            granted.until = asyncio.get_running_loop().time() + self.limits.rma_lease_s
             await self._grant(
                 conn, table, functools.partial(encode_layouts, layouts, block_layout, (), lanes)
             )
+            granted.until = 0.0
             return
         order = transfer_order(table.counts.tolist(), lanes)
         ptr, size, memory = table.take(order)
@@ -365,10 +391,10 @@ class PeerServer:
         return self.rma is not None and readable(table, self.rma.region)
 
     async def _grant(self, conn: Conn, table: SlotTable, offer: Any) -> None:
-        """A one-sided read: REPLY with the grant, then hold the lease until the
-        fetcher's RELEASE, its connection's close, or ``rma_lease_s``. A RELEASE
-        naming another lease closes the connection (the caller releases).
-        ``offer(grant=...)`` encodes the REPLY."""
+        """A one-sided read: REPLY with the grant, then wait for the fetcher's
+        RELEASE (returns), its connection's close or ``rma_lease_s`` (raises; the
+        caller then keeps the lease until ``rma_lease_s``). A RELEASE naming
+        another lease closes the connection. ``offer(grant=...)`` encodes the REPLY."""
         lease_s = self.limits.rma_lease_s
         grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
         expiry = asyncio.get_running_loop().time() + lease_s
@@ -376,9 +402,7 @@ class PeerServer:
         body = offer(grant=grant)
         reply = started(frame_sends(conn, Kind.REPLY, body))
         self._rma_granted += 1
-        self._rma_held += 1
-        if self._progress is None or self._progress.done():
-            self._progress = asyncio.ensure_future(self._progress_rma())
+        self._hold_rma()
         released = False
         try:
             _, _, body = await recv_frame(conn, [Kind.RELEASE], expiry, after=reply)
@@ -409,6 +433,14 @@ class PeerServer:
 
     async def _refuse(self, conn: Conn, code: Code, message: str, deadline: float) -> None:
         await send_frame(conn, Kind.ERROR, deadline, body=encode_error(code, message))
+
+
+@dataclass
+class _Granted:
+    """Until when a one-sided read of one fetch's lease may land (loop time; 0:
+    none was granted, or its RELEASE came)."""
+
+    until: float = 0.0
 
 
 def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:

@@ -124,6 +124,13 @@ class MemLease:
     def release(self) -> None:
         self.source.active -= 1
         self.source.released += 1
+        if self.source.reuse_on_release:  # as a store whose Save reuses the slots at once
+            for block in self.buffers:
+                for view in block:
+                    view[:] = REUSED
+
+
+REUSED = 0xEE  # what a slot holds once reused (never a slot_content byte pattern alone)
 
 
 def lane_major(slot_counts: list[int], lanes: int) -> list[tuple[int, int]]:
@@ -153,6 +160,7 @@ class MemorySource:
         self.blocks = dict(zip(hashes, views, strict=True))
         self.active = 0
         self.released = 0
+        self.reuse_on_release = False  # overwrite a lease's slots the moment it ends
 
     def _fill(self, h: int, slot: int, size: int) -> np.ndarray:
         view = self.pool.alloc(size)

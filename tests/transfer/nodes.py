@@ -67,6 +67,7 @@ def make_server(
     class Server(peer_server.PeerServer):
         sent_half = False
         requests = 0  # fetch requests it began to serve
+        grants = 0  # one-sided reads it granted
         segments: list[int] = []  # bytes of each segment message sent
 
         async def _send_slots(self, conn, views, deadline, first=0):
@@ -94,6 +95,9 @@ def make_server(
             await super()._send_slots(conn, views[half:], deadline, first=half)
 
         async def _grant(self, conn, table, offer):
+            self.grants += 1
+            if behaviour == "cut_after_grant" and self.grants > 1:  # the first goes through
+                asyncio.get_running_loop().call_later(0.05, conn.abort)  # as a worker recreation
             if behaviour == "bad_grant":  # addresses past the registered region
                 far = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
                 return await super()._grant(conn, table, far)
@@ -167,6 +171,7 @@ class NodeState:
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
+        self.source.reuse_on_release = behaviour == "cut_after_grant"
         endpoint = rma_endpoint(self.source.pool.mem) if rma else None
         self.server = make_server(behaviour, self.source, timeout_s, limits, secret, endpoint)
         await self.server.start()
@@ -383,12 +388,14 @@ class NodeState:
         rma: bool = False,
         ahead: list[int] | None = None,
         cancel_after: float = 0.0,
+        then: list[int] | None = None,
     ) -> dict:
         """``fresh``: drop pooled endpoints first, so that the fetch connects;
         ``rma``: register the sink's pool with NIXL and read one-sided where granted;
         ``ahead``: the sink knows every block has these slot sizes and reserves
         before the offer (as the store's sink does); ``cancel_after``: cancel
-        the fetch's task after that many seconds (error "Cancelled")."""
+        the fetch's task after that many seconds (error "Cancelled"); ``then``: the
+        hashes of the repeats after the first (the same sink and reader)."""
         from kvstore.transfer import close_endpoints, fetch
         from kvstore.transfer.onesided import RmaReader
         from kvstore.wire.errors import KVError
@@ -406,8 +413,9 @@ class NodeState:
         key = peer_secret(secret)
         reserve_ahead = ahead is not None
         try:
-            for _ in range(repeat):
-                ask = fetch(address, namespace, hashes, sink, timeout_s, key, reader, reserve_ahead)
+            for i in range(repeat):
+                asked = hashes if i == 0 or then is None else then
+                ask = fetch(address, namespace, asked, sink, timeout_s, key, reader, reserve_ahead)
                 one = asyncio.ensure_future(ask)
                 if cancel_after:
                     asyncio.get_running_loop().call_later(cancel_after, one.cancel)

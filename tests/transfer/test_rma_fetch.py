@@ -87,10 +87,46 @@ def test_no_read_once_the_lease_counted_from_the_request_ran_out(nodes):
 
 
 def test_lease_released_when_the_fetcher_dies_before_release(nodes):
+    """The connection's close does not end a granted lease (a read may still be
+    landing); its expiry does."""
     server, client = nodes(), nodes()
-    address = server.call("serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True)
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True, limits={"rma_lease_s": 2.0}
+    )
     client.submit("fetch", address=address, hashes=HASHES[:3], rma=True, on_reserve="die")
     assert wait_until(lambda: port(server)["rma_leases"] == 1)
+    assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
+    assert port(server)["rma_leases_expired"] == 1 and port(server)["pinned_blocks"] == 0
+
+
+def test_a_cut_connection_does_not_unpin_a_read_still_landing(nodes):
+    """Before: the peer unpinned a granted lease the moment its connection was cut
+    (a worker recreation on either side cuts every connection). The fetcher's
+    read goes over NIXL, not that connection, so it went on and committed slots
+    a Save had meanwhile reused. Now the pin lasts until RELEASE or the lease's
+    end, whatever happens to the connection."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve",
+        blocks=blocks_of(HASHES[:6], [4 * KIB] * 2),
+        rma=True,
+        behaviour="cut_after_grant",  # and a released lease's slots are overwritten at once
+        limits={"rma_lease_s": 3.0},
+    )
+    # the first fetch connects NIXL; the second's read comes 0.5 s after its offer,
+    # the connection cut by then
+    out = client.call(
+        "fetch",
+        address=address,
+        hashes=HASHES[:3],
+        then=HASHES[3:6],
+        rma=True,
+        on_reserve="stall:0.5",
+        repeat=2,
+    )
+    assert out["error"] is None and out["n"] == [3, 3] and out["rma_reads"] == 2, out
+    assert out["corrupt"] == []
+    assert server.call("leases")["active"] == 1  # pinned still: no RELEASE came
     assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
     assert port(server)["rma_leases_expired"] == 1 and port(server)["pinned_blocks"] == 0
 
