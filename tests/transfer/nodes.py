@@ -96,8 +96,7 @@ def make_server(
 
         async def _grant(self, conn, table, offer):
             self.grants += 1
-            if behaviour == "cut_after_grant" and self.grants > 1:  # the first goes through
-                asyncio.get_running_loop().call_later(0.05, conn.abort)  # as a worker recreation
+            _cut_soon(conn, behaviour == "cut_after_grant" and self.grants > 1)
             if behaviour == "bad_grant":  # addresses past the registered region
                 far = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
                 return await super()._grant(conn, table, far)
@@ -132,6 +131,12 @@ def make_server(
         secret=peer_secret(secret),
         rma=rma,
     )
+
+
+def _cut_soon(conn: Any, cut: bool) -> None:
+    """Cut ``conn`` 50 ms from now (as a worker recreation would), if ``cut``."""
+    if cut:
+        asyncio.get_running_loop().call_later(0.05, conn.abort)
 
 
 def _shifted_grant(offer: Any, shift: np.uint64, grant: Any) -> bytes:
