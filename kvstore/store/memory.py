@@ -122,7 +122,7 @@ class CudaIpcRef:
 def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
     """Map ``/dev/shm/<name>`` read-write; ``where`` names the field in errors."""
     if not SHM_NAME_RE.fullmatch(name) or name.startswith("."):
-        raise invalid(f"{where}.name {name!r} is not a valid shared-memory name")
+        raise invalid(f"{where}.name {name[:64]!r} is not a valid shared-memory name")
     path = os.path.join(SHM_DIR, name)
     try:  # never through a link: /dev/shm/x -> /etc/... would map a file as root
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -248,7 +248,7 @@ def map_cuda_ipc(handle: bytes, device_uuid: str, size: int, where: str) -> Mapp
         raise invalid(f"{where}.handle must be 64 bytes, got {len(handle)}")
     index = cuda_device_index(device_uuid)
     if index is None:
-        raise precondition(f"{where}.device_uuid {device_uuid!r} is not a device of this node")
+        raise precondition(f"{where}.device_uuid {device_uuid[:64]!r} is not a device of this node")
     import cupy
 
     with cupy.cuda.Device(index):

@@ -261,9 +261,9 @@ class StoreNode:
     ) -> FetchResult:
         """Make the longest prefix of ``hashes`` that a peer holds local."""
         check_count("block_hashes", len(hashes))
-        check_distinct("block_hashes", hashes)  # a peer would serve, and we store, each copy
         check_final_namespace("namespace", namespace)
         self.tenants.check_see("namespace", namespace, caller)
+        check_distinct("block_hashes", hashes)  # a peer would serve, and we store, each copy
         if self.fetcher is None:
             raise precondition("peer transfer is off on this server (--no-transfer)")
         if self.registry.sealed(namespace) is None:  # else peers are asked, then nothing kept
@@ -351,9 +351,13 @@ def check_count(field_name: str, count: int) -> None:
 
 
 def check_distinct(field_name: str, hashes: list[int]) -> None:
-    if len(set(hashes)) != len(hashes):
-        first = next(h for i, h in enumerate(hashes) if h in hashes[:i])
-        raise invalid(f"{field_name}: block_hash {first:#018x} appears more than once")
+    """INVALID_ARGUMENT naming the first repeated hash (one pass: a request holds
+    up to MAX_BLOCKS_PER_REQUEST of them)."""
+    seen: set[int] = set()
+    for h in hashes:
+        if h in seen:
+            raise invalid(f"{field_name}: block_hash {h:#018x} appears more than once")
+        seen.add(h)
 
 
 def check_slot_sizes(reg: Registration, limit: int) -> None:

@@ -103,7 +103,8 @@ class Registration:
         return CallerId(self.instance_id, self.rank, self.session)
 
     def where(self) -> str:
-        return f"instance {self.instance_id!r} rank {self.rank} (tp_rank {self.tp_rank})"
+        # the id is not checked yet in the first refusals that name it: cut, as every echo
+        return f"instance {self.instance_id[:64]!r} rank {self.rank} (tp_rank {self.tp_rank})"
 
     def layer_regions(self) -> list[LayerRegion]:
         """The mapped region of each layer, in registration order (what a copy plans over)."""

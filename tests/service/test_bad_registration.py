@@ -194,12 +194,20 @@ def test_missing_layer_would_fail_the_seal(kit):
     still_waiting_then_seals(register, request, server)
 
 
+def _long_id_and_huge_slots(r) -> None:
+    """A 20,000-character instance id was echoed whole by the first refusal (the
+    slot-size check), which the reply then exceeded: RESOURCE_EXHAUSTED."""
+    r.instance_id = "i" * 20_000
+    r.layers[0].bytes_per_block = 16 << 20
+
+
 @pytest.mark.parametrize(
     "mutate,words",
     [
         (lambda r: r.layers.extend([r.layers[0]] * 1100), ["layers has", "1024"]),
         (lambda r: setattr(r.layers[0], "name", "x" * 300), ["layers.name"]),
         (lambda r: setattr(r, "instance_id", "i" * 300), ["instance_id"]),
+        (_long_id_and_huge_slots, ["bytes_per_block", "instance 'iii"]),  # a bounded echo
         (lambda r: setattr(r.layers[0], "num_blocks", 1 << 30), ["num_blocks"]),
         (lambda r: setattr(r.layers[0], "bytes_per_block", 1 << 40), ["bytes_per_block"]),
         (lambda r: setattr(r, "tp_size", 1000), ["tp_size 1000"]),
