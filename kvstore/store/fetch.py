@@ -44,7 +44,7 @@ from kvstore.transfer import PeerTimeout, PeerUnavailable, SlotTable, fetch, wor
 from kvstore.transfer.errors import PeerUnauthenticated, RmaFailed
 from kvstore.transfer.handshake import PeerSecret
 from kvstore.transfer.onesided import RmaReader
-from kvstore.wire.errors import KVError, precondition, unavailable
+from kvstore.wire.errors import Code, KVError, precondition, unavailable
 from kvstore.wire.peers import PeerPrefix
 
 log = logging.getLogger(__name__)
@@ -359,12 +359,26 @@ class Fetcher:
         raise last or unavailable("no peer could serve the fetch")
 
     async def _fetch_from(self, peer: PeerPrefix, namespace: str, want: list[int]) -> int:
-        """One peer: one-sided where it allows it; a failed one-sided read once more
-        two-sided (the reservation of the failed read is already aborted). Slots
-        are reserved while the peer answers only when the router said the peer
-        holds ``want`` (a reservation evicts; a --peer may hold nothing)."""
-        address, sink, ahead = peer.ucx_address, self.sink, peer.prefix_blocks > 0
-        timeout_s, secret = self.timeout_s, self.secret
+        """One peer, within ``timeout_s`` all told: one-sided where it allows it; a
+        failed one-sided read once more two-sided in the time left (the
+        reservation of the failed read is already aborted). Slots are reserved
+        while the peer answers only when the router said the peer holds ``want``
+        (a reservation evicts; a --peer may hold nothing). What the peer or its
+        advertised address gets wrong (INVALID_ARGUMENT from the transfer) is
+        the peer's failure: PeerUnavailable, and the next peer is asked."""
+        try:
+            return await self._fetch_within(peer.ucx_address, namespace, want, peer.prefix_blocks)
+        except KVError as err:
+            if err.code is not Code.INVALID_ARGUMENT:
+                raise
+            raise PeerUnavailable(f"peer {peer.node_id}: {err.message}") from err
+
+    async def _fetch_within(
+        self, address: str, namespace: str, want: list[int], prefix_blocks: int
+    ) -> int:
+        sink, ahead, secret, timeout_s = self.sink, prefix_blocks > 0, self.secret, self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
             return await fetch(address, namespace, want, sink, timeout_s, secret, self.rma, ahead)
         except RmaFailed as err:
@@ -372,5 +386,10 @@ class Fetcher:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # the read failed because we were
                 raise asyncio.CancelledError from err  # cancelled: not a reason to go on
+            left = deadline - loop.time()
+            if left <= 0:  # a hung peer costs timeout_s, not once per way of reading
+                raise PeerTimeout(
+                    f"peer {address}: {err.message}; no time left to fetch two-sided"
+                ) from err
             log.warning("one-sided fetch from %s failed (%s); retrying two-sided", address, err)
-        return await fetch(address, namespace, want, sink, timeout_s, secret, ahead=ahead)
+        return await fetch(address, namespace, want, sink, left, secret, ahead=ahead)

@@ -96,7 +96,7 @@ def make_server(
 
         async def _grant(self, conn, table, offer):
             self.grants += 1
-            _cut_soon(conn, behaviour == "cut_after_grant" and self.grants > 1)
+            _after_grant(conn, behaviour, self.grants)
             if behaviour == "bad_grant":  # addresses past the registered region
                 far = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
                 return await super()._grant(conn, table, far)
@@ -133,10 +133,15 @@ def make_server(
     )
 
 
-def _cut_soon(conn: Any, cut: bool) -> None:
-    """Cut ``conn`` 50 ms from now (as a worker recreation would), if ``cut``."""
-    if cut:
-        asyncio.get_running_loop().call_later(0.05, conn.abort)
+def _after_grant(conn: Any, behaviour: str, grants: int) -> None:
+    """50 ms after a grant: ``cut_after_grant`` cuts ``conn`` (from the second grant
+    on, as a worker recreation would); ``freeze_after_grant`` stops the loop for
+    6 s (nothing progresses a read)."""
+    loop = asyncio.get_running_loop()
+    if behaviour == "cut_after_grant" and grants > 1:
+        loop.call_later(0.05, conn.abort)
+    if behaviour == "freeze_after_grant":
+        loop.call_later(0.05, time.sleep, 6.0)
 
 
 def _shifted_grant(offer: Any, shift: np.uint64, grant: Any) -> bytes:
@@ -224,7 +229,7 @@ class NodeState:
         ``own_blocks``: blocks of its own sealed first (32 fill its pool);
         ``callers``: prefetches of ``hashes`` at once, the first cancelled after
         ``cancel_first_after`` seconds when given (each one's prefix, or its error's
-        name, in ``prefixes``; ``fetched`` is the last one's)."""
+        name, in ``prefixes``; ``fetched`` and ``error`` are the last one's)."""
         import dataclasses
 
         from kvstore.store.fetch import Fetcher, StoreSink, slot_table
@@ -258,7 +263,7 @@ class NodeState:
             asyncio.get_running_loop().call_later(cancel_first_after, calls[0].cancel)
         results = await asyncio.gather(*calls, return_exceptions=True)
         result = results[-1]
-        assert not isinstance(result, BaseException), result
+        error = type(result).__name__ if isinstance(result, BaseException) else None
         blocks = node.index.sealed_prefix(namespace, hashes)
         table = slot_table(node.index, blocks)
         mem = pool.buffer.numpy()
@@ -276,7 +281,8 @@ class NodeState:
         index = node.index
         own = sum(bool(index.sealed_prefix(namespace, [OWN_BLOCK + h])) for h in range(own_blocks))
         return {
-            "fetched": result.fetched_blocks,
+            "fetched": 0 if error else result.fetched_blocks,
+            "error": error,
             "prefixes": [
                 type(r).__name__ if isinstance(r, BaseException) else r.prefix_blocks
                 for r in results

@@ -342,3 +342,36 @@ def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
     stats = port(server)
     assert stats["rma_leases"] == 1 and stats["rma_leases_expired"] == 1
     assert wait_until(lambda: port(server)["pinned_blocks"] == 0)
+
+
+def test_a_peer_address_that_does_not_parse_is_the_peers_failure(nodes):
+    """A store advertising a malformed UCX address made every fetch of the
+    namespace fail INVALID_ARGUMENT before the next peer was asked. Now that
+    peer is counted unavailable and the next one serves."""
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True)
+    out = client.call(
+        "store_fetch", addresses=["garbage", address], hashes=HASHES[:6], slot_bytes=8 * KIB
+    )
+    assert out["error"] is None and out["fetched"] == 6 and out["bad"] == [], out
+    assert out["fetches_failed_unavailable"] == 1
+
+
+def test_a_peer_hung_under_a_one_sided_read_costs_one_timeout(nodes):
+    """The peer's loop stops after the grant; over tcp nothing then progresses the
+    read, which fails at the fetch's 5 s deadline. Before, the two-sided retry
+    got 5 s more of its own (and then fetched from the thawed peer): a hung
+    peer cost twice the timeout. Now the retry gets only the time left: none."""
+    env = {"UCX_TLS": "tcp,self"}
+    server, client = nodes(**env), nodes(**env)
+    address, _ = server.call(
+        "serve_store",
+        hashes=HASHES[:6],
+        slot_bytes=8 * KIB,
+        rma=True,
+        behaviour="freeze_after_grant",
+    )
+    out = client.call("store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB)
+    assert out["error"] == "PeerTimeout" and out["fetched"] == 0, out
+    assert out["fetches_failed_rma"] == 1 and out["fetches_failed_timeout"] == 1
+    assert out["used_bytes"] == 0  # the failed read's reservation is free again
