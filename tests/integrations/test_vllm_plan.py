@@ -208,6 +208,30 @@ def test_an_unreachable_store_is_a_miss_logged_once(caplog):
     assert sched.build_plan(step(), {}).loads == []
 
 
+def test_a_store_that_went_down_is_not_called_again_until_the_retry_is_due():
+    """Before: once the namespace was known, every new request's Query and every
+    finished request's Release still went to the store while it was down, each
+    costing the client's timeout (2 s for a hung store) on the engine's loop."""
+    from tests.conftest import ServerThread
+
+    server = ServerThread(pool_size=64 << 20, device="cpu", slab_bytes=4 << 20)
+    try:
+        worker, _, _, pool = engine_rank(server, seal_timeout=10, retry_s=0.2)
+        sched = SchedulerSide(
+            StoreClient(server.address, timeout=2), "vllm-engine-1", BS, retry_s=60
+        )
+        worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(4)])
+        assert sched.matched_tokens(request("held", 4), 0) == 4 * BS  # leased
+    finally:
+        server.stop()
+    for i in range(5):
+        assert sched.matched_tokens(request(f"r{i}", 4), 0) == 0  # a miss
+    sched.finished("held")  # its lease expires by itself
+    assert sched.stats.store_errors == 1  # the first failure only
+    worker.close()
+    pool.close()
+
+
 def test_a_hash_scheme_mismatch_disables_the_cache(server, rank, caplog):
     sched = SchedulerSide(
         StoreClient(server.address), "vllm-engine-1", BS, expected_hash_format=lambda: "vllm-xxhash"

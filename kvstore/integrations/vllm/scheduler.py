@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.vllm.identity import block_key
-from kvstore.wire.errors import KVError
+from kvstore.wire.errors import Code, KVError
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,11 @@ class SchedulerSide:
         thread.start()
 
     def _final_namespace(self) -> str | None:
-        """The instance's final namespace, once its workers have sealed it."""
+        """The instance's final namespace, once its workers have sealed it; None
+        while the store is down (no call until its retry is due: a hung store
+        would cost every request the client's timeout)."""
+        if self._store_down():
+            return None
         if self._namespace is not None or self.clock() < self._next_try:
             return self._namespace
         try:
@@ -197,6 +201,10 @@ class SchedulerSide:
         self._namespace = info.final_namespace
         log.info("kvstore: instance %s sealed as %s", self.instance_id, self._namespace)
         return self._namespace
+
+    def _store_down(self) -> bool:
+        """A call to the store failed and its retry is not due yet."""
+        return self._down_since is not None and self.clock() < self._next_try
 
     def _store_ok(self) -> None:
         if self._down_since is not None:
@@ -289,10 +297,14 @@ class SchedulerSide:
             self._release(lookup)
 
     def _release(self, lookup: _Lookup) -> None:
-        if not lookup.lease_id:
+        """Give the lookup's lease back (not while the store is down: it expires)."""
+        if not lookup.lease_id or self._store_down():
+            lookup.lease_id = ""
             return
         try:
             self.client.release(lookup.lease_id)
         except KVError as err:  # the lease expires by itself
             log.debug("release of lease %s failed: %s", lookup.lease_id, err)
+            if err.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+                self._store_failed(err)
         lookup.lease_id = ""
