@@ -200,3 +200,22 @@ def wait_file(path, engine: Engine, timeout: float = 600) -> None:
             engine.wait()  # raises with the engine's log
         assert time.monotonic() < deadline, f"{path.name} never appeared"
         time.sleep(0.1)
+
+
+def test_ranks_without_pythonhashseed_agree_on_one_unshared_hash_format(vllm_ready, monkeypatch):
+    """A non-cryptographic hash without PYTHONHASHSEED: vLLM seeds NONE_HASH at
+    random per process, so no two engines may share blocks. Every rank of one
+    engine must still register one hash_format: a random seed per rank made
+    them disagree, so the instance never sealed and startup waited out the
+    seal timeout."""
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    from kvstore.integrations.vllm.identity import hash_format, none_hash_seed
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    rank0, rank1 = (hash_format("xxhash", none_hash_seed("xxhash", "engine-1")) for _ in range(2))
+    assert rank0 == rank1
+    assert rank0 != hash_format("xxhash", none_hash_seed("xxhash", "engine-2"))
+    assert none_hash_seed("sha256", "engine-1") == DEFAULT_NONE_HASH_SEED  # shared, as vLLM's
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert none_hash_seed("xxhash", "engine-1") == "7"

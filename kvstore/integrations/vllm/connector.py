@@ -185,7 +185,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         identity = RankSpec(
             instance_id=s.instance_id,
             client_namespace=s.client_namespace,
-            hash_format=hash_format(s.hash_algo, none_hash_seed(s.hash_algo)),
+            hash_format=hash_format(s.hash_algo, none_hash_seed(s.hash_algo, s.instance_id)),
             block_size=s.block_size,
             tp_rank=tp_rank,
             tp_size=tp_size,

@@ -94,13 +94,17 @@ def _sample(h: blake3.blake3, path: Path) -> None:
             h.update(f.read(SAMPLE))
 
 
-def none_hash_seed(algo: str) -> str:
+def none_hash_seed(algo: str, instance_id: str) -> str:
     """The seed vLLM derives NONE_HASH from, as a worker process can know it.
 
     The scheduler process knows the real one (``get_none_hash_seed``); a worker
     sees PYTHONHASHSEED or, for cryptographic algorithms, vLLM's fixed default.
     A non-cryptographic algorithm without PYTHONHASHSEED gets a random seed per
-    process in vLLM, so its blocks are never shared: this returns a random seed.
+    process in vLLM, so its blocks are never shared: this returns a seed of
+    the engine's ``instance_id`` alone, the same for every rank (a random one
+    per rank made them disagree, so the instance never sealed and startup
+    waited out the seal timeout), which the scheduler's random one never
+    matches, so the cache stays off, as it must.
     """
     from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 
@@ -108,4 +112,4 @@ def none_hash_seed(algo: str) -> str:
         return seed
     if algo.startswith("sha256"):
         return DEFAULT_NONE_HASH_SEED
-    return os.urandom(16).hex()
+    return f"unshared:{instance_id}"
