@@ -226,13 +226,18 @@ class RankSession:
     def final_namespace(self) -> str:
         return self.wait_sealed(0).final_namespace
 
-    def save(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.SaveResponse:
-        """Copy (block_hash, block_id) pairs of this rank into the store (docs/design.md §2)."""
+    def save(
+        self, blocks: list[tuple[int, int]], timeout: float = 60.0, step: int = 0
+    ) -> pb.SaveResponse:
+        """Copy (block_hash, block_id) pairs of this rank into the store (docs/design.md
+        §2); ``step``: the engine step that computed them (a block seals once every
+        rank wrote it in one step; 0 for every save: no steps)."""
         request = pb.SaveRequest(
             instance_id=self.instance_id,
             rank=self.rank,
             session=self.session,
             blocks=_block_refs(blocks),
+            step=step,
         )
         return call(self.stub.Save, request, timeout)
 

@@ -129,7 +129,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Save(self, request, context):
         who, refs = codec.caller_id(request), codec.refs(request.blocks)
-        return codec.save_response(await self._call(context, self.node.save, who, refs))
+        saved = await self._call(context, self.node.save, who, refs, request.step)
+        return codec.save_response(saved)
 
     async def Load(self, request, context):
         who, refs = codec.caller_id(request), codec.refs(request.blocks)

@@ -54,6 +54,7 @@ class Block:
     sealed: bool = False
     pins: int = 0
     copying: int = 0  # saves whose copy into its slots has not ended (a claim each)
+    step: int = 0  # the engine step its writers computed it in (every writer's the same)
 
     def __post_init__(self) -> None:
         if self.offsets is None:
@@ -95,6 +96,7 @@ def new_blocks(
     claimed: int = 0,
     writers: tuple[str, ...] = (),
     copying: int = 0,
+    step: int = 0,
 ) -> NewBlocks:
     """Unallocated blocks of ``hashes``, one offsets array for all of them (a
     row view each: cheaper to make than a copy each, and placed in one call)."""
@@ -112,6 +114,7 @@ def new_blocks(
             0,
             writers,
             copying=copying,
+            step=step,
         )
         for h, row in zip(hashes, offsets, strict=True)
     ]

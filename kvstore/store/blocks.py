@@ -212,16 +212,30 @@ class BlockIndex:
     # ------------------------------------------------------------------- save
 
     def claim(
-        self, namespace: str, hashes: list[int], shape: BlockShape, slots: np.ndarray, by: Writer
+        self,
+        namespace: str,
+        hashes: list[int],
+        shape: BlockShape,
+        slots: np.ndarray,
+        by: Writer,
+        step: int = 0,
     ) -> Claim:
         """Claim ``slots`` of every block of distinct ``hashes`` that is neither sealed
-        nor already claimed there, allocating them (evicting as needed). All or nothing."""
+        nor already claimed there, allocating them (evicting as needed). All or
+        nothing. An inflight block that other writers began in another engine
+        ``step`` is dropped and made anew: ranks' slots of one block seal
+        together only when computed in one step (a rank whose load failed in a
+        step saves nothing, and the others' KV of that step may be wrong)."""
         mask = slot_mask(slots)
         known = self.blocks.get
         picked, fresh = [], []
         found: list[Block | None] = []  # per picked hash: its inflight block, None if new
+        stale: list[Block] = []  # inflight blocks of another step, replaced
         for i, h in enumerate(hashes):
             block = known((namespace, h))
+            if block is not None and not block.sealed and block.step != step:
+                stale.append(block)
+                block = None
             if block is None:
                 fresh.append(h)
             elif block.sealed or block.claimed & mask:
@@ -241,6 +255,7 @@ class BlockIndex:
             claimed=mask,
             writers=mine_now,
             copying=1,
+            step=step,
         )
         if len(fresh) == len(picked):  # the usual save: every block new, one offsets array
             blocks, rows = made.blocks, made.offsets
@@ -248,6 +263,14 @@ class BlockIndex:
             new = iter(made.blocks)
             blocks, rows = [b if b is not None else next(new) for b in found], None
         self._allocate(blocks, slots, by.device, rows)
+        for block in stale:
+            self._drop(block)
+        if stale:
+            log.info(
+                "dropped %d inflight blocks of %s that ranks began in another step",
+                len(stale),
+                namespace,
+            )
         mine = self._writers.setdefault(by.session, set())
         keys = [(namespace, h) for h in fresh]
         self.blocks.update(zip(keys, made.blocks, strict=True))

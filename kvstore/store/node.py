@@ -163,8 +163,10 @@ class StoreNode:
 
     # ---------------------------------------------------------------- blocks
 
-    async def save(self, who: CallerId, refs: list[BlockRef]) -> SaveResult:
-        """Copy the caller's slots of ``refs`` out of its paged cache."""
+    async def save(self, who: CallerId, refs: list[BlockRef], step: int = 0) -> SaveResult:
+        """Copy the caller's slots of ``refs`` out of its paged cache; ``step``: the
+        engine step that computed them (a block seals once every rank wrote it
+        in one step)."""
         caller = self.registry.caller(who)
         reg = caller.reg
         check_refs(reg, refs)
@@ -175,6 +177,7 @@ class StoreNode:
             caller.seal,
             slots,
             Writer(reg.session, reg.tp_rank, reg.device),
+            step,
         )
         if not claim.blocks:
             return SaveResult(skipped=claim.skipped)

@@ -196,6 +196,46 @@ def test_a_step_whose_load_failed_saves_nothing(server, rank):
     assert client.stats().sealed_blocks == 3
 
 
+def test_a_load_failed_on_one_rank_never_seals_the_others_stale_kv(server):
+    """TP 2, step 1: rank 1's load fails, so it skips its save; rank 0's load went
+    through, and it saves blocks computed (through the all-reduce) on rank 1's
+    stale KV. Before: when a later step saved the same blocks, rank 0 was
+    skipped (its slots were in) and rank 1's completed the seal: every engine
+    then loaded rank 0's stale slots. The plans' step numbers prevent it."""
+    sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
+    one, two = (sched.build_plan(step(), {}).step for _ in range(2))
+    assert (one, two) == (1, 2)  # every plan numbered: what each rank saves under
+    ranks = [engine_rank(server, r, 2, seal_timeout=10, retry_s=0.2) for r in range(2)]
+    (w0, views0, _, pool0), (w1, views1, _, pool1) = ranks
+    try:
+        assert w0.wait_ready(10) and w1.wait_ready(10)
+        pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(3)]
+        w0.load([])
+        w1.load([BlockPair(12345, 3)])  # never saved: this rank's load fails
+        assert w1.take_load_errors() == {3}
+        for v in views0.values():
+            v[:3] = 66  # rank 0's KV of step 1: computed on rank 1's stale KV
+        w0.save(pairs, one)
+        w1.save(pairs, one)  # skipped
+        for w in (w0, w1):
+            w.load([])  # step 2: nothing fails
+        for views in (views0, views1):
+            for v in views.values():
+                v[:3] = 5
+        w0.save(pairs, two)
+        w1.save(pairs, two)
+        assert StoreClient(server.address).stats().sealed_blocks == 3
+        later = [BlockPair(p.key, 10 + p.block_id) for p in pairs]
+        for w in (w0, w1):
+            w.load(later)
+            assert w.take_load_errors() == set()
+        for views in (views0, views1):
+            assert all(bool((v[10:13] == 5).all()) for v in views.values())
+    finally:
+        w0.close([pool0])
+        w1.close([pool1])
+
+
 def test_an_unreachable_store_is_a_miss_logged_once(caplog):
     client = StoreClient("127.0.0.1:1", timeout=0.5)
     sched = SchedulerSide(client, "vllm-x", BS, retry_s=60)

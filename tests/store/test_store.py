@@ -164,6 +164,35 @@ def test_everything_pinned_gives_resource_exhausted():
     assert node.query(seal.final_namespace, [99]).prefix_blocks == 1
 
 
+@pytest.mark.parametrize("first", [0, 1], ids=["rank0-first", "rank1-first"])
+def test_ranks_slots_seal_together_only_when_written_in_one_step(first):
+    """Step 1: rank 1's load failed, so it saves nothing; rank 0 saves its slots,
+    computed on rank 1's stale KV. Before: at a later step rank 0 was skipped
+    (it had written the block) and rank 1's bytes sealed the block beside rank
+    0's stale ones. Now a write of another step replaces the inflight block:
+    it seals with both ranks' bytes of step 2."""
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    ns = node.registry.instances["a"].seal.final_namespace
+    fill(ranks[0], 0, 66)  # stale
+    run(node.save(ranks[0].reg.caller_id, [(7, 0)], 1))
+    assert node.index.stats().inflight_blocks == 1
+    for r in ranks:
+        fill(r, 0, 5)  # right
+    order = [ranks[first], ranks[1 - first]]
+    run(node.save(order[0].reg.caller_id, [(7, 0)], 2))
+    assert node.query(ns, [7]).prefix_blocks == 0  # not sealed beside step 1's slots
+    run(node.save(order[1].reg.caller_id, [(7, 0)], 2))
+    assert node.query(ns, [7]).prefix_blocks == 1
+    want = [r.block(0) for r in ranks]
+    for r in ranks:
+        run(node.load(r.reg.caller_id, [(7, 9)]))
+    assert all(torch.equal(x, y) for r, w in zip(ranks, want) for x, y in zip(r.block(9), w))
+    stats = node.index.stats()
+    assert (stats.sealed_blocks, stats.inflight_blocks) == (1, 0)
+    assert used_bytes(node) == 2 * 2 * 1024  # one block: 2 ranks x 2 layers of 1 KiB
+
+
 def test_a_save_larger_than_the_pool_is_refused_before_anything_is_evicted():
     """Before: a Save the pool could not hold even empty evicted every unpinned
     block, then failed anyway (a long prompt flushed the whole cache and stored

@@ -217,7 +217,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
-            self._worker.save(meta.plan.saves)
+            self._worker.save(meta.plan.saves, meta.plan.step)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -42,6 +42,9 @@ class StepPlan:
 
     loads: list[BlockPair] = field(default_factory=list)
     saves: list[BlockPair] = field(default_factory=list)
+    # numbers the plans: every rank saves under it, and the store seals a block only
+    # once every rank wrote it in one step (a rank whose load failed saves nothing)
+    step: int = 0
 
 
 @dataclass
@@ -104,6 +107,7 @@ class SchedulerSide:
         self._prefetching: dict[str, threading.Thread] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
+        self._steps = 0  # plans built
 
     # ------------------------------------------------------------ matching
 
@@ -265,6 +269,8 @@ class SchedulerSide:
                 tracked.block_ids.extend(new_ids[0])
             self._save_full_blocks(req_id, cached.num_computed_tokens[i], scheduler_output)
         plan, self._plan = self._plan, StepPlan()
+        self._steps += 1
+        plan.step = self._steps
         # requests sharing a prefix (vLLM caches their blocks once) name the same
         # blocks; the store refuses a request with a hash twice, so each goes once
         first: dict[int, BlockPair] = {}

@@ -188,10 +188,12 @@ class WorkerSide:
             self.load_errors.update(p.block_id for p in pairs)
             self._step_load_failed = True
 
-    def save(self, pairs: list[BlockPair]) -> None:
+    def save(self, pairs: list[BlockPair], step: int = 0) -> None:
         """Save the step's newly full blocks after the forward (best effort). Not
         after a failed Load of the same step: the blocks it was to fill hold stale
-        KV (vLLM recomputes them later), and blocks computed on top of them too."""
+        KV (vLLM recomputes them later), and blocks computed on top of them too.
+        The other ranks cannot know and save theirs: ``step`` (the plan's) keeps
+        the store from ever sealing those slots beside a later step's."""
         if not pairs:
             return
         if self._step_load_failed:
@@ -208,7 +210,7 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()  # the forward's kernels wrote them
         try:
             for chunk in request_chunks([tuple(p) for p in pairs]):
-                session.save(chunk, timeout=self.rpc_timeout)
+                session.save(chunk, timeout=self.rpc_timeout, step=step)
         except KVError as err:
             log.warning(
                 "kvstore: save of %d blocks failed (%s); they stay uncached", len(pairs), err
