@@ -29,6 +29,9 @@ class BlockShape(Protocol):
     def tp_size(self) -> int: ...
 
 
+NO_ORIGIN = ("", 0)  # no instance, no step: a block reserved for a fetch, or a test's
+
+
 @dataclass(slots=True, eq=False)
 class Block:
     """One block's slot array and its life-cycle state.
@@ -54,7 +57,8 @@ class Block:
     sealed: bool = False
     pins: int = 0
     copying: int = 0  # saves whose copy into its slots has not ended (a claim each)
-    step: int = 0  # the engine step its writers computed it in (every writer's the same)
+    # (instance, engine step) of the writer that began it: see BlockIndex.claim
+    origin: tuple[str, int] = NO_ORIGIN
 
     def __post_init__(self) -> None:
         if self.offsets is None:
@@ -96,7 +100,7 @@ def new_blocks(
     claimed: int = 0,
     writers: tuple[str, ...] = (),
     copying: int = 0,
-    step: int = 0,
+    origin: tuple[str, int] = NO_ORIGIN,
 ) -> NewBlocks:
     """Unallocated blocks of ``hashes``, one offsets array for all of them (a
     row view each: cheaper to make than a copy each, and placed in one call)."""
@@ -114,7 +118,7 @@ def new_blocks(
             0,
             writers,
             copying=copying,
-            step=step,
+            origin=origin,
         )
         for h, row in zip(hashes, offsets, strict=True)
     ]

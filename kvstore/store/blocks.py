@@ -68,11 +68,18 @@ class Lease:
 
 @dataclass(frozen=True)
 class Writer:
-    """Who writes a claim's slots: a session, its tp_rank and its device."""
+    """Who writes a claim's slots: a session, its tp_rank and its device, and the
+    instance and engine step whose KV they are (step 0: the client counts none)."""
 
     session: str
     tp_rank: int
     device: str
+    instance: str = ""
+    step: int = 0
+
+    @property
+    def origin(self) -> tuple[str, int]:
+        return (self.instance, self.step)
 
 
 @dataclass
@@ -109,8 +116,9 @@ class IndexStats:
 def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
     """A request the pool could not hold even empty is refused before anything
     is evicted for it."""
-    by_size, per_block = np.unique(sizes, return_counts=True)
-    wanted = {int(s): int(n) * num_blocks for s, n in zip(by_size, per_block)}
+    wanted: Counter[int] = Counter()  # by rounded size: sizes of one class share slabs
+    for size in sizes.tolist():
+        wanted[round_size(size)] += num_blocks
     if not pool.holds_when_empty(wanted):
         nbytes = sum(round_size(s) * n for s, n in wanted.items())
         raise exhausted(
@@ -212,38 +220,30 @@ class BlockIndex:
     # ------------------------------------------------------------------- save
 
     def claim(
-        self,
-        namespace: str,
-        hashes: list[int],
-        shape: BlockShape,
-        slots: np.ndarray,
-        by: Writer,
-        step: int = 0,
+        self, namespace: str, hashes: list[int], shape: BlockShape, slots: np.ndarray, by: Writer
     ) -> Claim:
         """Claim ``slots`` of every block of distinct ``hashes`` that is neither sealed
         nor already claimed there, allocating them (evicting as needed). All or
-        nothing. An inflight block that other writers began in another engine
-        ``step`` is dropped and made anew: ranks' slots of one block seal
-        together only when computed in one step (a rank whose load failed in a
-        step saves nothing, and the others' KV of that step may be wrong)."""
+        nothing, but for inflight blocks of the writer's instance begun in another
+        engine step: those are dropped and made anew, since ranks' slots of one
+        block seal together only when computed in one step (a rank whose load
+        failed in a step saves nothing, and the others' KV of that step may rest
+        on its stale blocks). An inflight block another instance began in a step
+        it counts is left to it (skipped): steps of two schedulers say nothing
+        of each other. Writers that count no steps (0) join any, as ever."""
         mask = slot_mask(slots)
-        known = self.blocks.get
-        picked, fresh = [], []
-        found: list[Block | None] = []  # per picked hash: its inflight block, None if new
-        stale: list[Block] = []  # inflight blocks of another step, replaced
-        for i, h in enumerate(hashes):
-            block = known((namespace, h))
-            if block is not None and not block.sealed and block.step != step:
-                stale.append(block)
-                block = None
-            if block is None:
-                fresh.append(h)
-            elif block.sealed or block.claimed & mask:
-                continue
-            picked.append(i)
-            found.append(block)
+        picked, fresh, found, stale = self._sort(namespace, hashes, mask, by.origin)
         if not picked:
             return Claim(by, slots, [], picked, skipped=len(hashes))
+        for block in stale:  # they can never seal: their slots may serve this claim
+            self._drop(block)
+        if stale:
+            log.info(
+                "dropped %d inflight blocks of %s that ranks of %s began in another step",
+                len(stale),
+                namespace,
+                by.instance,
+            )
         mine_now = (by.session,)
         # new blocks are born claimed and placed: nothing sees them before they join the index
         made = new_blocks(
@@ -255,7 +255,7 @@ class BlockIndex:
             claimed=mask,
             writers=mine_now,
             copying=1,
-            step=step,
+            origin=by.origin,
         )
         if len(fresh) == len(picked):  # the usual save: every block new, one offsets array
             blocks, rows = made.blocks, made.offsets
@@ -263,14 +263,6 @@ class BlockIndex:
             new = iter(made.blocks)
             blocks, rows = [b if b is not None else next(new) for b in found], None
         self._allocate(blocks, slots, by.device, rows)
-        for block in stale:
-            self._drop(block)
-        if stale:
-            log.info(
-                "dropped %d inflight blocks of %s that ranks began in another step",
-                len(stale),
-                namespace,
-            )
         mine = self._writers.setdefault(by.session, set())
         keys = [(namespace, h) for h in fresh]
         self.blocks.update(zip(keys, made.blocks, strict=True))
@@ -288,6 +280,32 @@ class BlockIndex:
             block.writers += mine_now
             mine.add(block.key)
         return Claim(by, slots, blocks, picked, len(hashes) - len(blocks), rows)
+
+    def _sort(
+        self, namespace: str, hashes: list[int], mask: int, origin: tuple[str, int]
+    ) -> tuple[list[int], list[int], list[Block | None], list[Block]]:
+        """For a claim of ``mask`` slots by a writer of ``origin``: the request
+        positions it writes, the hashes it makes new blocks of, per position its
+        inflight block (None if new), and the stale inflight blocks new ones replace."""
+        known = self.blocks.get
+        picked, fresh = [], []
+        found: list[Block | None] = []
+        stale: list[Block] = []
+        for i, h in enumerate(hashes):
+            block = known((namespace, h))
+            if block is not None and not block.sealed and block.origin != origin:
+                if block.origin[0] == origin[0]:  # this instance, another step
+                    stale.append(block)
+                    block = None
+                elif block.origin[1] or origin[1]:  # another instance counting steps
+                    continue
+            if block is None:
+                fresh.append(h)
+            elif block.sealed or block.claimed & mask:
+                continue
+            picked.append(i)
+            found.append(block)
+        return picked, fresh, found, stale
 
     def finish(self, claim: Claim) -> Finished:
         """The claim's bytes are in: mark its slots written, seal complete blocks.

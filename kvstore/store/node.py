@@ -176,8 +176,7 @@ class StoreNode:
             [h for h, _ in refs],
             caller.seal,
             slots,
-            Writer(reg.session, reg.tp_rank, reg.device),
-            step,
+            Writer(reg.session, reg.tp_rank, reg.device, reg.instance_id, step),
         )
         if not claim.blocks:
             return SaveResult(skipped=claim.skipped)

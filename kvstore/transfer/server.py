@@ -147,6 +147,9 @@ class PeerServer:
         self._rma_granted = 0
         self._rma_expired = 0
         self._progress: asyncio.Task | None = None
+        # leases kept past their connection's close, until their end: by a key of each
+        self._kept: dict[int, tuple[asyncio.TimerHandle, Lease, int]] = {}
+        self._kept_ids = itertools.count()
 
     @property
     def address(self) -> str:
@@ -181,9 +184,15 @@ class PeerServer:
         worker_health().add_listener(self)
 
     async def stop(self) -> None:
-        """Stop listening, cut every connection, and wait for leases to be released."""
+        """Stop listening, cut every connection, and wait for leases to be released;
+        those kept past their connection's close end now (the port is going away,
+        its memory with it: no Save comes to reuse their slots)."""
         worker_health().remove_listener(self)
         await self.suspend()
+        for key in list(self._kept):
+            self._end_kept(key)
+        if self._progress is not None:
+            self._progress.cancel()
         self._started = False
 
     async def suspend(self) -> None:
@@ -335,7 +344,13 @@ class PeerServer:
             self._unpin(lease, held)
             return
         self._hold_rma()  # the read may need this side's NIXL progress to land
-        loop.call_later(wait, self._unpin, lease, held, True)
+        key = next(self._kept_ids)
+        self._kept[key] = (loop.call_later(wait, self._end_kept, key), lease, held)
+
+    def _end_kept(self, key: int) -> None:
+        handle, lease, held = self._kept.pop(key)
+        handle.cancel()  # a no-op when it is what runs this
+        self._unpin(lease, held, rma_held=True)
 
     def _unpin(self, lease: Lease, held: int, rma_held: bool = False) -> None:
         self._pinned -= held

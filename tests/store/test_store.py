@@ -193,6 +193,42 @@ def test_ranks_slots_seal_together_only_when_written_in_one_step(first):
     assert used_bytes(node) == 2 * 2 * 1024  # one block: 2 ranks x 2 layers of 1 KiB
 
 
+def test_steps_of_two_instances_sharing_a_namespace_say_nothing_of_each_other():
+    """Two engines of one model (one final namespace) count steps apart. Saves
+    interleaved X0(7), Y0(3), X1(7), Y1(3) must seal the block (each dropping
+    the other's would keep it inflight for good); and X0's stale slots of its
+    step 5 must not seal beside Y1's of Y's step 5."""
+    node = make_store()
+    xs, ys = make_instance(node.registry, "x"), make_instance(node.registry, "y")
+    ns = node.registry.instances["x"].seal.final_namespace
+    assert ns == node.registry.instances["y"].seal.final_namespace
+    for r in [*xs, *ys]:
+        fill(r, 0, 5)
+    for rank, step in [(xs[0], 7), (ys[0], 3), (xs[1], 7), (ys[1], 3)]:
+        run(node.save(rank.reg.caller_id, [(1, 0)], step))
+    assert node.query(ns, [1]).prefix_blocks == 1
+    run(node.save(xs[0].reg.caller_id, [(2, 0)], 5))  # x1's load failed in step 5
+    for rank in (ys[1], ys[0]):
+        run(node.save(rank.reg.caller_id, [(2, 0)], 5))  # y's step 5: left to x
+    assert node.query(ns, [2]).prefix_blocks == 0
+    assert node.index.stats().inflight_blocks == 1
+
+
+def test_a_stale_block_of_the_writers_step_frees_its_slots_for_the_next():
+    """The stale blocks of step 1 (their other rank never wrote) give their slots
+    to step 2's claim of them: no sealed block is evicted for it."""
+    node = make_store(pool_bytes=64 << 10, slab_bytes=64 << 10)  # 64 slots of 1 KiB
+    ranks = make_instance(node.registry, "a", num_blocks=32)
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(200 + b, b) for b in range(8)]))  # 32 slots, sealed
+    refs = [(100 + b, 8 + b) for b in range(12)]
+    run(node.save(ranks[0].reg.caller_id, refs, 1))  # 24 slots: 8 left
+    run(node.save(ranks[0].reg.caller_id, refs, 2))  # needs 24: the stale ones'
+    assert node.index.stats().evictions == 0
+    run(node.save(ranks[1].reg.caller_id, refs, 2))
+    assert node.query(ns, [h for h, _ in refs]).prefix_blocks == 12
+
+
 def test_a_save_larger_than_the_pool_is_refused_before_anything_is_evicted():
     """Before: a Save the pool could not hold even empty evicted every unpinned
     block, then failed anyway (a long prompt flushed the whole cache and stored

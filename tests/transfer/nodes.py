@@ -78,13 +78,8 @@ def make_server(
                 await super()._send_slots(conn, views[: len(views) // 2], deadline)
                 self.sent_half = True
                 die_in_send(conn.ep.ucp_endpoint)
-            lies = ("oversend", "undersend")
-            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long", *lies):
-                return await super()._send_slots(conn, views, deadline)
-            if behaviour in lies:  # every segment one byte longer / shorter than announced
-                grow = 1 if behaviour == "oversend" else -1
-                views = [np.zeros(v.nbytes + grow, np.uint8) for v in views]
-                return await super()._send_slots(conn, views, deadline)
+            if behaviour not in ("die_half", "hang_half", "pause_half", "pause_long"):
+                return await super()._send_slots(conn, _resized(behaviour, views), deadline)
             half = len(views) // 2
             assert half > 0, "serve with gap_every so that there is a half to send"
             await super()._send_slots(conn, views[:half], deadline)
@@ -94,34 +89,24 @@ def make_server(
             await asyncio.sleep({"hang_half": 3600, "pause_long": 3.0}.get(behaviour, 1.0))
             await super()._send_slots(conn, views[half:], deadline, first=half)
 
+        async def _progress_rma(self):
+            if behaviour != "wedged_rma":  # its NIXL agent never progresses (tcp reads stall)
+                await super()._progress_rma()
+
         async def _grant(self, conn, table, offer):
             self.grants += 1
             _after_grant(conn, behaviour, self.grants)
             if behaviour == "bad_grant":  # addresses past the registered region
-                far = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
-                return await super()._grant(conn, table, far)
+                offer = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
             return await super()._grant(conn, table, offer)
 
         async def _serve(self, conn, body):
             self.requests += 1
             if behaviour == "mute" or (behaviour == "slow_first" and self.requests == 1):
                 await asyncio.sleep(3600 if behaviour == "mute" else 3.0)  # slow_first: 3 s
-            if behaviour == "evil_offer":  # more blocks than asked, absurd sizes
-                sizes = [[1 << 40]] * 9000
-                return await ucx.send_frame(
-                    conn, wire.Kind.REPLY, None, body=wire.encode_offer(sizes)
-                )
-            if behaviour.startswith("bad_runs"):  # sane sizes, malformed run starts
-                starts = {
-                    "bad_runs_unsorted": [3, 1],
-                    "bad_runs_range": [1, 99],
-                    "bad_runs_dup": [2, 2],
-                    "bad_runs_zero": [0],
-                    "bad_runs_lanes": [],
-                }
-                lanes = 3 if behaviour == "bad_runs_lanes" else 1
-                body = wire.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
-                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=body)
+            lie = _lying_offer(behaviour)
+            if lie is not None:
+                return await ucx.send_frame(conn, wire.Kind.REPLY, None, body=lie)
             return await super()._serve(conn, body)
 
     return Server(
@@ -133,15 +118,41 @@ def make_server(
     )
 
 
+def _resized(behaviour: str, views: list[Any]) -> list[Any]:
+    """``oversend`` / ``undersend``: every segment one byte longer / shorter than
+    announced (zeros); else ``views``."""
+    if behaviour not in ("oversend", "undersend"):
+        return views
+    grow = 1 if behaviour == "oversend" else -1
+    return [np.zeros(v.nbytes + grow, np.uint8) for v in views]
+
+
+def _lying_offer(behaviour: str) -> bytes | None:
+    """The REPLY a lying peer sends instead of serving (None: it serves):
+    ``evil_offer``, more blocks than asked of absurd sizes; ``bad_runs_*``, sane
+    sizes with malformed run starts."""
+    from kvstore.transfer import wire
+
+    if behaviour == "evil_offer":
+        return wire.encode_offer([[1 << 40]] * 9000)
+    starts = {
+        "bad_runs_unsorted": [3, 1],
+        "bad_runs_range": [1, 99],
+        "bad_runs_dup": [2, 2],
+        "bad_runs_zero": [0],
+        "bad_runs_lanes": [],
+    }
+    if behaviour not in starts:
+        return None
+    lanes = 3 if behaviour == "bad_runs_lanes" else 1
+    return wire.encode_offer([[4096] * 4] * 2, starts[behaviour], lanes)
+
+
 def _after_grant(conn: Any, behaviour: str, grants: int) -> None:
-    """50 ms after a grant: ``cut_after_grant`` cuts ``conn`` (from the second grant
-    on, as a worker recreation would); ``freeze_after_grant`` stops the loop for
-    6 s (nothing progresses a read)."""
-    loop = asyncio.get_running_loop()
+    """``cut_after_grant``: 50 ms after a grant, cut ``conn`` (from the second grant
+    on, as a worker recreation would)."""
     if behaviour == "cut_after_grant" and grants > 1:
-        loop.call_later(0.05, conn.abort)
-    if behaviour == "freeze_after_grant":
-        loop.call_later(0.05, time.sleep, 6.0)
+        asyncio.get_running_loop().call_later(0.05, conn.abort)
 
 
 def _shifted_grant(offer: Any, shift: np.uint64, grant: Any) -> bytes:
@@ -322,6 +333,11 @@ class NodeState:
             "sent_half": self.server.sent_half,
             "segments": list(self.server.segments),
         }
+
+    async def stop_serving(self) -> dict:
+        """Stop the peer port; the leases still active and its pinned blocks after."""
+        await self.server.stop()
+        return {"active": self.source.active, "pinned_blocks": self.server.stats().pinned_blocks}
 
     async def watch_logs(self) -> None:
         """From now on, keep this node's kvstore.transfer WARNING (and worse) lines."""

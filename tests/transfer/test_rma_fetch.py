@@ -131,6 +131,20 @@ def test_a_cut_connection_does_not_unpin_a_read_still_landing(nodes):
     assert port(server)["rma_leases_expired"] == 1 and port(server)["pinned_blocks"] == 0
 
 
+def test_a_lease_kept_past_its_connection_ends_when_the_port_stops(nodes):
+    """A port that stops takes its memory with it: a lease it kept past its
+    connection's close (until its end, 30 s here) ends then, not later."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True, limits={"rma_lease_s": 30.0}
+    )
+    client.submit("fetch", address=address, hashes=HASHES[:3], rma=True, on_reserve="die")
+    assert wait_until(lambda: port(server)["rma_leases"] == 1)
+    assert wait_until(lambda: port(server)["connections"] == 0)  # the fetcher died
+    assert server.call("leases")["active"] == 1  # kept: a read might still land
+    assert server.call("stop_serving") == {"active": 0, "pinned_blocks": 0}
+
+
 def test_peer_killed_before_the_read_aborts_and_another_peer_serves(nodes):
     blocks = blocks_of(HASHES[:4], [64 * KIB] * 4)
     doomed, other, client = nodes(), nodes(), nodes()
@@ -358,10 +372,10 @@ def test_a_peer_address_that_does_not_parse_is_the_peers_failure(nodes):
 
 
 def test_a_peer_hung_under_a_one_sided_read_costs_one_timeout(nodes):
-    """The peer's loop stops after the grant; over tcp nothing then progresses the
-    read, which fails at the fetch's 5 s deadline. Before, the two-sided retry
-    got 5 s more of its own (and then fetched from the thawed peer): a hung
-    peer cost twice the timeout. Now the retry gets only the time left: none."""
+    """The peer's NIXL agent never progresses (wedged); over tcp the read then
+    stalls until the fetch's 5 s deadline. Before, the two-sided retry got 5 s
+    more of its own (and fetched, the peer's loop being alive): a hung peer
+    cost twice the timeout. Now the retry gets only the time left: none."""
     env = {"UCX_TLS": "tcp,self"}
     server, client = nodes(**env), nodes(**env)
     address, _ = server.call(
@@ -369,7 +383,7 @@ def test_a_peer_hung_under_a_one_sided_read_costs_one_timeout(nodes):
         hashes=HASHES[:6],
         slot_bytes=8 * KIB,
         rma=True,
-        behaviour="freeze_after_grant",
+        behaviour="wedged_rma",
     )
     out = client.call("store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB)
     assert out["error"] == "PeerTimeout" and out["fetched"] == 0, out
