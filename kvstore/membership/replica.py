@@ -18,7 +18,9 @@ the replica's own end. If that lease is lost (the replica was silent past the
 TTL, or etcd lost its data) the replica admits the worker again, as a new
 generation, when etcd answers; if it is refused then (another checksum took
 the set meanwhile) the worker is let go. A worker re-registered through
-another replica, or removed through one, is let go here too.
+another replica (a put of its member key newer than this replica's admission:
+the watch may still deliver the one it replaced), or removed through one, is
+let go here too.
 
 Admission returns once this replica's own core shows the admitted generation,
 so a Route through the same replica right after it sees the worker.
@@ -206,13 +208,17 @@ class RouterReplica:
         return await self.workers.wait(lambda: self.workers.revision >= latest, timeout_s)
 
     def _member_changed(self, name: str, change: Change) -> None:
-        """Let go of a worker that registered through another replica, or was removed."""
+        """Let go of a worker that registered through another replica, or was removed.
+        Only a put newer than our admission is someone else's: the watch may
+        deliver the admission ours replaced after our own transaction returned."""
         held = self._held.get(name)
         if held is None or not held.lease.lease:
             return
-        if not change.deleted and change.entry.lease != held.lease.lease:
-            self._replace_held(name, None)  # re-registered elsewhere: the keys are not ours
-        elif change.deleted and change.entry.lease == held.lease.lease:
+        entry = change.entry
+        if not change.deleted:
+            if entry.lease != held.lease.lease and entry.mod_revision > held.lease.generation:
+                self._replace_held(name, None)  # re-registered elsewhere: the keys are not ours
+        elif entry.lease == held.lease.lease:
             self._soon(self._check_removed(name, held))
 
     async def _check_removed(self, name: str, held: HeldWorker) -> None:

@@ -3,6 +3,8 @@ loopback): discovery, agreed generations, first-wins admission across replicas."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 
 import grpc
@@ -214,7 +216,6 @@ def test_a_session_whose_admission_fails_to_settle_leaves_nothing_in_etcd(
     settle wait (or whose client left during it) ended UNAVAILABLE, yet its
     admission stayed in etcd, kept alive by the replica: a worker routed to
     with no session left to end it. Now the failed session releases it."""
-    import asyncio
 
     from kvstore.membership import replica as replica_module
 
@@ -313,7 +314,6 @@ def test_two_replicas_give_the_same_route_once_store_events_have_settled(etcd_co
 def test_a_replica_that_refuses_a_re_registration_stops_routing_to_the_old_one():
     """Replicas with different --events-allow: etcd admitted a new card this core
     refuses. Before, the old generation (old address) stayed routable here."""
-    import asyncio
 
     from kvstore.membership.etcd import Change, Entry
     from kvstore.membership.layout import Layout, MemberRecord, SetId
@@ -341,27 +341,38 @@ def test_a_replica_that_refuses_a_re_registration_stops_routing_to_the_old_one()
     asyncio.run(go())
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(config, cores):
+    """Replicas R1 and R2 on etcd, both listed, and a probe client of its own;
+    all closed after."""
+    from kvstore.membership.etcd import Etcd
+    from kvstore.membership.replica import RouterReplica
+
+    etcds = [Etcd(config) for _ in range(3)]
+    replicas = [RouterReplica(e, config, c) for e, c in zip(etcds, cores, strict=False)]
+    try:
+        for i, r in enumerate(replicas):
+            await r.start(f"127.0.0.1:{i + 1}")
+            assert await r.listed(5)
+        yield replicas[0], replicas[1], etcds[2]
+    finally:
+        for r in replicas:
+            await r.close()
+        for e in etcds:
+            await e.close()
+
+
 def test_a_replica_whose_lease_was_lost_does_not_readmit_over_a_newer_registration(etcd_config):
     """R1 admitted w0, then lost its lease (silent past the TTL) while w0
     registered again through R2. Before, R1 admitted its old card again over
     R2's, R2 let go, and when R1's stale session ended w0 vanished everywhere
     though the worker was alive on R2. Now R1 lets go instead."""
-    import asyncio
-
-    from kvstore.membership.etcd import Etcd
     from kvstore.membership.layout import MemberRecord, SetId
-    from kvstore.membership.replica import RouterReplica
     from kvstore.router.core import Router
 
     async def go():
-        etcds = [Etcd(etcd_config) for _ in range(3)]
         cores = [Router(), Router()]
-        r1, r2 = (RouterReplica(e, etcd_config, c) for e, c in zip(etcds, cores, strict=False))
-        probe = etcds[2]
-        try:
-            for i, r in enumerate((r1, r2)):
-                await r.start(f"127.0.0.1:{i + 1}")
-                assert await r.listed(5)
+        async with two_replicas(etcd_config, cores) as (r1, r2, probe):
             old, new = card(address="10.0.0.1:8000"), card(address="10.0.0.2:8000")
             first = (await r1.admit("w0", old)).generation
             await r1.seen("w0", first)
@@ -382,10 +393,37 @@ def test_a_replica_whose_lease_was_lost_does_not_readmit_over_a_newer_registrati
             r1.release("w0", first)  # R1's stale session ends: nothing of R2's goes
             await asyncio.sleep(0.5)
             assert cores[1].worker_generations() == {"w0": second}
-        finally:
-            for r in (r1, r2):
-                await r.close()
-            for e in etcds:
-                await e.close()
+
+    asyncio.run(go())
+
+
+def test_a_late_watch_event_of_the_admission_it_replaced_does_not_drop_a_worker(etcd_config):
+    """w0 admitted through R1, then again through R2, whose watch delivers R1's
+    admission only after R2's own transaction returned (the order a CI run of
+    the test above hit). Before, R2 read that put's foreign lease as
+    "re-registered elsewhere", let go and revoked its fresh lease: w0 vanished
+    from etcd and from every replica while its session was alive on R2."""
+    from kvstore.membership.etcd import Change
+    from kvstore.membership.layout import SetId
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, probe):
+            await r2.directories[1].close()  # R2's watch lags: it delivers nothing yet
+            old, new = card(address="10.0.0.1:8000"), card(address="10.0.0.2:8000")
+            await r1.admit("w0", old)
+            replaced = await probe.get(r1.layout.member(SetId.of(old), "w0"))
+            second = (await r2.admit("w0", new)).generation
+            r2.workers.changed(Change(False, replaced))  # ... and now hands over R1's put
+            await asyncio.sleep(0.5)  # a let-go revokes in a task of its own
+            assert r2.holds("w0")
+            member = await probe.get(r2.layout.member(SetId.of(new), "w0"))
+            assert member is not None and member.mod_revision == second
+            newer = await r1.admit("w0", old)  # a put newer than R2's: R2 lets go
+            r2.workers.changed(Change(False, await probe.get(member.key)))
+            assert not r2.holds("w0") and r1.holds("w0")
+            await asyncio.sleep(0.5)
+            member = await probe.get(r1.layout.member(SetId.of(old), "w0"))
+            assert member is not None and member.mod_revision == newer.generation
 
     asyncio.run(go())
