@@ -42,6 +42,7 @@ from kvstore.transfer.ucx import (
 )
 from kvstore.transfer.wire import (
     MAX_BLOCKS_PER_FETCH,
+    Grant,
     Kind,
     Offer,
     check_namespace,
@@ -120,6 +121,9 @@ async def fetch(
         fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, reads, ahead_sink)
         reusable = True
         return fetched
+    except RmaFailed as e:
+        reusable = e.released
+        raise
     finally:
         pool.release(conn, reusable)
 
@@ -247,25 +251,37 @@ async def _read_one_sided(
 ) -> None:
     """Read the granted slots into the reservation (``asked``: when the REQUEST
     went out, from when the grant's expiry counts), commit, RELEASE the lease.
-    On failure the reservation is aborted (kept for good if a read may still
-    land in it) and the endpoint aborted, which releases the peer's lease."""
+    A read that failed (RmaFailed) commits nothing, so the lease is RELEASEd
+    too: the peer unpins at once and the endpoint serves the two-sided retry.
+    The reservation is aborted, or kept for good if a read may still land in
+    it. On any other failure (a cancellation) the endpoint is aborted, and the
+    peer keeps the lease to its end."""
     assert offer.grant is not None
     try:
         await reads.read(reservation.slots, offer.grant, offer.lanes, deadline, asked)
     except BaseException as e:
-        conn.abort()
         if isinstance(e, RmaFailed) and e.unsettled:
             log.error("one-sided read from %s unsettled: its slots stay reserved", conn.peer)
         else:
             reservation.abort()
+        if isinstance(e, RmaFailed) and conn.usable:
+            _post_release(conn, offer.grant)
+            e.released = True
+        else:
+            conn.abort()
         raise
     reservation.commit()
-    # one-way: the fetch is done once it is posted. Frames on an endpoint arrive
-    # in order, so the peer sees it before the next REQUEST; a send that fails
-    # aborts the endpoint (the peer then releases on close)
-    # no deadline: the endpoint goes back to the pool, and a late abort under this
-    # fetch's deadline would fail the next fetch on it (a dead peer fails the send)
-    post_frame(conn, Kind.RELEASE, encode_release(offer.grant.lease_id), None)
+    _post_release(conn, offer.grant)
+
+
+def _post_release(conn: Conn, grant: Grant) -> None:
+    """RELEASE, one-way: the fetch is done once it is posted. Frames on an
+    endpoint arrive in order, so the peer sees it before the next REQUEST; a
+    send that fails aborts the endpoint (the peer then keeps the lease to its
+    end). No deadline: the endpoint goes back to the pool, and a late abort
+    under this fetch's deadline would fail the next fetch on it (a dead peer
+    fails the send)."""
+    post_frame(conn, Kind.RELEASE, encode_release(grant.lease_id), None)
 
 
 async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:

@@ -39,8 +39,10 @@ class PeerUnauthenticated(PeerUnavailable):
 class RmaFailed(PeerUnavailable):
     """A one-sided read failed after the reservation: it was aborted, or, when
     ``unsettled``, left reserved for good (a read may still land in it). The
-    fetch may be retried two-sided."""
+    fetch may be retried two-sided. ``released``: the peer's lease was RELEASEd
+    on the fetch's endpoint, which stays fit for the next fetch."""
 
     def __init__(self, message: str, unsettled: bool = False):
         super().__init__(message)
         self.unsettled = unsettled
+        self.released = False
