@@ -141,11 +141,13 @@ class WorkerMirror:
         layout: Layout,
         on_empty: Callable[[SetId], None],
         on_member: Callable[[str, Change], None],
+        on_listed: Callable[[], None] = lambda: None,
     ):
         self.router = router
         self.layout = layout
         self.on_empty = on_empty  # a set lost its last member
         self.on_member = on_member  # every member change, after it applied
+        self.on_listed = on_listed  # every listing, after it applied
         self._members: dict[str, tuple[SetId, int]] = {}  # name -> (set, generation) applied
         self.revision = 0  # the latest admission (member put) applied, refused ones included
         self._tick = asyncio.Event()
@@ -157,6 +159,9 @@ class WorkerMirror:
     def reset(self, entries: list[Entry]) -> None:
         listed: dict[str, tuple[SetId, int, MemberRecord]] = {}
         cards = set()
+        # etcd's revisions, not a maximum kept across listings: etcd that lost its
+        # data counts from 1 again, and readers wait for its admissions
+        self.revision = max((entry.mod_revision for entry in entries), default=0)
         for entry in entries:
             parsed = self.layout.parse_workset_key(entry.key)
             if parsed is None:
@@ -168,7 +173,6 @@ class WorkerMirror:
             record = _decode(MemberRecord.decode, entry)
             if record is not None:
                 listed[name] = (set_id, entry.mod_revision, record)
-            self.revision = max(self.revision, entry.mod_revision)
         for name, generation in self.router.worker_generations().items():
             if listed.get(name, (None, 0))[1] != generation:
                 self._remove(name)
@@ -176,6 +180,7 @@ class WorkerMirror:
             self._admit(name, set_id, generation, record)
         for set_id in cards - {set_id for set_id, _, _ in listed.values()}:
             self.on_empty(set_id)
+        self.on_listed()
         self._changed()
 
     def changed(self, change: Change) -> None:

@@ -20,7 +20,8 @@ generation, when etcd answers; if it is refused then (another checksum took
 the set meanwhile) the worker is let go. A worker re-registered through
 another replica (a put of its member key newer than this replica's admission:
 the watch may still deliver the one it replaced), or removed through one, is
-let go here too.
+let go here too; a hold checks its name claim in etcd once in place and after
+every listing, for what the watch could not bring.
 
 Admission returns once this replica's own core shows the admitted generation,
 so a Route through the same replica right after it sees the worker.
@@ -71,7 +72,9 @@ class RouterReplica:
         self.worksets = WorkerSets(etcd, self.layout)
         self.stores = StoreMirror(router, self.layout)
         self.claims = StoreClaims(etcd, self.layout, self.stores)
-        self.workers = WorkerMirror(router, self.layout, self._dissolve_soon, self._member_changed)
+        self.workers = WorkerMirror(
+            router, self.layout, self._dissolve_soon, self._member_changed, self._listed
+        )
         self.directories = (
             Directory(etcd, self.layout.stores, self.stores, "router: stores in etcd"),
             Directory(etcd, self.layout.worksets, self.workers, "router: worker sets in etcd"),
@@ -119,16 +122,19 @@ class RouterReplica:
             self.keeper.drop(lease)
             await self.etcd.revoke(lease)
             return outcome
-        held = KeyLease(
+        keys = KeyLease(
             self.etcd,
             self.keeper,
             partial(self._readmit, name, card, checksum, caller),
             f"worker {name}",
+            on_registered=lambda _generation: self._verify_soon(name, held),
             on_lost=partial(self._let_go, name),
         )
-        held.adopt(lease, outcome.generation)
-        self._replace_held(name, HeldWorker(held, outcome.generation))
-        held.keep()
+        keys.adopt(lease, outcome.generation)
+        held = HeldWorker(keys, outcome.generation)
+        self._replace_held(name, held)
+        keys.keep()
+        self._verify_soon(name, held)
         return outcome
 
     async def seen(self, name: str, generation: int) -> bool:
@@ -176,16 +182,16 @@ class RouterReplica:
             self._replace_held(name, None)
 
     async def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> bool:
-        """RemoveWorker: False when ``name`` (that generation, when given) is not
-        admitted; PERMISSION_DENIED unless ``caller`` admitted it or is an admin."""
-        if generation == 0:
-            generation = self.workers.generation(name)
-        if await self.worksets.remove(name, generation, caller) is None:
+        """RemoveWorker: False when ``name`` (that generation, when given; any,
+        else: etcd's, not this replica's possibly older view) is not admitted;
+        PERMISSION_DENIED unless ``caller`` admitted it or is an admin."""
+        removed = await self.worksets.remove(name, generation, caller)
+        if not removed:
             return False
         held = self._held.get(name)
-        if held is not None and held.lease.generation == generation:
+        if held is not None and held.lease.generation == removed:
             self._replace_held(name, None)
-        await self.workers.wait(lambda: self.workers.generation(name) != generation, SETTLE_S)
+        await self.workers.wait(lambda: self.workers.generation(name) != removed, SETTLE_S)
         return True
 
     async def check_publisher(self, node_id: str, generation: int, caller: Principal) -> None:
@@ -219,13 +225,35 @@ class RouterReplica:
             if entry.lease != held.lease.lease and entry.mod_revision > held.lease.generation:
                 self._replace_held(name, None)  # re-registered elsewhere: the keys are not ours
         elif entry.lease == held.lease.lease:
-            self._soon(self._check_removed(name, held))
+            self._verify_soon(name, held)
 
-    async def _check_removed(self, name: str, held: HeldWorker) -> None:
-        """Our worker's keys went: removed by someone (our lease still lives) or
-        expired (it does not: the keepalive admits it again)."""
+    def _listed(self) -> None:
+        """A listing (the first, or after the watch broke) brings no event for
+        what changed unheard: check every worker held."""
+        for name, held in self._held.items():
+            self._verify_soon(name, held)
+
+    def _verify_soon(self, name: str, held: HeldWorker) -> None:
+        self._soon(self._verify(name, held))
+
+    async def _verify(self, name: str, held: HeldWorker) -> None:
+        """Let go of ``held`` when etcd's claim on ``name`` is not under its lease
+        while that lease lives: the worker was removed, or registered again
+        through another replica, by a change this replica heard before it held
+        the worker (the watch and a transaction's answer race), or never heard
+        (the watch broke). Read afresh: a listing taken before our admission
+        would show it absent. A lease that is gone is the keepalive's to
+        handle (it admits again only an unclaimed name)."""
+        lease = held.lease.lease
+        if not lease:
+            return  # being admitted again: verified once that is done
         with contextlib.suppress(KVError):
-            if await held.lease.alive() and self._held.get(name) is held:
+            claim = await self.etcd.get(self.layout.worker(name))
+            if claim is not None and claim.lease == lease:
+                return
+            ours = await held.lease.alive() and self._held.get(name) is held
+            if ours and held.lease.lease == lease:
+                log.info("worker %s: its keys in etcd are no longer ours; letting go", name)
                 self._replace_held(name, None)
 
     def _dissolve_soon(self, set_id: SetId) -> None:

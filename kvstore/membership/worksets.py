@@ -156,22 +156,20 @@ class WorkerSets:
             f"WorkerSet {set_id} changed {MAX_ATTEMPTS} times while admitting {name!r}"
         )
 
-    async def remove(
-        self, name: str, generation: int = 0, caller: Principal = LOCAL
-    ) -> SetId | None:
-        """Remove worker ``name`` (that generation only, when given); the set it
-        left, or None when it is not admitted (as that generation).
+    async def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> int:
+        """Remove worker ``name`` (that generation only, when given); the
+        generation removed, or 0 when it is not admitted (as that generation).
         PERMISSION_DENIED, nothing deleted, unless ``caller`` admitted it or is
         an admin (the claim's revision is compared, so its owner cannot change
         between the check and the delete)."""
         for _ in range(MAX_ATTEMPTS):
             claim = await self.etcd.get(self.layout.worker(name))
             if claim is None:
-                return None
+                return 0
             held = NameClaim.decode(claim.value)
             member = await self.etcd.get(self.layout.member(held.set_id, name))
             if member is None or (generation and member.mod_revision != generation):
-                return None
+                return 0
             check_owner(f"worker {name!r}", held.owner, caller)
             result = await self.etcd.txn(
                 [
@@ -181,7 +179,7 @@ class WorkerSets:
                 [delete(claim.key), delete(member.key)],
             )
             if result.succeeded:
-                return held.set_id
+                return member.mod_revision
         raise unavailable(f"worker {name!r} changed {MAX_ATTEMPTS} times while removing it")
 
     async def dissolve(self, set_id: SetId) -> bool:

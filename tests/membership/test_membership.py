@@ -427,3 +427,109 @@ def test_a_late_watch_event_of_the_admission_it_replaced_does_not_drop_a_worker(
             assert member is not None and member.mod_revision == newer.generation
 
     asyncio.run(go())
+
+
+async def eventually(check, timeout_s: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def test_a_worker_removed_while_the_watch_was_broken_is_let_go_when_listed_again(etcd_config):
+    """R2 holds w0; its watch breaks and meanwhile w0 is removed through R1. The
+    listing after the break brings no event for it. Before, R2 kept its lease
+    alive with nothing under it for as long as the worker's session lived, and
+    were that lease ever lost it would admit the removed worker again."""
+    from kvstore.membership.layout import SetId
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, probe):
+            w0 = card()
+            second = (await r2.admit("w0", w0)).generation
+            assert await r1.seen("w0", second)
+            lease = (await probe.get(r2.layout.member(SetId.of(w0), "w0"))).lease
+            await r2.directories[1].close()  # the watch breaks ...
+            assert await r1.remove("w0")  # ... while w0 is removed
+            r2.directories[1].start()  # listed again
+            assert await eventually(lambda: not r2.holds("w0"))
+            assert await eventually(lambda: not r2.keeper.holds(lease))
+
+    asyncio.run(go())
+
+
+def test_a_readmission_heard_before_the_admission_it_replaced_returned_lets_go(etcd_config):
+    """R2's admission commits; before its call returns, w0 is admitted again
+    through R1 and R2's watch hands that over while R2 holds nothing for w0
+    yet. Before, no later event came and R2 held a lease with nothing under it."""
+    from kvstore.membership.etcd import Change
+    from kvstore.membership.layout import SetId
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, probe):
+            await r2.directories[1].close()  # R2 hears only what the test hands over
+            w0 = card()
+            admit = r2.worksets.admit
+
+            async def then_r1_admits(*args, **kwargs):
+                outcome = await admit(*args, **kwargs)
+                await r1.admit("w0", w0)
+                newer = await probe.get(r1.layout.member(SetId.of(w0), "w0"))
+                r2.workers.changed(Change(False, newer))  # heard before R2 holds w0
+                return outcome
+
+            r2.worksets.admit = then_r1_admits
+            await r2.admit("w0", w0)
+            assert await eventually(lambda: not r2.holds("w0"))
+            assert r1.holds("w0")
+            member = await probe.get(r1.layout.member(SetId.of(w0), "w0"))
+            assert member is not None and r1.keeper.holds(member.lease)
+
+    asyncio.run(go())
+
+
+def test_remove_worker_without_a_generation_removes_what_etcd_holds(etcd_config):
+    """RemoveWorker (generation 0) through a replica whose view still shows an
+    older generation. Before, it asked etcd to remove that older generation
+    and answered NOT_FOUND for a live worker."""
+    from kvstore.membership.layout import SetId
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, probe):
+            w0 = card()
+            first = (await r1.admit("w0", w0)).generation
+            assert await r2.seen("w0", first)
+            await r2.directories[1].close()  # R2's view stays at the first generation
+            newer = (await r1.admit("w0", w0)).generation
+            assert newer > first and r2.workers.generation("w0") == first
+            assert await r2.remove("w0")
+            assert await probe.get(r2.layout.member(SetId.of(w0), "w0")) is None
+            assert await eventually(lambda: not r1.holds("w0"))
+
+    asyncio.run(go())
+
+
+def test_a_listing_after_etcd_lost_its_data_sets_the_revision_afresh():
+    """etcd restarted empty counts revisions from 1 again. Before, the mirror kept
+    the highest revision it had ever seen, so a wait for etcd's admissions
+    (``workers_settled``) returned before they were applied."""
+    from kvstore.membership.etcd import Entry
+    from kvstore.membership.layout import Layout, MemberRecord, SetId
+    from kvstore.membership.mirror import WorkerMirror
+    from kvstore.router.core import Router
+
+    async def go():
+        layout = Layout("/kvstore/test/")
+        mirror = WorkerMirror(Router(), layout, lambda _set: None, lambda _name, _change: None)
+        key, value = layout.member(SetId.of(card()), "w0"), MemberRecord(card(), "").encode()
+        mirror.reset([Entry(key, value, 900, 900, 7)])
+        assert mirror.revision == 900
+        mirror.reset([Entry(key, value, 5, 5, 8)])  # etcd lost everything; w0 is back
+        assert mirror.revision == 5 and mirror.generation("w0") == 5
+
+    asyncio.run(go())
