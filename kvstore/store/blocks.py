@@ -116,11 +116,10 @@ class IndexStats:
 def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
     """A request the pool could not hold even empty is refused before anything
     is evicted for it."""
-    wanted: Counter[int] = Counter()  # by rounded size: sizes of one class share slabs
-    for size in sizes.tolist():
-        wanted[round_size(size)] += num_blocks
+    unique, counts = np.unique(sizes, return_counts=True)
+    wanted = dict(zip(unique.tolist(), (counts * num_blocks).tolist(), strict=True))
     if not pool.holds_when_empty(wanted):
-        nbytes = sum(round_size(s) * n for s, n in wanted.items())
+        nbytes = sum(size * count for size, count in wanted.items())
         raise exhausted(
             f"{num_blocks} blocks of {len(sizes)} slots ({format_size(nbytes)}) are more "
             f"than the pool on {pool.device} holds even empty ({format_size(pool.pool_bytes)} "
@@ -508,12 +507,16 @@ class BlockIndex:
         pool = self._pools[device]
         slots = np.sort(slots)
         sizes = blocks[0].slot_bytes[slots]
-        _check_fits(pool, sizes, len(blocks))  # else it would evict for nothing
         taken: list[tuple[int, np.ndarray]] = []
+        checked = False
         try:
             for size in np.unique(sizes).tolist():
                 cells = slots[sizes == size]
-                offsets = self._alloc_or_evict(pool, size, len(cells) * len(blocks))
+                count = len(cells) * len(blocks)
+                if not checked and not pool.can_alloc(size, count):
+                    _check_fits(pool, sizes, len(blocks))  # else it would evict for nothing
+                    checked = True
+                offsets = self._alloc_or_evict(pool, size, count)
                 taken.append((size, offsets))
                 _place(blocks, cells, offsets.reshape(len(blocks), len(cells)), rows)
         except BaseException:

@@ -11,6 +11,7 @@ slots are kept as integer stacks in numpy arrays, never as Python objects.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,13 +133,13 @@ class SlotPool:
 
     def holds_when_empty(self, wanted: dict[int, int]) -> bool:
         """Whether this pool, emptied of every slot, could hold ``wanted`` (slot
-        bytes -> count) at once: each size takes whole slabs of its own."""
-        slabs = 0
+        bytes -> count) at once: each size class takes whole slabs of its own."""
+        per_class: Counter[int] = Counter()
         for nbytes, count in wanted.items():
-            size = round_size(nbytes)
-            if size > self.slab_bytes:
-                return False
-            slabs += -(-count // (self.slab_bytes // size))
+            per_class[round_size(nbytes)] += count
+        if any(size > self.slab_bytes for size in per_class):
+            return False
+        slabs = sum(-(-count // (self.slab_bytes // size)) for size, count in per_class.items())
         return slabs <= self.num_slabs
 
     def alloc(self, nbytes: int, count: int) -> np.ndarray | None:

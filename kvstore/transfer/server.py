@@ -375,13 +375,8 @@ class PeerServer:
         layouts, block_layout = table.layouts()
         lanes = choose_lanes(table)
         if request.rma and table.num_blocks and self._readable(table):
-            # from here a read may land until the lease ends (its grant counts a
-            # moment later), unless its RELEASE comes: _grant returns only then
-            granted.until = asyncio.get_running_loop().time() + self.limits.rma_lease_s
-            await self._grant(
-                conn, table, functools.partial(encode_layouts, layouts, block_layout, (), lanes)
-            )
-            granted.until = 0.0
+            offer = functools.partial(encode_layouts, layouts, block_layout, (), lanes)
+            await self._grant(conn, table, offer, granted)
             return
         order = transfer_order(table.counts.tolist(), lanes)
         ptr, size, memory = table.take(order)
@@ -405,14 +400,16 @@ class PeerServer:
         """Whether every slot lies in the registered region (else: two-sided)."""
         return self.rma is not None and readable(table, self.rma.region)
 
-    async def _grant(self, conn: Conn, table: SlotTable, offer: Any) -> None:
+    async def _grant(self, conn: Conn, table: SlotTable, offer: Any, granted: _Granted) -> None:
         """A one-sided read: REPLY with the grant, then wait for the fetcher's
-        RELEASE (returns), its connection's close or ``rma_lease_s`` (raises; the
-        caller then keeps the lease until ``rma_lease_s``). A RELEASE naming
+        RELEASE (returns), its connection's close or ``rma_lease_s`` (raises).
+        ``granted.until`` says until when a read may land: the lease's end, from
+        before the grant goes out until its RELEASE comes (then 0), so a caller
+        that hears of no RELEASE keeps the lease that long. A RELEASE naming
         another lease closes the connection. ``offer(grant=...)`` encodes the REPLY."""
         lease_s = self.limits.rma_lease_s
         grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
-        expiry = asyncio.get_running_loop().time() + lease_s
+        expiry = granted.until = asyncio.get_running_loop().time() + lease_s
         # The REPLY's send is posted first: the progress loop's first turn waits.
         body = offer(grant=grant)
         reply = started(frame_sends(conn, Kind.REPLY, body))
@@ -427,6 +424,7 @@ class PeerServer:
             self._rma_expired += not released
         if not released:
             raise ProtocolError(f"RELEASE names another lease than {grant.lease_id}")
+        granted.until = 0.0
 
     async def _progress_rma(self) -> None:
         """Progress the NIXL endpoint every millisecond while a one-sided lease is

@@ -93,12 +93,12 @@ def make_server(
             if behaviour != "wedged_rma":  # its NIXL agent never progresses (tcp reads stall)
                 await super()._progress_rma()
 
-        async def _grant(self, conn, table, offer):
+        async def _grant(self, conn, table, offer, granted):
             self.grants += 1
             _after_grant(conn, behaviour, self.grants)
             if behaviour == "bad_grant":  # addresses past the registered region
                 offer = functools.partial(_shifted_grant, offer, np.uint64(1 << 40))
-            return await super()._grant(conn, table, offer)
+            return await super()._grant(conn, table, offer, granted)
 
         async def _serve(self, conn, body):
             self.requests += 1
