@@ -359,6 +359,30 @@ def test_failed_one_sided_read_is_counted_and_retried_two_sided(nodes):
     assert stats["pinned_blocks"] == 0
 
 
+def test_a_fetch_cancelled_during_its_one_sided_read_is_not_retried_two_sided(nodes):
+    """The peer's NIXL agent never progresses (wedged), so the read hangs; the
+    caller is cancelled meanwhile. The cancellation goes on: no two-sided retry
+    asks the peer again, and the reservation is free (or, had a request not
+    been released, kept and counted as a failed one-sided read)."""
+    env = {"UCX_TLS": "tcp,self"}
+    server, client = nodes(**env), nodes(**env)
+    address, _ = server.call(
+        "serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=True, behaviour="wedged_rma"
+    )
+    out = client.call(
+        "store_fetch",
+        addresses=[address],
+        hashes=HASHES[:6],
+        slot_bytes=8 * KIB,
+        cancel_first_after=1.5,  # the grant came; the read hangs
+    )
+    assert out["prefixes"] == ["CancelledError"], out
+    assert port(server)["requests"] == 1  # asked once: no retry
+    assert out["fetches_rma"] == 0 and out["fetched_blocks"] == 0
+    if out["fetches_failed_rma"] == 0:  # settled: the reservation is free again
+        assert out["used_bytes"] == 0, out
+
+
 def test_a_peer_address_that_does_not_parse_is_the_peers_failure(nodes):
     """A store advertising a malformed UCX address made every fetch of the
     namespace fail INVALID_ARGUMENT before the next peer was asked. Now that
