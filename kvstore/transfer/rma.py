@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -360,6 +360,20 @@ def _descs(addrs: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
     return out
 
 
+class _Failure(Exception):
+    """A request of a read failed (not raised past PendingRead: the read is
+    settled first, then PeerUnavailable, PeerTimeout or ReadUnsettled)."""
+
+    def __init__(self, message: str, timeout: bool = False):
+        super().__init__(message)
+        self.message, self.timeout = message, timeout
+
+    def error(self, settled: bool) -> KVError:
+        if not settled:
+            return ReadUnsettled(f"{self.message}; a request could not be cancelled")
+        return PeerTimeout(self.message) if self.timeout else PeerUnavailable(self.message)
+
+
 class PendingRead:
     """The NIXL requests of one read, posted; wait for them, or cancel them."""
 
@@ -368,17 +382,28 @@ class PendingRead:
         self._started = time.perf_counter()
         chunks = plan_chunks(runs, chunk_bytes, endpoint.region.device, peer.region.device)
         self._handles: list[Any] = []
+        self._failure: _Failure | None = None  # posting failed: raised by the wait
         for chunk in chunks:
             try:
                 self._handles.append(endpoint.post(peer, chunk))
             except (KVError, *endpoint.errors) as err:
-                self._fail(f"read from {peer.name}: posting: {type(err).__name__}: {err}")
+                message = f"read from {peer.name}: posting: {type(err).__name__}: {err}"
+                self._failure = _Failure(message)
+                break
         self._done = [False] * len(self._handles)
         prep = time.perf_counter() - self._started
         self._stats = ReadStats(runs.total_bytes, len(runs.nbytes), len(chunks), prep, 0.0)
 
     def poll(self) -> bool:
-        """True once every request is done; raises on a failed one."""
+        """True once every request is done; raises (the read settled) on a failed one."""
+        try:
+            return self._poll()
+        except _Failure as failure:
+            raise failure.error(self._settle()) from None
+
+    def _poll(self) -> bool:
+        if self._failure is not None:
+            raise self._failure
         agent = self._endpoint.agent
         for i, handle in enumerate(self._handles):
             if self._done[i]:
@@ -386,9 +411,9 @@ class PendingRead:
             try:
                 state = agent.check_xfer_state(handle)
             except self._endpoint.errors as err:  # the remote gone, ...
-                self._fail(f"read from {self._peer.name}: {type(err).__name__}: {err}")
+                raise _Failure(f"read from {self._peer.name}: {type(err).__name__}: {err}") from err
             if state == "ERR":
-                self._fail(f"read from {self._peer.name}: request {i} failed")
+                raise _Failure(f"read from {self._peer.name}: request {i} failed")
             if state != "DONE":
                 return False
             self._done[i] = True
@@ -396,24 +421,36 @@ class PendingRead:
 
     def wait(self, deadline: float) -> ReadStats:
         """Block until done or ``deadline`` (time.monotonic()) passes."""
-        for pause in _pauses():
-            if self.poll():
-                return self._finish()
-            if time.monotonic() >= deadline:
-                self._fail(f"read from {self._peer.name}: deadline passed", timeout=True)
-            if pause:
-                time.sleep(pause)
+        try:
+            for pause in _pauses():
+                if self._poll():
+                    return self._finish()
+                self._check_deadline(deadline)
+                if pause:
+                    time.sleep(pause)
+        except _Failure as failure:
+            raise failure.error(self._settle()) from None
         raise AssertionError("unreachable")
 
     async def wait_async(self, deadline: float) -> ReadStats:
-        """As :meth:`wait`, yielding to the event loop between polls."""
-        for pause in _pauses():
-            if self.poll():
-                return self._finish()
-            if time.monotonic() >= deadline:
-                self._fail(f"read from {self._peer.name}: deadline passed", timeout=True)
-            await asyncio.sleep(pause)
+        """As :meth:`wait`, yielding to the event loop between polls, and while a
+        failed read settles."""
+        try:
+            for pause in _pauses():
+                if self._poll():
+                    return self._finish()
+                self._check_deadline(deadline)
+                await asyncio.sleep(pause)
+        except _Failure as failure:
+            settled = self.cancel_now()
+            if not settled:
+                settled = await self._settle_async()
+            raise failure.error(settled) from None
         raise AssertionError("unreachable")
+
+    def _check_deadline(self, deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            raise _Failure(f"read from {self._peer.name}: deadline passed", timeout=True)
 
     def cancel(self) -> bool:
         """Release every request (NIXL cancels one in flight); True once none can still write."""
@@ -430,21 +467,30 @@ class PendingRead:
         self.cancel()
         return self._stats._replace(wall_s=time.perf_counter() - self._started)
 
-    def _fail(self, message: str, timeout: bool = False) -> NoReturn:
-        if not self._settle():
-            raise ReadUnsettled(f"{message}; a request could not be cancelled")
-        raise PeerTimeout(message) if timeout else PeerUnavailable(message)
-
-    def _settle(self) -> bool:
+    def cancel_now(self) -> bool:
         """Cancel every request and drop the peer: its endpoint closes, so no
         request of this read can write any more (a cancelled request over a
-        software-emulated transport may otherwise still be answered). A request
-        NIXL will not release yet gets SETTLE_S."""
+        software-emulated transport may otherwise still be answered). True when
+        every request was released."""
         settled = self.cancel()
         self._endpoint.forget(self._peer)
+        return settled
+
+    def _settle(self) -> bool:
+        """:meth:`cancel_now`; a request NIXL will not release yet gets SETTLE_S
+        (blocking: the synchronous wait's)."""
+        settled = self.cancel_now()
         end = time.monotonic() + SETTLE_S
         while not settled and time.monotonic() < end:
             time.sleep(0.01)
+            settled = self.cancel()
+        return settled
+
+    async def _settle_async(self) -> bool:
+        """As :meth:`_settle` after :meth:`cancel_now`, sleeping on the loop."""
+        end, settled = time.monotonic() + SETTLE_S, False
+        while not settled and time.monotonic() < end:
+            await asyncio.sleep(0.01)
             settled = self.cancel()
         return settled
 

@@ -9,6 +9,7 @@ pattern at their remote offsets, every other byte is still poison.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -108,6 +109,7 @@ class Node:
         handlers = {
             "connect": lambda card: Node._connect(endpoint, state, card),
             "read": lambda *a: Node._read(endpoint, state, base, *a),
+            "read_unreleasable": lambda *a: Node._read_unreleasable(endpoint, state, base, *a),
             "check": lambda *a: Node._check(pool, *a),
             "poison": lambda: pool.fill(POISON),
             "notify": lambda message: endpoint.notify(state["peer"], message),
@@ -134,13 +136,53 @@ class Node:
         return state["peer"].name
 
     @staticmethod
-    def _read(endpoint, state, base, remote_off, local_off, sizes, timeout_s, chunk) -> Any:
-        peer = state["peer"]
-        runs = rma.SlotRuns.of(
-            np.asarray(remote_off, dtype=np.uint64) + np.uint64(peer.region.addr),
+    def _runs(state, base, remote_off, local_off, sizes) -> rma.SlotRuns:
+        return rma.SlotRuns.of(
+            np.asarray(remote_off, dtype=np.uint64) + np.uint64(state["peer"].region.addr),
             np.asarray(local_off, dtype=np.uint64) + np.uint64(base),
             sizes,
         )
+
+    @staticmethod
+    def _read_unreleasable(endpoint, state, base, remote_off, local_off, sizes, timeout_s) -> Any:
+        """An async read that fails while NIXL refuses to release any request
+        (for a SETTLE_S cut to 0.3 s): its error's name, and the event loop's
+        ticks counted at each refused release."""
+        runs = Node._runs(state, base, remote_off, local_off, sizes)
+        rma.SETTLE_S = 0.3
+        agent, ticks, seen = endpoint.agent, [0], []
+        release = agent.release_xfer_handle
+
+        def refuse(_handle: Any) -> None:
+            seen.append(ticks[0])
+            raise RuntimeError("release refused by the test")
+
+        async def read() -> str:
+            async def tick() -> None:
+                while True:
+                    ticks[0] += 1
+                    await asyncio.sleep(0.001)
+
+            ticker = asyncio.ensure_future(tick())
+            try:
+                pending = endpoint.start_read(state["peer"], runs, MIB)
+                await pending.wait_async(time.monotonic() + timeout_s)
+            except KVError as err:
+                return type(err).__name__
+            finally:
+                ticker.cancel()
+            return "done"
+
+        agent.release_xfer_handle = refuse
+        try:
+            return asyncio.run(read()), seen
+        finally:
+            agent.release_xfer_handle = release
+
+    @staticmethod
+    def _read(endpoint, state, base, remote_off, local_off, sizes, timeout_s, chunk) -> Any:
+        peer = state["peer"]
+        runs = Node._runs(state, base, remote_off, local_off, sizes)
         start = time.monotonic()
         try:
             stats = endpoint.read(peer, runs, timeout_s, chunk_bytes=chunk)
@@ -241,6 +283,21 @@ def test_read_from_a_killed_peer_fails_within_the_deadline(pair):
     assert result[1] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), result
     assert result[2] != "ReadUnsettled", result
     assert fetcher.call("ping") == "pong"  # the fetching process goes on
+
+
+def test_a_read_whose_requests_will_not_release_settles_without_blocking_the_loop(pair):
+    """A read times out (the peer is stopped, over tcp) and NIXL refuses to
+    release its requests: the read waits SETTLE_S for them, then is
+    ReadUnsettled. Before, that wait slept on the event loop (5 s of a store
+    server doing nothing else); now the loop runs between the tries."""
+    server, fetcher = pair(env={"UCX_TLS": "tcp,self"}, pool_bytes=32 * MIB)
+    server.kill(signal.SIGSTOP)
+    try:
+        name, seen = fetcher.call("read_unreleasable", [0], [8 * MIB], [4 * MIB], 0.5, within=5.0)
+    finally:
+        server.kill(signal.SIGCONT)
+    assert name == "ReadUnsettled", (name, seen)
+    assert len(seen) >= 3 and seen[-1] > seen[1], seen  # the loop ticked between tries
 
 
 def test_a_stalled_peer_times_out_and_nothing_lands_afterwards(pair):
