@@ -484,7 +484,7 @@ class Router:
             prompt_tokens = len(token_ids) if token_ids else len(hashes) * block_size
             cands = candidates(wset, hashes, self.domains, self.peers)
             best = self._choose(cands, prompt_tokens, block_size, now)
-            rid = request_id or f"r{next(self._request_ids)}"
+            rid = request_id or self._fresh_request_id()
             if track:
                 queued = best.estimate.uncached_tokens
                 deadline = now + cfg.request_timeout_s
@@ -493,6 +493,12 @@ class Router:
                 )
                 self.loads.add(rid, tracked)
             return route_result(wset, sets, best, cands, rid, len(hashes), cfg)
+
+    def _fresh_request_id(self) -> str:
+        """r1, r2, ...: one no tracked request holds (a caller may have chosen it)."""
+        while self.loads.tracks(rid := f"r{next(self._request_ids)}"):
+            pass
+        return rid
 
     def _choose(
         self, cands: list[Candidate], prompt_tokens: int, block_size: int, now: float

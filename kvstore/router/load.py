@@ -128,6 +128,9 @@ class LoadTracker:
             self._deadlines = [(r.deadline, rid) for rid, r in self.requests.items()]
             heapq.heapify(self._deadlines)
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def taken_by_another(self, request_id: str, caller: Principal) -> bool:
         """Whether ``request_id`` tracks a request ``caller`` may not act on."""
         req = self.requests.get(request_id)

@@ -193,10 +193,13 @@ class Peers:
         return peer
 
     def forget_blocks(self, peer: Peer) -> int:
-        """Drop every block ``peer`` holds, in every namespace; return how many."""
+        """Drop every block ``peer`` holds, in every namespace it serves (indexing
+        a block adds its namespace to them); return how many."""
         dropped = 0
-        for ns in list(self.indexes):
-            index = self.indexes[ns]
+        for ns in list(peer.namespaces):
+            index = self.indexes.get(ns)
+            if index is None:
+                continue
             for holder in [h for h in index.holders() if h[0] == peer.node_id]:
                 dropped += index.release(holder)
             if not index.holders():
@@ -284,12 +287,16 @@ class Peers:
         return out
 
     def store_depths(self, namespace: str, hashes: list[int]) -> StoreDepths:
-        """Every holder's prefix of ``hashes`` in ``namespace``, for routing."""
+        """Every store's sealed prefix of ``hashes`` in ``namespace``, for routing.
+        Only the store tier counts, as for QueryPrefix: a block no peer fetch can
+        serve is no block to credit."""
         index = self.indexes.get(namespace)
         if index is None or not hashes:
             return StoreDepths()
         depths = index.holder_depths(hashes)
-        ranked = sorted(((d, h) for h, d in depths.items() if d), key=lambda x: -x[0])
+        ranked = sorted(
+            ((d, h) for h, d in depths.items() if d and h[1] == STORE_TIER), key=lambda x: -x[0]
+        )
         return StoreDepths(tuple(ranked))
 
     def indexed_blocks(self) -> int:

@@ -43,6 +43,10 @@ from kvstore.wire.errors import KVError
 from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.tls import TlsFiles
 
+# vLLM batches a subscriber's ZMQ queue holds before its publisher drops more
+# (the default, 1,000 three-frame messages of up to MAX_EVENT_BYTES, is GiBs)
+EVENT_QUEUE_MESSAGES = 128
+
 log = logging.getLogger(__name__)
 
 
@@ -68,6 +72,7 @@ async def follow_vllm(
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_EVENT_BYTES)
+    sock.setsockopt(zmq.RCVHWM, EVENT_QUEUE_MESSAGES)
     sock.setsockopt(zmq.SUBSCRIBE, topic)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
@@ -150,6 +155,15 @@ class StreamGap(Exception):
     """An Events stream skipped numbers: events were lost."""
 
 
+def out_of_sequence(seq: int, expected: int) -> tuple[int, DropCause]:
+    """What an Events stream's message numbered ``seq`` in place of ``expected``
+    costs (the stream is dropped with it): the numbers skipped and itself, or,
+    numbered backwards, itself."""
+    if seq < expected:
+        return 1, DropCause.STALE_SEQUENCE
+    return seq - expected + 1, DropCause.SEQUENCE_GAP
+
+
 async def _follow_store_once(
     router: Router, address: str, bound: list[tuple[str, int]], tls: TlsFiles | None
 ) -> None:
@@ -160,7 +174,7 @@ async def _follow_store_once(
         stub = store_pb2_grpc.KVStoreStub(channel)
         async for message in stub.Events(store_pb2.EventsRequest()):
             if message.seq and message.seq != expected:
-                router.record_dropped(message.seq - expected + 1, DropCause.SEQUENCE_GAP)
+                router.record_dropped(*out_of_sequence(message.seq, expected))
                 raise StreamGap(f"event {expected} is missing (got {message.seq})")
             expected += 1
             try:

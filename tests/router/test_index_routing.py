@@ -200,3 +200,20 @@ def test_token_ids_of_more_blocks_than_block_hashes_allows_are_refused(router):
     assert (
         router.route("llama-8b", token_ids=tokens[:-1], track=False).total_blocks == len(tokens) - 1
     )
+
+
+def test_a_generated_request_id_never_takes_a_tracked_one(router):
+    """Tenant A tracks its request "r2"; tenant B routes twice without an id.
+    Before, B's second request was numbered "r2" and silently finished A's:
+    A's queued load vanished and A's RequestStarted/Finished did nothing."""
+    from kvstore.wire.principal import Principal
+
+    a, b = Principal("tenant-a"), Principal("tenant-b")
+    router.register_worker("w", card())
+    router.route("llama-8b", hashes=HASHES, request_id="r2", caller=a)
+    ids = [router.route("llama-8b", hashes=HASHES, caller=b).request_id for _ in range(2)]
+    assert "r2" not in ids and len(set(ids)) == 2
+    assert router.stats().active_requests == 3
+    queued = router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens
+    router.request_finished("r2", caller=a)  # still A's: its load leaves the queue
+    assert router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens < queued

@@ -150,3 +150,15 @@ def test_refreshes_cannot_take_a_peer_past_its_namespaces(router):
     assert (p.store_address, len(p.namespaces)) == ("a:50051", half)
     router.advertise_peer("a", "moved:1", "moved:2", more[:-1], generation=p.generation)
     assert len(p.namespaces) == limits.MAX_NAMESPACES_PER_PEER
+
+
+def test_remote_tier_blocks_are_not_credited_as_fetchable(router):
+    """A store event of tier "remote" is indexed but no peer fetch serves it
+    (QueryPrefix counts the store tier only). Before, Route credited it as
+    remote blocks, even to a worker on the publishing node itself."""
+    router.register_worker("on-a", card(node_id="a", final_namespace=NS))
+    pa = peer(router, "a")
+    router.publish_store_events("a", pa.generation, [ev("a", HASHES, tier="remote")])
+    assert router.query_prefix(NS, HASHES) == []
+    r = router.route("llama-8b", hashes=HASHES, track=False)
+    assert (r.store_blocks, r.remote_blocks) == (0, 0)

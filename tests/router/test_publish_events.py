@@ -330,3 +330,18 @@ def test_each_drop_cause_is_a_router_stats_field():
     """One list of causes: the core's, the record's and the wire's."""
     wire = [f.name for f in router_pb2.EventDrops.DESCRIPTOR.fields]
     assert wire == [f.name for f in fields(EventDrops)] == [c.value for c in DropCause]
+
+
+def test_an_events_stream_numbered_backwards_counts_one_stale_drop():
+    """A message numbered below the next expected one: before, the router
+    counted seq - expected + 1 drops, a negative number, and events_dropped
+    went down."""
+    from kvstore.router.drops import DropCause
+    from kvstore.service.feeds import out_of_sequence
+
+    assert out_of_sequence(9, 5) == (5, DropCause.SEQUENCE_GAP)  # 5..8 skipped, and 9
+    assert out_of_sequence(3, 5) == (1, DropCause.STALE_SEQUENCE)
+    router = Router()
+    router.record_dropped(*out_of_sequence(3, 5))
+    stats = router.stats()
+    assert stats.events_dropped == 1 and stats.dropped_by.stale_sequence == 1
