@@ -68,6 +68,9 @@ class Directory:
                         exc.message,
                     )
                 down = True
+            except Exception:  # a bug must not end the following for good, unheard
+                log.exception("%s: following etcd failed; listing again", self.what)
+                down = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_RETRY_S)
 
@@ -78,6 +81,6 @@ class Directory:
             log.exception("%s: listener failed", self.what)
 
     async def close(self) -> None:
-        if self._task is not None:
-            await cancel_task(self._task)
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_task(task)

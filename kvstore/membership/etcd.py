@@ -140,7 +140,10 @@ def get(key: str, range_end: str | None = None) -> tx.Get:
 
 
 def _entry(kv) -> Entry:
-    return Entry(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+    # a key no kvstore wrote may not be UTF-8 (ours are percent-encoded): it
+    # reads as one no layout parses, never as an error that stops a follower
+    key = kv.key.decode(errors="replace")
+    return Entry(key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
 class Etcd:
@@ -258,30 +261,38 @@ class Etcd:
         Ends only by raising UNAVAILABLE (etcd gone, the stream broken, or the
         revision compacted): the caller lists again and watches anew.
         """
-        client = self._connected()
+        client, endpoint, what = self._connected(), self.endpoint, f"watch {prefix}"
         try:
             async with bounded(self.config.timeout_s):
                 watch = await client.watch_prefix(
                     prefix.encode(), start_revision=start_revision, prev_kv=True
                 )
+        except aetcd.RevisionCompactedError:  # etcd answered: list again, same endpoint
+            raise _compacted(endpoint, what, start_revision) from None
         except (aetcd.ClientError, TimeoutError, OSError) as exc:
             self._failed(client)
-            raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
+            raise _unreachable(endpoint, what, exc) from None
         try:
             async for event in watch:
-                if event.kind == "DELETE":
-                    before = event.prev_kv or event.kv
-                    yield Change(True, _entry(before))
-                else:
+                if event.kind != "DELETE":
                     yield Change(False, _entry(event.kv))
+                elif event.prev_kv is not None and event.prev_kv.key:
+                    yield Change(True, _entry(event.prev_kv))
+                else:  # its value before was compacted away: who held it is unknown
+                    raise unavailable(
+                        f"etcd {endpoint}: {what}: a delete came without the value it "
+                        "deleted (compacted meanwhile); listing again"
+                    )
+        except aetcd.RevisionCompactedError:
+            raise _compacted(endpoint, what, start_revision) from None
         except (aetcd.ClientError, OSError) as exc:
             self._failed(client)
-            raise _unreachable(self.endpoint, f"watch {prefix}", exc) from None
+            raise _unreachable(endpoint, what, exc) from None
         finally:
             with contextlib.suppress(Exception):  # the stream may be gone already
                 async with asyncio.timeout(1.0):
                     await watch.cancel()
-        raise unavailable(f"etcd {self.endpoint}: watch {prefix} ended")
+        raise unavailable(f"etcd {endpoint}: {what} ended")
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -338,6 +349,10 @@ def is_lease_gone(exc: BaseException) -> bool:
     """Whether ``exc`` says a lease named in the call no longer exists in etcd
     (the only NOT_FOUND this module raises)."""
     return isinstance(exc, KVError) and exc.code is Code.NOT_FOUND
+
+
+def _compacted(endpoint: str, what: str, revision: int) -> KVError:
+    return unavailable(f"etcd {endpoint}: {what}: revision {revision} was compacted; listing again")
 
 
 def _unreachable(endpoint: str, what: str, exc: BaseException) -> KVError:

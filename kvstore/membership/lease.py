@@ -158,6 +158,10 @@ class KeyLease:
                 unreachable = True
                 await asyncio.sleep(self.interval_s)
                 continue
+            except Exception:  # a bug: log it and try again, the holding must go on
+                log.exception("%s: registering again failed; retrying", self.what)
+                await asyncio.sleep(self.interval_s)
+                continue
             log.info("%s registered (generation %d)", self.what, generation)
             unreachable = False
 

@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 LEASE_MS = 10_000
 REFRESH_S = 3.0
 MAX_BATCH = 1024
+# events a feed holds for a replica slower than this store seals; past it the
+# queue is dropped for a snapshot, which subsumes it
+MAX_QUEUED_EVENTS = 1 << 16
 RESYNC_BATCH = 64  # snapshot events (up to HASHES_PER_EVENT hashes each) per publish
 QUERY_TIMEOUT_S = 1.0  # a Load miss waits this long on the router at most
 RETRY_S = 0.1  # a feed's first retry; doubling up to REFRESH_S
@@ -289,9 +292,25 @@ class RouterFeed:
         self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: resync
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def queued(self) -> int:
+        """Events (and resync markers) waiting to go to the replica."""
+        return self._queue.qsize()
+
     def publish(self, event: StoreEvent) -> None:
-        if self.generation:
+        if not self.generation:
+            return
+        if self._queue.qsize() < MAX_QUEUED_EVENTS:
             self._queue.put_nowait(event)
+            return
+        log.warning(
+            "router %s: %d events queued (it takes them slower than we seal); "
+            "sending a snapshot instead",
+            self.address,
+            MAX_QUEUED_EVENTS,
+        )
+        drain(self._queue)  # the snapshot covers them
+        self._queue.put_nowait(None)
 
     def resync(self, generation: int = 0) -> None:
         """Send everything again (as ``generation`` from now, when given)."""
@@ -322,8 +341,9 @@ class RouterFeed:
         delay, failures = RETRY_S, 0
         while True:
             drain(self._queue)  # the snapshot covers them
-            events = await events_of(self._snapshot)
+            events: list[StoreEvent] = []
             try:
+                events = await events_of(self._snapshot)
                 if await send_snapshot(self._send, events):
                     break
                 reason = "it asked for a snapshot again"

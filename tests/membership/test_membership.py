@@ -533,3 +533,60 @@ def test_a_listing_after_etcd_lost_its_data_sets_the_revision_afresh():
         assert mirror.revision == 5 and mirror.generation("w0") == 5
 
     asyncio.run(go())
+
+
+async def raw_client(config):
+    """An aetcd client of its own: writes no kvstore code would (raw bytes, compaction)."""
+    import aetcd
+
+    host, _, port = config.endpoints[0].rpartition(":")
+    return aetcd.Client(host, int(port))
+
+
+def test_a_key_that_is_not_utf8_does_not_stop_a_replica_following_etcd(etcd_config):
+    """Some other tool wrote a key under worksets/ that is not UTF-8. Before,
+    decoding it raised out of the listing, the directory's task ended without a
+    word, and the replica never heard of another worker."""
+    from kvstore.router.core import Router
+
+    async def go():
+        raw = await raw_client(etcd_config)
+        try:
+            await raw.put(f"{etcd_config.prefix}worksets/".encode() + b"\xff\xfe", b"junk")
+            async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, _):
+                second = (await r1.admit("w0", card())).generation
+                assert await r2.seen("w0", second)
+        finally:
+            await raw.close()
+
+    asyncio.run(go())
+
+
+def test_a_compacted_watch_lists_again_on_the_same_endpoint(etcd_server):
+    """A watch from a compacted revision: etcd answered, so the client stays on
+    its endpoint. Before, the compaction counted as the endpoint failing and the
+    client moved to the next one (here, a dead one) for every call after."""
+    from kvstore.demo import free_port
+    from kvstore.membership.etcd import Etcd, EtcdConfig, put
+
+    good = etcd_server.url.removeprefix("http://")
+    dead = f"127.0.0.1:{free_port()}"
+    config = EtcdConfig.parse(f"http://{good},{dead}", 2, "/kvstore-test/compacted/")
+
+    async def go():
+        etcd, raw = Etcd(config), await raw_client(config)
+        try:
+            for i in range(3):
+                await etcd.txn([], [put(f"{config.prefix}k{i}", b"v")])
+            _, revision = await etcd.list_prefix(config.prefix)
+            await raw.compact(revision)
+            with pytest.raises(KVError) as broken:
+                async for _ in etcd.watch_prefix(config.prefix, revision - 2):
+                    pass
+            assert broken.value.code is Code.UNAVAILABLE and "compacted" in broken.value.message
+            assert etcd.endpoint == good
+        finally:
+            await raw.close()
+            await etcd.close()
+
+    asyncio.run(go())

@@ -69,3 +69,36 @@ def test_stop_leaves_no_task_of_the_link_running():
         assert asyncio.run(run()) == []
     finally:
         router.stop()
+
+
+def test_a_feed_to_a_replica_survives_a_failing_snapshot_and_bounds_its_queue():
+    """A store's feed to one router replica (the etcd path). Before, a snapshot
+    that raised ended the feed's task for good (it was taken outside the retry),
+    and events queued without bound while the replica took them slowly."""
+    from kvstore.demo import free_port
+    from kvstore.service.router_link import MAX_QUEUED_EVENTS, RouterFeed
+
+    calls = []
+
+    def snapshot() -> Listed:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the first snapshot fails")
+        return NOTHING
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        feed = RouterFeed(f"127.0.0.1:{free_port()}", "n1", snapshot)  # nothing listens
+        try:
+            feed.resync(generation=7)
+            deadline = loop.time() + 10
+            while len(calls) < 2:  # retried after the failure: the task lives
+                assert loop.time() < deadline, "the feed stopped after the failed snapshot"
+                await asyncio.sleep(0.05)
+            for i in range(MAX_QUEUED_EVENTS + 10):
+                feed.publish(StoreEvent(STORED, NS, [i], "n1"))
+            assert feed.queued <= MAX_QUEUED_EVENTS
+        finally:
+            await feed.close()
+
+    asyncio.run(run())
