@@ -309,9 +309,9 @@ class Router:
         check_store("PublishEvents", caller)
         with self._lock:
             known = self.peers.get(node_id)
-            if known is not None:
-                known.check_caller(caller)
             peer = self.peers.current(node_id, generation)
+            if known is not None:  # only a publisher of the current generation claims it
+                known.check_caller(caller, claim=peer is known)
             if peer is None:
                 return self._drop_batch(len(events), DropCause.STALE_GENERATION)
             fault = peer.sequence_fault(seq, snapshot)

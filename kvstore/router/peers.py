@@ -66,10 +66,13 @@ class Peer:
             return None
         return DropCause.SEQUENCE_GAP
 
-    def check_caller(self, caller: Principal) -> None:
-        """PERMISSION_DENIED unless ``caller`` may speak for this node (claiming
-        it when nobody has yet)."""
+    def check_caller(self, caller: Principal, claim: bool = True) -> None:
+        """PERMISSION_DENIED unless ``caller`` may speak for this node (with
+        ``claim``, claiming it when nobody has yet; without, an unclaimed node
+        is nobody's to refuse)."""
         if self.owner is None:
+            if not claim:
+                return
             self.owner = caller.name
         check_owner(f"peer node_id {self.node_id!r}", self.owner, caller)
 

@@ -162,3 +162,19 @@ def test_remote_tier_blocks_are_not_credited_as_fetchable(router):
     assert router.query_prefix(NS, HASHES) == []
     r = router.route("llama-8b", hashes=HASHES, track=False)
     assert (r.store_blocks, r.remote_blocks) == (0, 0)
+
+
+def test_a_refused_stale_publish_does_not_claim_a_node_joined_from_etcd(router):
+    """A node joined from etcd with no owner recorded is claimed by its first
+    publisher. Before, a publish of a stale generation claimed it too, though
+    it was dropped, and the store itself was PERMISSION_DENIED after."""
+    from kvstore.wire.principal import Principal
+
+    router.join_peer("a", 5, "a:50051", "a:13337")
+    stale = router.publish_store_events("a", 4, [ev("a", HASHES)], caller=Principal("intruder"))
+    assert stale == EventsApplied(0, 1, stale=True)
+    applied = router.publish_store_events("a", 5, [ev("a", HASHES)], caller=Principal("store-a"))
+    assert applied == EventsApplied(1, 0)
+    with pytest.raises(KVError) as taken:
+        router.publish_store_events("a", 5, [ev("a", HASHES)], caller=Principal("intruder"))
+    assert taken.value.code is Code.PERMISSION_DENIED
