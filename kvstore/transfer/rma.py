@@ -399,7 +399,7 @@ class PendingRead:
         try:
             return self._poll()
         except _Failure as failure:
-            raise failure.error(self._settle()) from None
+            raise failure.error(self.cancel_now() or self._settle()) from None
 
     def _poll(self) -> bool:
         if self._failure is not None:
@@ -429,7 +429,7 @@ class PendingRead:
                 if pause:
                     time.sleep(pause)
         except _Failure as failure:
-            raise failure.error(self._settle()) from None
+            raise failure.error(self.cancel_now() or self._settle()) from None
         raise AssertionError("unreachable")
 
     async def wait_async(self, deadline: float) -> ReadStats:
@@ -442,10 +442,7 @@ class PendingRead:
                 self._check_deadline(deadline)
                 await asyncio.sleep(pause)
         except _Failure as failure:
-            settled = self.cancel_now()
-            if not settled:
-                settled = await self._settle_async()
-            raise failure.error(settled) from None
+            raise failure.error(self.cancel_now() or await self._settle_async()) from None
         raise AssertionError("unreachable")
 
     def _check_deadline(self, deadline: float) -> None:
@@ -477,17 +474,16 @@ class PendingRead:
         return settled
 
     def _settle(self) -> bool:
-        """:meth:`cancel_now`; a request NIXL will not release yet gets SETTLE_S
-        (blocking: the synchronous wait's)."""
-        settled = self.cancel_now()
-        end = time.monotonic() + SETTLE_S
+        """After :meth:`cancel_now` left a request NIXL would not release: try
+        again for SETTLE_S (blocking: the synchronous wait's)."""
+        end, settled = time.monotonic() + SETTLE_S, False
         while not settled and time.monotonic() < end:
             time.sleep(0.01)
             settled = self.cancel()
         return settled
 
     async def _settle_async(self) -> bool:
-        """As :meth:`_settle` after :meth:`cancel_now`, sleeping on the loop."""
+        """As :meth:`_settle`, sleeping on the loop."""
         end, settled = time.monotonic() + SETTLE_S, False
         while not settled and time.monotonic() < end:
             await asyncio.sleep(0.01)
