@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from kvstore.membership.etcd import Etcd, EtcdConfig, is_lease_gone
@@ -66,6 +67,13 @@ class LeaseKeeper:
     @property
     def interval_s(self) -> float:
         return self.config.ttl_s / 3
+
+    @property
+    def attempt_s(self) -> float:
+        """One refresh's bound on one endpoint: a refresh that tries every endpoint
+        ends within one interval, so a lease is tried again before it lapses even
+        when one endpoint is blackholed (the 2 s call bound would outlast a TTL of 2)."""
+        return min(self.config.timeout_s, self.interval_s / len(self.config.endpoints))
 
     def hold(self, lease: int, on_lost: Callable[[], None] | None = None) -> None:
         """Refresh ``lease`` from now on; ``on_lost`` runs on the calling loop once
@@ -113,7 +121,7 @@ class LeaseKeeper:
             loop.close()
 
     async def _keep(self) -> None:
-        etcd = Etcd(self.config)
+        etcd = Etcd(replace(self.config, timeout_s=self.attempt_s))
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
         try:

@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,6 +84,47 @@ def etcd_keys(config, what: str = "") -> dict[str, object]:
         return {e.key.removeprefix(config.prefix): e for e in entries}
 
     return etcd_read(config, go)
+
+
+class StallingRelay:
+    """A TCP relay to ``target`` (host:port) that can stall: once ``stalled`` is
+    set it stops passing bytes either way and keeps every connection open, as a
+    hung or partitioned etcd member does to a channel already connected to it."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.stalled = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets.append(self._listener)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        host, _, port = self.target.rpartition(":")
+        while True:
+            try:
+                near, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            far = socket.create_connection((host, int(port)))
+            self._sockets += [near, far]
+            for src, dst in ((near, far), (far, near)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                while self.stalled.is_set():
+                    time.sleep(0.01)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stalled.clear()
+        for sock in self._sockets:
+            sock.close()
 
 
 class RouterThread:

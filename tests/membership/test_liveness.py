@@ -9,6 +9,7 @@ TTLs: its process must keep every lease (no key of it re-created).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -21,7 +22,7 @@ from kvstore.membership.lease import LEASE_TRIES, KeyLease
 from kvstore.testing.cluster_nodes import MODEL, ClusterShape, SimStore
 from kvstore.wire.errors import Code, KVError
 from tests.conftest import ServerThread, wait_for
-from tests.membership.conftest import TTL_S, RouterThread, etcd_keys, etcd_read
+from tests.membership.conftest import TTL_S, RouterThread, StallingRelay, etcd_keys, etcd_read
 
 BUSY_S = 3 * TTL_S
 
@@ -147,6 +148,38 @@ def test_a_lease_gone_before_its_keys_are_written_is_replaced_by_a_fresh_one(etc
     granted, lease, generation, entry = asyncio.run(go())
     assert len(granted) == 2 and lease == granted[1]
     assert (entry.lease, entry.create_revision) == (granted[1], generation)
+
+
+def test_an_etcd_endpoint_that_hangs_does_not_lapse_a_lease_of_the_shortest_ttl(etcd_config):
+    """The keeper's endpoint stops answering on its open connection: the refresh
+    tried there must still move on and reach a live endpoint before the TTL (2 s,
+    as short as etcd allows) runs out. With the 2 s bound of every etcd call the
+    move came after the lease had lapsed."""
+    relay = StallingRelay(etcd_config.endpoints[0])
+    hanging_first = dataclasses.replace(
+        etcd_config, endpoints=(relay.address, *etcd_config.endpoints)
+    )
+    lease = etcd_read(etcd_config, lambda etcd: etcd.grant(TTL_S))
+    lost: list[int] = []
+
+    async def hold() -> int:
+        keeper = LeaseKeeper(hanging_first, "test")
+        try:
+            keeper.hold(lease, lambda: lost.append(lease))
+            while keeper.refreshed < 2:  # refreshed through the relay
+                await asyncio.sleep(0.05)
+            relay.stalled.set()
+            await asyncio.sleep(2 * TTL_S)
+            return keeper.refreshed
+        finally:
+            await keeper.aclose()
+
+    try:
+        refreshed = asyncio.run(hold())
+    finally:
+        relay.close()
+    assert lost == [] and refreshed >= 4
+    assert etcd_read(etcd_config, lambda etcd: etcd.refresh(lease)) > 0
 
 
 def test_leases_gone_every_time_are_an_outage_retried_until_one_holds(etcd_config):
