@@ -69,6 +69,7 @@ class _Accounting:
     running_since_report: int = 0  # started since the latest report, less those finished
     report: LoadReport | None = None
     reported_at: float = -math.inf
+    requests: set[str] = field(default_factory=set)  # ids of its tracked requests
 
 
 @dataclass
@@ -121,6 +122,7 @@ class LoadTracker:
             self.expire(math.inf, limit=1)
         acc = self.workers.setdefault(request.ref, _Accounting())
         self.requests[request_id] = request
+        acc.requests.add(request_id)
         acc.queued_tokens += request.prefill_tokens
         acc.queued_since_report += request.prefill_tokens
         heapq.heappush(self._deadlines, (request.deadline, request_id))
@@ -159,8 +161,9 @@ class LoadTracker:
         if req is None or not caller.may_act_for(req.owner):
             return False
         del self.requests[request_id]
+        acc = self.workers[req.ref]
+        acc.requests.discard(request_id)
         if req.started:
-            acc = self.workers[req.ref]
             acc.running = max(0, acc.running - 1)
             acc.running_since_report -= 1
         else:
@@ -188,7 +191,9 @@ class LoadTracker:
         return freed
 
     def drop_worker(self, ref: WorkerRef) -> None:
-        """A removed worker's requests and report are gone with it."""
-        self.workers.pop(ref, None)
-        for rid in [rid for rid, r in self.requests.items() if r.ref == ref]:
+        """A removed worker's requests and report are gone with it (its own
+        requests only are looked at: a worker leaving under a million tracked
+        requests of others costs what it held)."""
+        acc = self.workers.pop(ref, None)
+        for rid in acc.requests if acc is not None else ():
             del self.requests[rid]

@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 
 from kvstore.router import LoadReport
+from kvstore.router.admission import WorkerRef
 from kvstore.router.core import Router, RouterConfig
+from kvstore.router.load import LoadTracker, TrackedRequest
 from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import BlockEvent
 from kvstore.wire import limits
@@ -234,6 +236,27 @@ def test_a_replaced_generations_report_is_dropped():
     router.register_worker("hot", card())  # a restart: no report, no cached blocks
     r = router.route("llama-8b", hashes=HASHES, track=False)
     assert r.ttft.queued_tokens == 0 and r.ttft.report_age_s is None
+
+
+def test_a_dropped_workers_requests_leave_with_it_and_no_one_elses_do():
+    """Each worker knows its own requests: one routed again elsewhere under the
+    same id, or finished, is no longer the dropped worker's."""
+    tracker, w1, w2 = LoadTracker(), WorkerRef("w1", 1), WorkerRef("w2", 1)
+    tracker.add("a", TrackedRequest(w1, 10, 0, 100.0))
+    tracker.add("b", TrackedRequest(w1, 10, 0, 100.0))
+    tracker.start("b")
+    tracker.add("a", TrackedRequest(w2, 20, 0, 100.0))  # the same id routed again, to w2
+    tracker.add("c", TrackedRequest(w1, 5, 0, 100.0))
+    tracker.finish("c")
+    tracker.drop_worker(w1)
+    assert set(tracker.requests) == {"a"}
+    assert tracker.load(w2, 0.0, 1.0).queued_tokens == 20
+    assert tracker.load(w1, 0.0, 1.0) == tracker.load(WorkerRef("none", 1), 0.0, 1.0)
+    assert not tracker.finish("b") and tracker.finish("a")
+    tracker.add("b", TrackedRequest(w2, 1, 0, 100.0))
+    tracker.drop_worker(w2)
+    tracker.drop_worker(w2)  # twice: nothing left to drop
+    assert tracker.requests == {} and tracker.expire(math.inf) == 0
 
 
 @pytest.mark.parametrize(
