@@ -288,6 +288,7 @@ class RouterFeed:
         self.generation = 0
         self.synced = False  # the replica holds exactly our sealed blocks (as of the last send)
         self.seq = 0  # the last batch number sent
+        self.overflows = 0  # times the queue filled and was dropped for a snapshot
         self._snapshot = snapshot
         self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: resync
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -303,12 +304,14 @@ class RouterFeed:
         if self._queue.qsize() < MAX_QUEUED_EVENTS:
             self._queue.put_nowait(event)
             return
-        log.warning(
-            "router %s: %d events queued (it takes them slower than we seal); "
-            "sending a snapshot instead",
-            self.address,
-            MAX_QUEUED_EVENTS,
-        )
+        self.overflows += 1
+        if self.overflows == 1:  # once until a snapshot is taken, not every MAX_QUEUED_EVENTS
+            log.warning(
+                "router %s: %d events queued (it takes them slower than we seal); "
+                "sending a snapshot instead, and dropping events until it is taken",
+                self.address,
+                MAX_QUEUED_EVENTS,
+            )
         drain(self._queue)  # the snapshot covers them
         self._queue.put_nowait(None)
 
@@ -356,12 +359,14 @@ class RouterFeed:
             delay = min(delay * 2, REFRESH_S)
         self.synced = True
         log.info(
-            "router %s holds our %d sealed-block events (generation %d, seq %d)",
+            "router %s holds our %d sealed-block events (generation %d, seq %d%s)",
             self.address,
             len(events),
             self.generation,
             self.seq,
+            f"; the queue overflowed {self.overflows} times before" if self.overflows else "",
         )
+        self.overflows = 0
 
     async def _send(self, batch: list[StoreEvent], snapshot: bool = False) -> bool:
         """Publish one numbered batch; False when the replica asks for a snapshot."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from kvstore.client.router_client import RouterClient
 from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
@@ -71,10 +72,11 @@ def test_stop_leaves_no_task_of_the_link_running():
         router.stop()
 
 
-def test_a_feed_to_a_replica_survives_a_failing_snapshot_and_bounds_its_queue():
+def test_a_feed_to_a_replica_survives_a_failing_snapshot_and_bounds_its_queue(caplog):
     """A store's feed to one router replica (the etcd path). Before, a snapshot
     that raised ended the feed's task for good (it was taken outside the retry),
-    and events queued without bound while the replica took them slowly."""
+    and events queued without bound while the replica took them slowly. The
+    overflow is logged once until a snapshot is taken."""
     from kvstore.demo import free_port
     from kvstore.service.router_link import MAX_QUEUED_EVENTS, RouterFeed
 
@@ -95,9 +97,11 @@ def test_a_feed_to_a_replica_survives_a_failing_snapshot_and_bounds_its_queue():
             while len(calls) < 2:  # retried after the failure: the task lives
                 assert loop.time() < deadline, "the feed stopped after the failed snapshot"
                 await asyncio.sleep(0.05)
-            for i in range(MAX_QUEUED_EVENTS + 10):
-                feed.publish(StoreEvent(STORED, NS, [i], "n1"))
-            assert feed.queued <= MAX_QUEUED_EVENTS
+            with caplog.at_level(logging.WARNING, "kvstore.service.router_link"):
+                for i in range(3 * MAX_QUEUED_EVENTS + 10):
+                    feed.publish(StoreEvent(STORED, NS, [i], "n1"))
+            assert feed.queued <= MAX_QUEUED_EVENTS and feed.overflows == 3
+            assert sum("events queued" in r.getMessage() for r in caplog.records) == 1
         finally:
             await feed.close()
 
