@@ -154,6 +154,13 @@ class Peers:
         peer.expires = now + lease_ms / 1000 if lease_ms else None
         if peer.expires is not None:
             heapq.heappush(self._leases, (peer.expires, node_id, peer.generation))
+            if len(self._leases) > 2 * len(self.peers) + 1024:  # drop refreshed-over entries
+                self._leases = [
+                    (p.expires, p.node_id, p.generation)
+                    for p in self.peers.values()
+                    if p.expires is not None
+                ]
+                heapq.heapify(self._leases)
         return peer
 
     def join(

@@ -101,6 +101,29 @@ def test_lease_expiry_drops_a_silent_peer():
     assert router.stats().peers == 0
 
 
+def test_refreshing_a_lease_often_holds_one_entry_per_peer_not_one_per_refresh():
+    """Each refresh pushes the peer's new expiry; the entries it supersedes are
+    dropped before they pile up (a store refreshing a 10-minute lease every
+    millisecond held 600,000 of them), and expiry still goes by the latest."""
+    clock = Clock()
+    router = Router(clock=clock)
+    a = peer(router, "a", lease_ms=limits.MAX_LEASE_MS)
+    b = peer(router, "b", lease_ms=5000)
+    peer(router, "c")  # no lease: never expires, never queued
+    for _ in range(5000):
+        clock.now += 0.0001
+        peer(router, "a", generation=a.generation, lease_ms=limits.MAX_LEASE_MS)
+    assert len(router.peers._leases) <= 2 * 3 + 1024  # white box: the expiry queue
+    clock.now += 4.0  # 4.5 s
+    peer(router, "b", generation=b.generation, lease_ms=5000)  # now until 9.5 s
+    clock.now += 1.5  # past b's first lease: its latest holds
+    router.query_prefix(NS, HASHES)
+    assert router.stats().peers == 3
+    clock.now += 4.0  # past b's latest, far from a's
+    router.query_prefix(NS, HASHES)
+    assert router.stats().peers == 2 and router.peers.get("b") is None
+
+
 def test_routing_credits_local_store_and_remote_peers(router):
     a = router.register_worker("on-a", card(node_id="a", final_namespace=NS))
     router.register_worker("on-b", card(node_id="b", final_namespace=NS))
