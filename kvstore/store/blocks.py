@@ -231,7 +231,7 @@ class BlockIndex:
         it counts is left to it (skipped): steps of two schedulers say nothing
         of each other. Writers that count no steps (0) join any, as ever."""
         mask = slot_mask(slots)
-        picked, fresh, found, stale = self._sort(namespace, hashes, mask, by.origin)
+        picked, fresh, found, stale = self._sort(namespace, hashes, mask, by)
         if not picked:
             return Claim(by, slots, [], picked, skipped=len(hashes))
         for block in stale:  # they can never seal: their slots may serve this claim
@@ -281,12 +281,15 @@ class BlockIndex:
         return Claim(by, slots, blocks, picked, len(hashes) - len(blocks), rows)
 
     def _sort(
-        self, namespace: str, hashes: list[int], mask: int, origin: tuple[str, int]
+        self, namespace: str, hashes: list[int], mask: int, by: Writer
     ) -> tuple[list[int], list[int], list[Block | None], list[Block]]:
-        """For a claim of ``mask`` slots by a writer of ``origin``: the request
-        positions it writes, the hashes it makes new blocks of, per position its
-        inflight block (None if new), and the stale inflight blocks new ones replace."""
-        known = self.blocks.get
+        """For a claim of ``mask`` slots by writer ``by``: the request positions it
+        writes, the hashes it makes new blocks of, per position its inflight block
+        (None if new), and the stale inflight blocks new ones replace. An inflight
+        block whose slots of ``by``'s tp_rank lie on another device is left alone
+        (skipped): a block keeps one device a tp_rank, and another instance's
+        ranks of that tp_rank (pipeline stages) may have claimed some of them."""
+        known, origin, tp_rank = self.blocks.get, by.origin, by.tp_rank
         picked, fresh = [], []
         found: list[Block | None] = []
         stale: list[Block] = []
@@ -300,7 +303,11 @@ class BlockIndex:
                     continue
             if block is None:
                 fresh.append(h)
-            elif block.sealed or block.claimed & mask:
+            elif (
+                block.sealed
+                or block.claimed & mask
+                or block.devices[tp_rank] not in (None, by.device)
+            ):
                 continue
             picked.append(i)
             found.append(block)

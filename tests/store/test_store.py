@@ -504,6 +504,58 @@ def test_ranks_of_one_tp_rank_register_memory_on_one_device():
     assert second.reg.session not in node.registry.sessions
 
 
+def pipeline_stage(instance: str, rank: int, device: str):
+    """Rank ``rank`` of a 2-stage pipeline (tp_size 1): tp_rank 0, layer ``l<rank>``."""
+    from kvstore.testing.store import make_rank
+
+    stage = make_rank(instance, 0, 1, layers=1)
+    stage.reg.rank, stage.reg.world_size = rank, 2
+    layer = stage.reg.layers[0]
+    layer.geometry = dataclasses.replace(layer.geometry, name=f"l{rank}")
+    stage.reg.regions = {f"l{rank}": stage.reg.regions["l0"]}
+    stage.reg.device = device
+    return stage
+
+
+def test_instances_whose_stages_share_a_tp_rank_on_two_devices_never_mix_one_block():
+    """Instances a (host) and b (a second pool) of one model, both pipelined, so
+    two ranks each write tp_rank 0. b's stage joining the block a's stage began
+    moved the block's tp_rank 0 to b's device while a's slot lay in the host
+    pool: loads read the wrong pool, and freeing it raised 'double free' with
+    its slots leaked. b's stage now leaves that block to a."""
+    from kvstore.copy import copier_for
+    from kvstore.store.blocks import BlockIndex
+    from kvstore.store.node import StoreNode
+    from kvstore.store.pool import SlotPool
+    from kvstore.store.registry import Registry
+
+    pools = {
+        "cpu": SlotPool(1 << 20, "cpu", 64 << 10),
+        "cuda:1": SlotPool(1 << 20, "cpu", 64 << 10),
+    }
+    pools["cuda:1"].device = "cuda:1"  # a second pool, host memory under another name
+    copier = copier_for("cpu")
+    node = StoreNode(Registry(), BlockIndex(pools), {"cpu": copier, "cuda:1": copier})
+    a = [pipeline_stage("a", r, "cpu") for r in (0, 1)]
+    b = [pipeline_stage("b", r, "cuda:1") for r in (0, 1)]
+    for stage in [*a, *b]:
+        node.register(stage.reg)
+        fill(stage, 0, 3)
+    ns = node.registry.instances["a"].seal.final_namespace
+    assert ns == node.registry.instances["b"].seal.final_namespace
+    assert run(node.save(a[0].reg.caller_id, [(7, 0)])).written == 1
+    assert run(node.save(b[1].reg.caller_id, [(7, 0)])).skipped == 1
+    assert run(node.save(a[1].reg.caller_id, [(7, 0)])).sealed == 1
+    assert node.query(ns, [7]).prefix_blocks == 1
+    assert pools["cuda:1"].stats().used_bytes == 0
+    for stage in a:
+        stage.tensors[0].zero_()
+        assert run(node.load(stage.reg.caller_id, [(7, 1)])).loaded == 1
+        assert bool((stage.tensors[0][:, 1] == 3 * 7).all())  # fill(): value 3, layer 0
+    assert node.clear("") == 1
+    assert used_bytes(node) == 0
+
+
 def test_a_load_whose_rank_left_while_it_fetched_copies_nothing():
     """Before: a Load waited on a peer fetch, the rank's session ended meanwhile
     (its memory unmapped), and the copy went ahead into the unmapped memory."""
