@@ -248,7 +248,8 @@ class Peers:
         would take it past MAX_NAMESPACES_PER_PEER: checked before a batch
         applies, so a refused one changes nothing. (Holder bits cannot run out:
         a namespace's index holds at most two tiers of each current peer.)"""
-        serving = len(peer.namespaces) + len({e.namespace for e in events} - peer.namespaces)
+        stored = {e.namespace for e in events if e.type == STORED}  # a removal adds none
+        serving = len(peer.namespaces) + len(stored - peer.namespaces)
         if serving > limits.MAX_NAMESPACES_PER_PEER:
             raise exhausted(
                 f"events: would make peer {peer.node_id!r} serve {serving} namespaces, "
@@ -256,12 +257,17 @@ class Peers:
             )
 
     def apply(self, peer: Peer, event: StoreEvent) -> int:
-        """Index one of ``peer``'s own events; return how many blocks it stored."""
-        index = self.index_for(peer, event.namespace)
-        bit = index.assign((peer.node_id, event.tier))
+        """Index one of ``peer``'s own events; return how many blocks it stored.
+        A removal where the peer holds nothing indexed changes nothing (it makes
+        no index and no namespace for the peer)."""
         if event.type == STORED:
-            index.store(bit, event.block_hashes)
+            index = self.index_for(peer, event.namespace)
+            index.store(index.assign((peer.node_id, event.tier)), event.block_hashes)
             return len(event.block_hashes)
+        index = self.indexes.get(event.namespace)
+        bit = index.bit_of((peer.node_id, event.tier)) if index is not None else None
+        if bit is None:
+            return 0
         if event.type == REMOVED:
             index.remove(bit, event.block_hashes)
         else:

@@ -158,6 +158,7 @@ class BlockIndex:
         self._leases: dict[str, Lease] = {}  # leases held by id
         self._writers: dict[str, set[Key]] = {}  # session -> inflight blocks it claimed
         self._on_event = on_event
+        self.events_refused = 0  # events on_event raised on (logged; the change stands)
         self._seq = 0
         self._evictions = 0
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
@@ -609,6 +610,21 @@ class BlockIndex:
         block.offsets[:] = -1
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:
+        """Hand one event out. It is emitted after the change it tells of is made,
+        so a listener that raises (a router refusing it) must not fail the Save,
+        eviction or Clear that made it: that change stands, and the failure is logged."""
         self._seq += 1
-        if self._on_event is not None:
+        if self._on_event is None:
+            return
+        try:
             self._on_event(StoreEvent(kind, namespace, hashes, "", STORE_TIER, seq=self._seq))
+        except Exception:
+            self.events_refused += 1
+            if self.events_refused & (self.events_refused - 1) == 0:  # 1, 2, 4, ...: not every
+                log.exception(
+                    "a %s event of %d blocks of %s was refused downstream (%d so far)",
+                    kind,
+                    len(hashes),
+                    namespace,
+                    self.events_refused,
+                )

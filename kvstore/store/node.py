@@ -126,7 +126,7 @@ class StoreNode:
         try:
             check_slot_sizes(reg, self.index.slot_limit())
             self.tenants.check_register(reg.client_namespace, reg.principal)
-            inst = self.registry.register(reg)
+            inst = self.registry.register(reg, self.index.devices)
         except KVError as err:
             log.warning("registration of %s refused: %s", reg.where(), err)
             raise

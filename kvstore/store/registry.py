@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -223,8 +223,9 @@ class Registry:
 
     # ------------------------------------------------------------ register
 
-    def register(self, reg: Registration) -> Instance:
-        """Validate, map memory, record; seal when complete. Atomic."""
+    def register(self, reg: Registration, pools: Collection[str] | None = None) -> Instance:
+        """Validate, map memory, record; seal when complete. Atomic. ``pools``: the
+        devices blocks can be kept on (a rank's memory elsewhere is refused)."""
         check_fields(reg)
         inst = self.instances.get(reg.instance_id)
         if inst is not None:  # every rank of an instance comes from its first rank's principal
@@ -235,12 +236,12 @@ class Registry:
             self._mapper(reg)  # raises KVError; nothing recorded yet
             try:
                 self._check_owner(reg)
-                check_device(inst, reg)
+                check_device(inst, reg, pools)
             except KVError:
                 reg.retire()  # unmap what was just mapped
                 raise
         else:
-            check_device(inst, reg)
+            check_device(inst, reg, pools)
         if inst is None:
             inst = self.instances[reg.instance_id] = Instance(reg.instance_id)
         inst.ranks[reg.rank] = reg

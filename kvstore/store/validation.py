@@ -9,6 +9,7 @@ nothing. Bounds come from :mod:`kvstore.wire.limits`, name rules from
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvstore.wire.errors import exists, invalid, precondition
@@ -163,11 +164,27 @@ def check_against(inst: Instance, reg: Registration) -> None:
         raise exists(f"rank {reg.rank} of instance {reg.instance_id!r} is already registered")
     for other in inst.ranks.values():
         _check_cells(other, reg)
+    layers = {layer.geometry.name for r in inst.ranks.values() for layer in r.layers}
+    layers.update(layer.geometry.name for layer in reg.layers)
+    if len(layers) > MAX_LAYERS:
+        raise invalid(
+            f"layers: {reg.where()} would make its instance span "
+            f"{len(layers)} layers, at most {MAX_LAYERS} (every rank's together)"
+        )
 
 
-def check_device(inst: Instance | None, reg: Registration) -> None:
+def check_device(
+    inst: Instance | None, reg: Registration, pools: Collection[str] | None = None
+) -> None:
     """A tp_rank's slots live in one device's pool (Block.devices holds one device
-    a tp_rank): ranks sharing a tp_rank (pipeline stages) share its device."""
+    a tp_rank): ranks sharing a tp_rank (pipeline stages) share its device, and
+    that device has a pool here (``pools``: their devices; None, unchecked)."""
+    if pools is not None and reg.device not in pools:
+        raise precondition(
+            f"device {reg.device!r} of {reg.where()}: this store keeps blocks on "
+            f"{sorted(pools)} only (its --device); register KV-cache memory there, or "
+            "start the store with a pool on that device"
+        )
     for other in inst.ranks.values() if inst is not None else ():
         if other.tp_rank == reg.tp_rank and other.device != reg.device:
             raise invalid(

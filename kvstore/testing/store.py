@@ -10,6 +10,7 @@ property-based ones) run thousands of operations in seconds.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from kvstore.store.blocks import BlockIndex
 from kvstore.store.node import StoreNode
 from kvstore.store.pool import SlotPool
 from kvstore.store.registry import LayerReg, Registration, Registry
+from kvstore.wire.events import StoreEvent
 from kvstore.wire.fingerprint import LayerGeometry
 from kvstore.wire.kv_layout import LayoutKind
 
@@ -70,12 +72,16 @@ def make_instance(registry: Registry, instance: str, tp_size: int = 2, **kw) -> 
 
 
 def make_store(
-    pool_bytes: int = 1 << 20, slab_bytes: int = 64 << 10, events: list | None = None
+    pool_bytes: int = 1 << 20,
+    slab_bytes: int = 64 << 10,
+    events: list | None = None,
+    on_event: Callable[[StoreEvent], None] | None = None,
 ) -> StoreNode:
-    """A store node on one host pool, no peers; ``events`` collects what its index emits."""
+    """A store node on one host pool, no peers; ``events`` collects what its index
+    emits, or ``on_event`` is handed each."""
     index = BlockIndex(
         {"cpu": SlotPool(pool_bytes, "cpu", slab_bytes)},
-        on_event=(events.append if events is not None else None),
+        on_event=(events.append if events is not None else on_event),
     )
     return StoreNode(Registry(), index, {"cpu": copier_for("cpu")})
 

@@ -175,6 +175,24 @@ def test_refreshes_cannot_take_a_peer_past_its_namespaces(router):
     assert len(p.namespaces) == limits.MAX_NAMESPACES_PER_PEER
 
 
+def test_removals_in_namespaces_a_peer_never_stored_in_take_no_room(router):
+    """A full peer's removal (an eviction) naming a namespace it has nothing
+    indexed in made that namespace the peer's, refused past the bound: the
+    store's eviction raised after its blocks were gone."""
+    full = [f"a{i}.0123456789abcdef" for i in range(limits.MAX_NAMESPACES_PER_PEER)]
+    p = peer(router, "a", full)
+    other = "z.0123456789abcdef"
+    removals = [
+        StoreEvent("removed", other, [1], "a").encode(),
+        StoreEvent("cleared", other, [], "a").encode(),
+    ]
+    assert router.publish_store_events("a", p.generation, removals).applied == 2
+    assert other not in p.namespaces and router.query_prefix(other, [1]) == []
+    with pytest.raises(KVError) as err:  # a stored block there still needs room
+        router.publish_store_events("a", p.generation, [ev("a", [1], ns=other)])
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+
+
 def test_remote_tier_blocks_are_not_credited_as_fetchable(router):
     """A store event of tier "remote" is indexed but no peer fetch serves it
     (QueryPrefix counts the store tier only). Before, Route credited it as

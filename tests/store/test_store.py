@@ -556,6 +556,71 @@ def test_instances_whose_stages_share_a_tp_rank_on_two_devices_never_mix_one_blo
     assert used_bytes(node) == 0
 
 
+def test_memory_on_a_device_the_store_keeps_no_pool_on_is_refused_at_registration():
+    """A host rank registering with a store whose pools are all on a GPU (or a
+    rank on cuda:1 with the store on cuda:0) sealed, then every Save and Load
+    failed UNKNOWN (KeyError 'cpu'), and so did peer fetches of its namespace."""
+    from kvstore.testing.store import make_rank
+
+    node = make_store()
+    rank = make_rank("elsewhere", 0, 1, layers=1)
+    rank.reg.device = "cuda:0"
+    with pytest.raises(KVError) as info:
+        node.register(rank.reg)
+    assert info.value.code == Code.FAILED_PRECONDITION
+    assert "'cuda:0'" in info.value.message and "['cpu']" in info.value.message
+    assert node.registry.instances == {} and node.registry.sessions == {}
+
+
+def test_ranks_together_span_at_most_max_layers():
+    """The bound on layers is an instance's, not one rank's: two pipeline stages
+    of 1,024 layers each made a 2,048-slot block, past what transfers carry."""
+    from kvstore.testing.store import make_rank
+    from kvstore.wire.limits import MAX_LAYERS
+
+    node = make_store()
+    stages = [make_rank("tall", 0, 1, layers=MAX_LAYERS, num_blocks=1) for _ in range(2)]
+    second = stages[1].reg
+    second.rank, stages[0].reg.world_size, second.world_size = 1, 2, 2
+    for layer in second.layers:  # its own layers
+        layer.geometry = dataclasses.replace(layer.geometry, name="m" + layer.geometry.name)
+    second.regions = {
+        layer.geometry.name: r for layer, r in zip(second.layers, second.regions.values())
+    }
+    node.register(stages[0].reg)
+    with pytest.raises(KVError) as info:
+        node.register(second)
+    assert info.value.code == Code.INVALID_ARGUMENT and info.value.message.startswith("layers:")
+    assert f"span {2 * MAX_LAYERS} layers" in info.value.message
+    assert list(node.registry.instances["tall"].ranks) == [0]
+
+
+def test_a_listener_refusing_events_fails_no_save_eviction_or_clear():
+    """Events go out after the change they tell of. A listener that raised (the
+    embedded router refusing a namespace past its bound) failed the Save whose
+    block was already sealed, an eviction after its blocks were gone, and a
+    Clear halfway: now the change stands, and the refusal is counted."""
+    seen = []
+
+    def listener(event) -> None:
+        if event.type != "stored" or event.block_hashes[0] != 2:
+            seen.append((event.type, list(event.block_hashes)))
+            return
+        raise RuntimeError("refused downstream")
+
+    node = make_store(on_event=listener)
+    ranks = make_instance(node.registry, "x")
+    ns = node.registry.instances["x"].seal.final_namespace
+    for key in (1, 2, 3):
+        results = run(save_all(node, ranks, [(key, 0)]))
+        assert results[-1].sealed == 1
+    assert node.query(ns, [1]).prefix_blocks == 1 and node.query(ns, [2]).prefix_blocks == 1
+    assert node.index.events_refused == 1
+    assert node.clear(ns) == 3
+    assert node.query(ns, [1, 2, 3]).prefix_blocks == 0 and used_bytes(node) == 0
+    assert ("stored", [3]) in seen and any(kind == "cleared" for kind, _ in seen)
+
+
 def test_a_load_whose_rank_left_while_it_fetched_copies_nothing():
     """Before: a Load waited on a peer fetch, the rank's session ended meanwhile
     (its memory unmapped), and the copy went ahead into the unmapped memory."""
