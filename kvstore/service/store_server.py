@@ -280,7 +280,10 @@ class StoreServer:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_EVERY_S)
-            self.node.expire()
+            try:
+                self.node.expire()
+            except Exception:
+                log.exception("expiring leases and stale inflight blocks failed; next in 1 s")
 
     async def stop(self, grace: float = 2.0) -> None:
         if self._expirer:
