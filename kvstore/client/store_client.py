@@ -386,5 +386,20 @@ def request_chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     ]
 
 
+def distinct_chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``pairs`` cut as :func:`request_chunks` does, with no hash twice in one
+    request: a hash wanted into several block ids (two requests sharing a prefix
+    in one engine step) goes again in a later round. In order within a round."""
+    rounds: list[list[tuple[int, int]]] = []
+    seen: dict[int, int] = {}  # hash -> rounds it is in
+    for pair in pairs:
+        n = seen.get(pair[0], 0)
+        seen[pair[0]] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(pair)
+    return [chunk for r in rounds for chunk in request_chunks(r)]
+
+
 def _block_refs(blocks: list[tuple[int, int]]) -> list[pb.BlockRef]:
     return [pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks]

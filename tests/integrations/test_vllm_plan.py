@@ -181,6 +181,29 @@ def test_requests_sharing_a_prefix_in_one_step_save_each_block_once(server, rank
     assert StoreClient(server.address).stats().sealed_blocks == 3
 
 
+def test_requests_sharing_a_stored_prefix_in_one_step_both_load_it(server, rank):
+    """Without vLLM's prefix caching, two new requests of one step with a prefix
+    in the store each load it into their own blocks: the one Load named each
+    hash twice, the store refused it, and every load of the step failed."""
+    worker, views, buf = rank
+    sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
+    g = torch.Generator().manual_seed(2)
+    buf.copy_(torch.randint(-128, 128, buf.shape, generator=g, dtype=torch.int8))
+    worker.save([BlockPair(block_key(vllm_hash(i)), b) for i, b in enumerate([20, 21, 22])])
+    saved = {n: v[[20, 21, 22]].clone() for n, v in views.items()}
+    a, b = request("a", 4), request("b", 4)  # the same four hashes, three of them stored
+    for req, ids in ((a, [0, 1, 2, 3]), (b, [4, 5, 6, 7])):
+        assert sched.matched_tokens(req, 0) == 3 * BS
+        sched.after_alloc(req, ids, 3 * BS)
+    plan = sched.build_plan(step(), {})
+    assert len(plan.loads) == 6 and len({p.key for p in plan.loads}) == 3
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set()
+    for n, v in views.items():
+        for ids in ([0, 1, 2], [4, 5, 6]):
+            assert torch.equal(v[ids].view(torch.int16), saved[n].view(torch.int16))
+
+
 def test_a_step_whose_load_failed_saves_nothing(server, rank):
     """Before: the step's Save went ahead and sealed, under valid hashes, blocks
     whose Load had just failed (stale KV) and blocks computed on top of them."""

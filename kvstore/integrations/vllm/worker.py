@@ -30,6 +30,7 @@ from kvstore.client.store_client import (
     RankSession,
     RankSpec,
     StoreClient,
+    distinct_chunks,
     request_chunks,
 )
 from kvstore.integrations.vllm.scheduler import BlockPair
@@ -179,7 +180,7 @@ class WorkerSide:
         try:
             if session is None:
                 raise unavailable("not registered with the store")
-            for chunk in request_chunks([tuple(p) for p in pairs]):
+            for chunk in distinct_chunks([tuple(p) for p in pairs]):
                 session.load(chunk, timeout=self.rpc_timeout)
         except KVError as err:
             log.warning(
