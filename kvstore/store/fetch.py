@@ -300,16 +300,22 @@ class Fetcher:
         fetches for itself, from the start (a caller that came while the
         aborted fetch settled, ABORT_GRACE_S at most, waited for that too)."""
         while True:
-            local = len(self.index.sealed_prefix(namespace, hashes))
-            missing = hashes[local:]
+            prefix = self.index.sealed_prefix(namespace, hashes)
+            local, missing = len(prefix), hashes[len(prefix) :]
             if not missing:
                 return FetchResult(local, 0)
-            key = (namespace, tuple(missing))
-            shared = self._running.get(key)
-            if shared is None:
-                fetched = await self._lead(key, namespace, missing)
-            else:
-                fetched = await asyncio.shield(shared)
+            # what the fetch extends stays: the reservation (or any Save meanwhile)
+            # evicting the oldest blocks would otherwise take the caller's own prefix
+            held = self.index.pin(prefix)
+            try:
+                key = (namespace, tuple(missing))
+                shared = self._running.get(key)
+                if shared is None:
+                    fetched = await self._lead(key, namespace, missing)
+                else:
+                    fetched = await asyncio.shield(shared)
+            finally:
+                self.index.unpin(held)
             if fetched is not None:
                 return dataclasses.replace(fetched, local_blocks=local)
 

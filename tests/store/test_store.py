@@ -621,6 +621,33 @@ def test_a_listener_refusing_events_fails_no_save_eviction_or_clear():
     assert ("stored", [3]) in seen and any(kind == "cleared" for kind, _ in seen)
 
 
+def test_a_fetch_never_evicts_the_local_prefix_it_extends():
+    """A Load of [local prefix + missing blocks] on a full pool: the fetch's
+    reservation (here: Saves while the router is asked) evicted the oldest
+    blocks, the caller's own prefix among them, so the Load found nothing."""
+    from kvstore.store.fetch import Fetcher, StoreSink
+
+    node = make_store(pool_bytes=128 << 10, slab_bytes=64 << 10)  # 64 blocks of 2 x 1 KiB
+    (rank,) = make_instance(node.registry, "a", tp_size=1, num_blocks=32)
+    (other,) = make_instance(node.registry, "b", tp_size=1, num_blocks=32)  # same namespace
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(node.save(rank.reg.caller_id, [(h, h) for h in range(10)]))
+
+    async def find_peers(namespace, hashes):
+        """Meanwhile the pool fills twice over: every unpinned block goes."""
+        for first in range(100, 228, 32):
+            await node.save(other.reg.caller_id, [(h, h - first) for h in range(first, first + 32)])
+        return []
+
+    node.fetcher = Fetcher(node.index, StoreSink(node.index, node.registry), find_peers)
+    with pytest.raises(KVError) as info:
+        run(node.load(rank.reg.caller_id, [(h, i) for i, h in enumerate([*range(10), 1000])]))
+    assert info.value.code == Code.NOT_FOUND and f"{1000:#018x}" in info.value.message
+    assert node.index.stats().evictions > 0
+    assert node.query(ns, list(range(10))).prefix_blocks == 10
+    assert node.index.stats().pinned_blocks == 0
+
+
 def test_a_load_whose_rank_left_while_it_fetched_copies_nothing():
     """Before: a Load waited on a peer fetch, the rank's session ended meanwhile
     (its memory unmapped), and the copy went ahead into the unmapped memory."""
