@@ -13,8 +13,10 @@ is the store's key. The registration's ``hash_format`` is
 **Namespace.** Pages are shared only between engines that would compute
 the same bytes. The client namespace is SGLang's storage model name (the
 served model name, tagged by SGLang with the host pool's page format when it
-has its own), an 8-digit digest of that exact name (sanitising may merge two
-names; the digest keeps them apart), and SGLang's host layout:
+has its own), an 8-digit digest of that exact name and of the checkpoint
+(sanitising may merge two names; the checkpoint digest,
+:mod:`kvstore.integrations.checkpoint`, keeps two engines serving other
+weights under one name apart), and SGLang's host layout:
 ``<model>-<digest>-<layout>``. The store then adds the layout fingerprint
 (layer names, which carry the SGLang layout and layer range; dtype; bytes
 per page; page size; TP size for MHA), so another layout, dtype, page size,
@@ -64,13 +66,21 @@ def page_key(key: str) -> int:
     return int(key[:16], 16)
 
 
-def client_namespace(model_name: str | None, layout: str, override: str | None = None) -> str:
-    """``<model>-<8 hex digest of the model name>-<layout>`` (see the module docstring)."""
+def client_namespace(
+    model_name: str | None,
+    layout: str,
+    override: str | None = None,
+    model_digest: str | None = None,
+) -> str:
+    """``<model>-<8 hex digest of the model name and the checkpoint>-<layout>``
+    (see the module docstring); ``model_digest``: the checkpoint's digest (None:
+    unknown, the name alone)."""
     if override:
         return override
     raw = model_name or ""
     name = _UNSAFE.sub("-", raw).strip("-")[:MAX_MODEL] or "model"
-    digest = blake3.blake3(raw.encode()).hexdigest()[:8]
+    named = raw if model_digest is None else f"{raw}\0{model_digest}"
+    digest = blake3.blake3(named.encode()).hexdigest()[:8]
     return f"{name}-{digest}-{_UNSAFE.sub('-', layout)}"
 
 

@@ -26,6 +26,9 @@ being down never fails a request: :mod:`kvstore.integrations.sglang.link`.
 Extra config keys read here (all optional but ``allocator``):
     address          store server, host:port (127.0.0.1:50051)
     namespace        the client namespace; default ``<model>-<digest>-<layout>``
+    model_digest     the checkpoint's part of that digest; default: a digest of
+                     the checkpoint at SGLang's --model-path (revision and
+                     quantisation included), where its runtime context tells it
     instance_id      this engine's id in the store; default from the parent pid
     seal_timeout_s   how long registration waits for every rank (60)
     kv_cache_dtype   SGLang's --kv-cache-dtype; needed for fp8 KV when SGLang's
@@ -52,6 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client.store_client import StoreClient
+from kvstore.integrations.checkpoint import checkpoint_digest
 from kvstore.integrations.sglang.identity import (
     RankIdentity,
     client_namespace,
@@ -157,7 +161,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.identity = rank_identity(
             instance=self.instance_id,
             namespace=client_namespace(
-                cfg.model_name, mem_pool_host.layout, cfg.extra_config.get("namespace")
+                cfg.model_name,
+                mem_pool_host.layout,
+                cfg.extra_config.get("namespace"),
+                cfg.extra_config.get("model_digest") or _checkpoint_digest(),
             ),
             page_size=self.page_size,
             tp_rank=cfg.tp_rank,
@@ -374,6 +381,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.link is not None:
             self.link.close()
         self.client.close()
+
+
+def _checkpoint_digest() -> str | None:
+    """The digest of the checkpoint this engine serves, from its server arguments
+    (None where they are not known: the namespace then rests on the name alone)."""
+    model_path = _server_arg("model_path")
+    if not model_path:
+        return None
+    return checkpoint_digest(str(model_path), _server_arg("revision"), _server_arg("quantization"))
 
 
 def _server_arg(name: str) -> Any:

@@ -8,10 +8,8 @@ namespace a connector registers names the weights:
 
     <served model name>-<16 hex digits of a digest of the checkpoint>
 
-The digest covers the checkpoint's ``config.json``, revision and quantisation,
-and for every weights file its name, size and three 1 MiB samples (start,
-middle, end): a fine-tune changes every tensor, so it changes the samples,
-and the digest of a 100 GB checkpoint still takes milliseconds.
+The digest (:mod:`kvstore.integrations.checkpoint`) covers the checkpoint's
+config, revision, quantisation and samples of every weights file.
 ``kv_connector_extra_config`` may set ``namespace`` (the whole client
 namespace) or ``model_digest`` (the part after the name) instead.
 
@@ -24,15 +22,13 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import blake3
 
-SAMPLE = 1 << 20
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+from kvstore.integrations.checkpoint import DIGEST_HEX, checkpoint_digest
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 MAX_NAME = 64
-DIGEST_HEX = 16
 
 
 def block_key(block_hash: bytes | int) -> int:
@@ -63,35 +59,6 @@ def client_namespace(
     name = _UNSAFE.sub("-", model_name.rsplit("/", 1)[-1]).strip("-")[:MAX_NAME] or "model"
     digest = model_digest or checkpoint_digest(model_path, revision, quantization)
     return f"{name}-{_UNSAFE.sub('-', digest)[:DIGEST_HEX]}"
-
-
-def checkpoint_digest(
-    model_path: str, revision: str | None = None, quantization: str | None = None
-) -> str:
-    """Hex digest of a checkpoint: config, revision, quantisation, sampled weights."""
-    h = blake3.blake3()
-    for part in (revision or "", quantization or ""):
-        h.update(part.encode() + b"\0")
-    root = Path(model_path)
-    if not root.is_dir():  # a hub id without a local snapshot: name and revision only
-        h.update(model_path.encode())
-        return h.hexdigest()[:DIGEST_HEX]
-    config = root / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
-    for path in sorted(root.iterdir()):
-        if path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
-            _sample(h, path)
-    return h.hexdigest()[:DIGEST_HEX]
-
-
-def _sample(h: blake3.blake3, path: Path) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}\0{size}\0".encode())
-    with path.open("rb") as f:
-        for at in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
-            f.seek(at)
-            h.update(f.read(SAMPLE))
 
 
 def none_hash_seed(algo: str, instance_id: str) -> str:
