@@ -60,7 +60,6 @@ def engine(spec: dict):
             kv_connector="KVStoreConnector",
             kv_connector_module_path=None if by_name else "kvstore.integrations.vllm",
             kv_role="kv_both",
-            kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"],
         )
     return LLM(

@@ -191,6 +191,7 @@ def test_store_killed_mid_run_engine_recomputes_then_reconnects(models, workdir,
     log = engine.log()
     assert "unreachable" in log and "recomputed" in log
     assert "re-registering" in log and "is back" in log
+    assert "kv_load_failure_policy 'fail' -> 'recompute'" in log  # vLLM's default, adopted
 
 
 def wait_file(path, engine: Engine, timeout: float = 600) -> None:
@@ -219,3 +220,34 @@ def test_ranks_without_pythonhashseed_agree_on_one_unshared_hash_format(vllm_rea
     assert none_hash_seed("sha256", "engine-1") == DEFAULT_NONE_HASH_SEED  # shared, as vLLM's
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert none_hash_seed("xxhash", "engine-1") == "7"
+
+
+@pytest.mark.parametrize(
+    "option", ["decode_context_parallel_size", "prefill_context_parallel_size"]
+)
+def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
+    """With context parallelism vLLM's scheduler blocks span several cache blocks:
+    the connector loaded blocks at positions off by that factor (silently wrong
+    output). It now refuses to start, naming the setting."""
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.connector import Settings
+
+    parallel = SimpleNamespace(
+        data_parallel_size=1,
+        data_parallel_rank=0,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, engine_id="e"),
+        model_config=SimpleNamespace(
+            served_model_name="m", model="/nonexistent/m", revision=None, quantization=None
+        ),
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(block_size=32, prefix_caching_hash_algo="sha256"),
+    )
+    assert Settings.from_vllm(config).block_size == 32
+    setattr(parallel, option, 2)
+    with pytest.raises(ValueError, match=option):
+        Settings.from_vllm(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -293,6 +294,70 @@ def test_a_store_that_went_down_is_not_called_again_until_the_retry_is_due():
     assert sched.stats.store_errors == 1  # the first failure only
     worker.close()
     pool.close()
+
+
+def test_no_prefetch_is_started_for_a_store_that_did_not_answer():
+    """With prefetch on, a Query that failed still started a prefetch against the
+    store that had not answered: the request waited out its timeout (60 s)."""
+    from tests.conftest import ServerThread
+
+    server = ServerThread(pool_size=64 << 20, device="cpu", slab_bytes=4 << 20)
+    try:
+        worker, _, _, pool = engine_rank(server, seal_timeout=10, retry_s=0.2)
+        sched = SchedulerSide(
+            StoreClient(server.address, timeout=2), "vllm-engine-1", BS, prefetch=True
+        )
+        worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(4)])
+        assert sched.matched_tokens(request("whole", 4), 0) == 4 * BS  # nothing to fetch
+    finally:
+        server.stop()
+    assert sched.matched_tokens(request("longer", 8), 0) == 0  # a miss, not "ask again"
+    assert sched.stats.prefetches == 0 and sched.stats.store_errors == 1
+    worker.close()
+    pool.close()
+
+
+def test_an_answer_half_its_lease_old_is_asked_again(server, rank):
+    """A request preempted, or waiting long at the head of the queue, reused its
+    first answer for its whole life: its Load could rely on a lapsed lease and
+    find the blocks evicted (NOT_FOUND fails every load of that step)."""
+    worker = rank[0]
+    client = StoreClient(server.address)
+    now = [0.0]
+    sched = SchedulerSide(client, "vllm-engine-1", BS, lease_ms=10_000, clock=lambda: now[0])
+    worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(2)])
+    r = request("r", 5)
+    assert sched.matched_tokens(r, 0) == 2 * BS
+    worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(2, 4)])
+    now[0] = 4.9
+    assert sched.matched_tokens(r, 0) == 2 * BS and sched.stats.queries == 1
+    now[0] = 5.0
+    assert sched.matched_tokens(r, 0) == 4 * BS and sched.stats.queries == 2
+    assert client.stats().leases == 1  # the first lease went back
+    sched.finished("r")
+    assert client.stats().leases == 0
+
+
+def test_a_store_that_stops_answering_costs_one_deadline_not_one_a_step(server):
+    """A store holding its connections but answering nothing (its loop stuck):
+    every step's Load and Save waited out the worker's deadline (60 s each).
+    After one timeout the rank leaves the store alone for retry_s."""
+    worker, _, _, pool = engine_rank(server, seal_timeout=10, retry_s=60, rpc_timeout=0.5)
+    stuck = threading.Event()
+    try:
+        pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(2)]
+        worker.save(pairs)
+        server.loop.call_soon_threadsafe(stuck.wait, 30)  # the store's loop stops
+        worker.load(pairs)  # waits out its deadline once
+        assert worker.take_load_errors() == {0, 1} and worker.skipped == 0
+        worker.load(pairs)  # the next steps: not sent, recomputed
+        assert worker.take_load_errors() == {0, 1} and worker.skipped == 1
+        worker.load([])
+        worker.save(pairs)
+        assert worker.skipped == 2
+    finally:
+        stuck.set()
+        worker.close([pool])
 
 
 def test_a_hash_scheme_mismatch_disables_the_cache(server, rank, caplog):

@@ -5,7 +5,6 @@ Load it with::
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
                            "kv_connector_module_path": "kvstore.integrations.vllm",
                            "kv_role": "kv_both",
-                           "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"address": "127.0.0.1:50051"}}'
 
 vLLM builds one connector per process: the scheduler's (metadata only,
@@ -13,7 +12,8 @@ vLLM builds one connector per process: the scheduler's (metadata only,
 :mod:`kvstore.integrations.vllm.worker`). This class only translates vLLM's
 calls to those two halves. Loads are synchronous (before the forward), every
 layer in one Load; saves happen after the forward, one Save per step. Not
-supported: the hybrid KV cache manager (HMA), layer-wise loading.
+supported: the hybrid KV cache manager (HMA), layer-wise loading, context
+parallelism (decode or prefill; refused at start).
 
 ``kv_connector_extra_config`` keys (all optional):
     address          store server, host:port (127.0.0.1:50051)
@@ -24,6 +24,11 @@ supported: the hybrid KV cache manager (HMA), layer-wise loading.
     seal_timeout_s   how long a rank waits for every rank to register (120)
     retry_s          how often an unreachable store is retried (5)
     timeout_s        scheduler-side RPC deadline (2)
+    io_timeout_s     a worker's Load or Save deadline (60); a store past it is
+                     left alone for retry_s (the rank recomputes meanwhile)
+    recompute_failed_loads   set vLLM's kv_load_failure_policy to "recompute"
+                     (true): a block the store cannot load is recomputed; vLLM's
+                     default, "fail", fails the request
     tls_ca, tls_cert, tls_key   PEM files for mutual TLS to the store server (all
                      three or none; the certificate's CN is this engine's tenant)
 """
@@ -74,13 +79,23 @@ class Settings:
     seal_timeout_s: float
     retry_s: float
     timeout_s: float
+    io_timeout_s: float = 60.0
+    recompute_failed_loads: bool = True
     tls: TlsFiles | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
+        """ValueError, naming the setting, for what the connector does not support."""
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
+        for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, option, 1) > 1:  # scheduler blocks are block_size x cp
+                raise ValueError(
+                    f"KVStoreConnector does not support context parallelism: {option} is "
+                    f"{getattr(parallel, option)} (its block hashes cover several cache "
+                    "blocks); run without it or without the connector"
+                )
         instance = f"vllm-{vllm_config.kv_transfer_config.engine_id}"
         if parallel.data_parallel_size > 1:
             instance += f"-dp{parallel.data_parallel_rank}"
@@ -98,14 +113,23 @@ class Settings:
             block_size=vllm_config.cache_config.block_size,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
             lease_ms=int(extra.get("lease_ms", 60_000)),
-            prefetch=bool(extra.get("prefetch", False)),
+            prefetch=_flag(extra.get("prefetch", False)),
             seal_timeout_s=float(extra.get("seal_timeout_s", 120)),
             retry_s=float(extra.get("retry_s", 5)),
             timeout_s=float(extra.get("timeout_s", 2)),
+            io_timeout_s=float(extra.get("io_timeout_s", 60)),
+            recompute_failed_loads=_flag(extra.get("recompute_failed_loads", True)),
             tls=TlsFiles.of(
                 extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
             ),
         )
+
+
+def _flag(value: Any) -> bool:
+    """A boolean of the extra config, which may come from JSON or a command line."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "no", "off", "")
+    return bool(value)
 
 
 def _log_through_vllm() -> None:
@@ -141,12 +165,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 prefetch=s.prefetch,
                 retry_s=s.retry_s,
             )
-            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-                log.warning(
-                    "kvstore: kv_load_failure_policy is %r; set it to 'recompute' so a "
-                    "store that dies mid-load costs a recompute, not a failed request",
-                    self._kv_transfer_config.kv_load_failure_policy,
-                )
+            self._adopt_recompute_policy()
         log.info(
             "kvstore connector (%s) for %s at %s, namespace %s",
             role.name,
@@ -154,6 +173,27 @@ class KVStoreConnector(KVConnectorBase_V1):
             s.address,
             s.client_namespace,
         )
+
+    def _adopt_recompute_policy(self) -> None:
+        """A cache's failed load is a miss: vLLM's default policy ("fail") fails
+        the request instead. vLLM reads the policy after making this connector,
+        so it is set here unless ``recompute_failed_loads`` is false."""
+        kv = self._kv_transfer_config
+        if kv.kv_load_failure_policy == "recompute":
+            return
+        if not self.settings.recompute_failed_loads:
+            log.warning(
+                "kvstore: kv_load_failure_policy is %r (recompute_failed_loads=false): a "
+                "store that dies mid-load fails the request instead of recomputing it",
+                kv.kv_load_failure_policy,
+            )
+            return
+        log.info(
+            "kvstore: kv_load_failure_policy %r -> 'recompute': a block the store cannot "
+            "load is recomputed, never a failed request (recompute_failed_loads=false keeps it)",
+            kv.kv_load_failure_policy,
+        )
+        kv.kv_load_failure_policy = "recompute"
 
     def _scheduler_hash_format(self) -> str:
         from vllm.v1.core.kv_cache_utils import get_none_hash_seed
@@ -195,7 +235,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         layout = cache.get_resolved_kv_cache_layout().name
         layers = paged_layers(kv_caches, s.block_size, layout, self._pool, cache.cache_dtype)
         self._worker = WorkerSide(
-            self.client, identity, seal_timeout=s.seal_timeout_s, retry_s=s.retry_s
+            self.client,
+            identity,
+            seal_timeout=s.seal_timeout_s,
+            retry_s=s.retry_s,
+            rpc_timeout=s.io_timeout_s,
         )
         self._worker.register(layers)
 

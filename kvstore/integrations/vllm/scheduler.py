@@ -55,6 +55,7 @@ class _Lookup:
     hit_blocks: int
     lease_id: str = ""
     local_tokens: int = 0
+    fresh_until: float = float("inf")  # asked again from then on (half its lease gone)
 
 
 @dataclass
@@ -114,9 +115,11 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens the store can provide beyond ``num_computed_tokens`` (block-aligned).
 
-        Idempotent: the first call queries (and leases) the whole chain, later
-        calls reuse that answer. Never claims the last prompt token. None while
-        a peer prefetch of the request is in flight.
+        Idempotent while the answer is fresh: the first call queries (and
+        leases) the whole chain, later calls reuse that answer until half its
+        lease is gone (a request preempted or waiting long asks again, so its
+        Load never relies on a lapsed lease). Never claims the last prompt
+        token. None while a peer prefetch of the request is in flight.
         """
         req_id = request.request_id
         if req_id in self._prefetching:
@@ -125,6 +128,9 @@ class SchedulerSide:
             del self._prefetching[req_id]
             self._drop_lookup(req_id)
             self._lookup(request, prefetch=False)
+        stale = self._lookups.get(req_id)
+        if stale is not None and self.clock() >= stale.fresh_until:
+            self._drop_lookup(req_id)
         lookup = self._lookups.get(req_id) or self._lookup(request, self.prefetch)
         if lookup is None:
             return NOT_YET
@@ -135,16 +141,22 @@ class SchedulerSide:
         keys = self._claimable_keys(request)
         lookup = _Lookup(keys, 0)
         namespace = self._final_namespace() if keys else None
+        answered = False
         if namespace is not None:
+            asked = self.clock()
             try:
                 answer = self.client.query(namespace, keys, lease=True, lease_ms=self.lease_ms)
                 lookup.hit_blocks, lookup.lease_id = answer.prefix_blocks, answer.lease_id
+                lookup.fresh_until = asked + self.lease_ms / 2000
+                answered = True
                 self.stats.queries += 1
                 self.stats.hit_blocks += lookup.hit_blocks
                 self._store_ok()
             except KVError as err:
                 self._store_failed(err)
-        if prefetch and namespace is not None and lookup.hit_blocks < len(keys):
+        # a prefetch only where the store answered: one that did not would hold the
+        # request back a whole prefetch timeout for a store that is down or hung
+        if prefetch and answered and lookup.hit_blocks < len(keys):
             self._release(lookup)
             self._start_prefetch(request.request_id, namespace, keys)
             return None

@@ -12,12 +12,15 @@ copy), exactly as it maps CUDA memory by IPC on a GPU.
 
 The store is a cache: when it cannot be reached the rank serves without it
 (loads fail and are recomputed by vLLM, saves are skipped), logs it once, and
-re-registers in the background until the store is back.
+re-registers in the background until the store is back. A store that stops
+answering (a Load or Save past its deadline, or unavailable) is not called
+again for ``retry_s``: a hung store costs one deadline, not one every step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -34,7 +37,7 @@ from kvstore.client.store_client import (
     request_chunks,
 )
 from kvstore.integrations.vllm.scheduler import BlockPair
-from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.errors import Code, KVError, unavailable
 from kvstore.wire.kv_layout import LayoutKind, paged_layout
 
 log = logging.getLogger(__name__)
@@ -148,7 +151,9 @@ class WorkerSide:
         self._layers: list[KVLayer] = []
         self._rank: KeptRank | None = None
         self.load_errors: set[int] = set()
+        self.skipped = 0  # loads and saves not sent: the store had stopped answering
         self._step_load_failed = False  # this step's Load failed: its Save is skipped
+        self._quiet_until = 0.0  # time.monotonic() before which the store is not called
 
     def register(self, layers: list[KVLayer]) -> None:
         """Register and wait for the seal; a store that is down is retried in the background."""
@@ -180,6 +185,11 @@ class WorkerSide:
         try:
             if session is None:
                 raise unavailable("not registered with the store")
+            if self._quiet():
+                self.skipped += 1
+                self.load_errors.update(p.block_id for p in pairs)
+                self._step_load_failed = True
+                return
             for chunk in distinct_chunks([tuple(p) for p in pairs]):
                 session.load(chunk, timeout=self.rpc_timeout)
         except KVError as err:
@@ -188,6 +198,7 @@ class WorkerSide:
             )
             self.load_errors.update(p.block_id for p in pairs)
             self._step_load_failed = True
+            self._failed(err)
 
     def save(self, pairs: list[BlockPair], step: int = 0) -> None:
         """Save the step's newly full blocks after the forward (best effort). Not
@@ -207,6 +218,9 @@ class WorkerSide:
         session = self._live_session()
         if session is None:
             return
+        if self._quiet():
+            self.skipped += 1
+            return
         if any(layer.tensor.is_cuda for layer in self._layers):
             torch.cuda.current_stream().synchronize()  # the forward's kernels wrote them
         try:
@@ -216,6 +230,22 @@ class WorkerSide:
             log.warning(
                 "kvstore: save of %d blocks failed (%s); they stay uncached", len(pairs), err
             )
+            self._failed(err)
+
+    def _quiet(self) -> bool:
+        """The store stopped answering a moment ago: no call until ``retry_s`` passed."""
+        return time.monotonic() < self._quiet_until
+
+    def _failed(self, err: KVError) -> None:
+        if err.code not in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE):
+            return  # the store answered: it is there
+        self._quiet_until = time.monotonic() + self.retry_s
+        log.warning(
+            "kvstore: the store is unreachable or not answering (%s); this rank loads and "
+            "saves nothing for %.1f s (vLLM recomputes what it would have loaded)",
+            err.code.name,
+            self.retry_s,
+        )
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
