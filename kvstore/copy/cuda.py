@@ -133,6 +133,7 @@ class CudaCopier:
             weakref.WeakKeyDictionary()
         )
         self._staging = _PinnedRing(cupy, STAGING_RING)
+        self.occupancy_grid()  # a CTA size that cannot launch is refused here, not per call
         self._inputs: Any | None = None  # device buffer of the last request's inputs
 
     # ------------------------------------------------------------ blocks path
@@ -174,18 +175,26 @@ class CudaCopier:
                     self._blocks_kernel.ptr, self.threads_per_block, 0
                 )
                 sms = cp.cuda.Device(self.device).attributes["MultiProcessorCount"]
-            self._max_ctas = max(1, per_sm) * sms
+            if per_sm < 1:  # every launch would fail "too many resources requested"
+                raise ValueError(
+                    f"threads_per_block {self.threads_per_block}: no CTA of "
+                    f"{BLOCKS_KERNEL_NAME} fits on an SM of cuda:{self.device} (its registers "
+                    f"per thread x {self.threads_per_block} exceed the SM's); use 256"
+                )
+            self._max_ctas = per_sm * sms
         return self._max_ctas
 
     def _blocks(self, table, block_ids, slot_addrs, save: bool, stream, wait: bool) -> int:
         args = table.check(block_ids, slot_addrs, distinct=not save)
+        cp = self._cp
         if not save and not table.paged_disjoint:  # not proven apart: the sorting path,
-            s = stream if stream is not None else self._stream()  # after earlier blocks calls
-            return self._synced(self.load(table.pieces(args), s), s, wait)
+            if stream is None:  # after earlier blocks calls, on their stream
+                with self._lock, cp.cuda.Device(self.device):
+                    stream = self._stream()
+            return self._synced(self.load(table.pieces(args), stream), stream, wait)
         total = args.num_blocks * table.bytes_per_block
         if total == 0:
             return 0
-        cp = self._cp
         with self._lock, cp.cuda.Device(self.device):
             dev = self._device_table(table)
             s = self._stream()
@@ -225,6 +234,8 @@ class CudaCopier:
         return nbytes
 
     def _stream(self) -> Any:
+        """The copier's one stream (made on first use): under the lock and on the
+        copier's device, as every use of its reused input buffers must be."""
         if self._own_stream is None:
             self._own_stream = self._cp.cuda.Stream(non_blocking=True)
         return self._own_stream

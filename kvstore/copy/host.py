@@ -26,6 +26,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -250,6 +251,7 @@ class HostCopier:
         self.check_overlap = check_overlap
         self._range_copy, self._blocks_copy, self.backend = _pick_backend(backend)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def save(self, pieces: Pieces, stream: object | None = None) -> int:  # noqa: ARG002
         """Paged KV -> slots. ``stream`` is CudaCopier's; host copies are synchronous."""
@@ -339,8 +341,11 @@ class HostCopier:
         """Copy a planned job on the calling thread and the pool; returns its bytes."""
         if not job.shares:
             return job.nbytes
-        futures = [self._executor().submit(share) for share in job.shares[1:]]
+        futures = []
         try:
+            pool = self._executor()
+            for share in job.shares[1:]:  # a submit that raises still waits for those before
+                futures.append(pool.submit(share))
             job.shares[0]()  # the calling thread takes the first share
         finally:
             wait(futures)  # no thread may still touch these bytes once this returns or raises
@@ -349,17 +354,22 @@ class HostCopier:
         return job.nbytes
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _threads(self, total: int) -> int:
         return self.num_threads if total >= self.parallel_min_bytes else 1
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kvstore-copy")
-        return self._pool
+        """The pool, made once (the copier is shared by the store's copy threads)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.num_threads - 1, thread_name_prefix="kvstore-copy"
+                )
+            return self._pool
 
 
 def _ends(paged: np.ndarray, slot: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:

@@ -317,6 +317,39 @@ def test_host_load_rejects_overlapping_destinations():
     assert err.value.code is Code.INVALID_ARGUMENT
 
 
+def test_shares_already_handed_to_threads_are_waited_for_when_a_later_hand_off_fails():
+    """A submit that raised (the pool shut down by close(), or the interpreter
+    going down) left the shares already submitted copying while the error
+    reached the store, which then unpinned and unmapped the memory under them."""
+    import time
+
+    from kvstore.copy.host import HostJob
+
+    copier = HostCopier(num_threads=3)
+    pool = copier._executor()  # white box: its hand-off fails the second time
+    finished, handed = [], []
+    real_submit = pool.submit
+
+    def submit(fn):
+        handed.append(fn)
+        if len(handed) == 2:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return real_submit(fn)
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.append("second share")
+
+    pool.submit = submit
+    job = HostJob(0, (lambda: finished.append("first share"), slow, lambda: None))
+    try:
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            copier.run(job)
+        assert finished == ["second share"]  # ended before run raised; the first never ran
+    finally:
+        copier.close()
+
+
 def test_python_and_native_backends_agree():
     if "native" not in HOST_MODES:
         pytest.skip("no C compiler")
@@ -396,6 +429,7 @@ class _FakeKernel:
 
     def __init__(self):
         self.launches: list[int] = []
+        self.ptr = 1234  # the handle CuPy's occupancy query takes
 
     def __call__(self, grid, block, args, stream=None):
         d_table, count = args
@@ -406,6 +440,10 @@ class _FakeKernel:
             for c in range(b, count, grid[0]):
                 ctypes.memmove(int(table[count + c]), int(table[c]), int(table[2 * count + c]))
         self.launches.append(count)
+
+
+class _FakeDevice(contextlib.nullcontext):
+    attributes = {"MultiProcessorCount": 4}
 
 
 class _FakeDeviceArray:
@@ -429,8 +467,11 @@ def test_cuda_copier_host_side_with_fake_cupy(monkeypatch, kind, order, chunk):
             get_function=lambda name: kernel if name in code else None
         ),
         cuda=types.SimpleNamespace(
-            Device=lambda i: contextlib.nullcontext(),
+            Device=lambda i: _FakeDevice(),
             get_current_stream=contextlib.nullcontext,
+            driver=types.SimpleNamespace(  # the blocks kernel's occupancy, asked once
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda fn, threads, smem: 2
+            ),
         ),
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)

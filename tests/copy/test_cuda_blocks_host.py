@@ -11,7 +11,6 @@ On a GPU, tests/copy/test_copy.py and the marked tests below run the real thing.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -125,9 +124,13 @@ class _Kernel:
         return self.run(*args, **kwargs)
 
 
+CURRENT_DEVICE = [0]  # the fake's current device, set by ``with Device(i)``
+
+
 class Stream:
     def __init__(self, non_blocking: bool = False) -> None:
         self.waited: list[object] = []
+        self.device = CURRENT_DEVICE[0]  # CUDA makes a stream on the current device
 
     def record(self):
         return types.SimpleNamespace(synchronize=lambda: None)
@@ -155,7 +158,7 @@ def fake_cupy(monkeypatch, emulator):
         asarray=lambda a: HostArray(np.ascontiguousarray(a)),
         RawModule=lambda code, options=(): types.SimpleNamespace(get_function=launches.function),
         cuda=types.SimpleNamespace(
-            Device=lambda i=0: _Device(launches.sms),
+            Device=lambda i=0: _Device(launches.sms, i),
             Stream=Stream,
             get_current_stream=Stream,
             alloc_pinned_memory=bytearray,
@@ -168,10 +171,18 @@ def fake_cupy(monkeypatch, emulator):
     return launches
 
 
-class _Device(contextlib.nullcontext):
-    def __init__(self, sms: int) -> None:
-        super().__init__()
+class _Device:
+    def __init__(self, sms: int, index: int = 0) -> None:
         self.attributes = {"MultiProcessorCount": sms}
+        self.index, self._before = index, []
+
+    def __enter__(self):
+        self._before.append(CURRENT_DEVICE[0])
+        CURRENT_DEVICE[0] = self.index
+        return self
+
+    def __exit__(self, *exc) -> None:
+        CURRENT_DEVICE[0] = self._before.pop()
 
 
 @pytest.mark.parametrize("kind,order", LAYOUTS)
@@ -233,6 +244,32 @@ def test_cuda_blocks_refuses_repeated_ids_before_any_launch(fake_cupy):
     with pytest.raises(KVError, match=r"block_ids\[2\] = 4 repeats block_ids\[0\]"):
         CudaCopier(0).load_blocks(table, [4, 9, 4], slots)
     assert fake_cupy.grids == []
+
+
+def test_the_copiers_stream_is_made_on_its_own_device_whichever_path_comes_first(fake_cupy):
+    """A copier of cuda:1 whose first blocks call was a load not proven disjoint
+    (here a layer listed twice, refused) made its one stream outside the lock and
+    on the current device, 0: every later blocks launch on cuda:1 went to a
+    stream of GPU 0 ("invalid resource handle"), and two first calls at once
+    could make two streams, breaking the one-stream reuse of its buffers."""
+    rng = np.random.default_rng(65)
+    tensors, _ = spec_layers("kv_first", "NHD", torch.float16, rng)
+    region = region_from_tensor(tensors[0], "kv_first")
+    table = RegionTable([region, region])
+    assert not table.paged_disjoint
+    slots = np.arange(4, dtype=np.uint64).reshape(2, 2) * 4096 + (1 << 40)  # never touched
+    copier = CudaCopier(1)
+    with pytest.raises(KVError):
+        copier.load_blocks(table, [1, 2], slots)
+    assert copier._stream().device == 1  # white box: the copier's own stream
+
+
+def test_a_cta_size_no_sm_can_hold_is_refused_when_the_copier_is_made(fake_cupy):
+    """1,024 threads x 80 registers exceed an SM's 65,536: the occupancy query says
+    0, which was taken as 1, and every launch failed "too many resources"."""
+    fake_cupy.per_sm = 0
+    with pytest.raises(ValueError, match="threads_per_block 1024"):
+        CudaCopier(0, threads_per_block=1024)
 
 
 @pytest.mark.gpu
