@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import socket
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 # SO_REUSEPORT by default, so a second server started on a port in use would
 # bind it too, and the kernel would split callers between the two, silently.
 BIND_OPTIONS = (("grpc.so_reuseport", 0),)
+SUBJECT_CN = re.compile(r"(?:^|(?<!\\),)\s*CN=")  # a CN attribute of an RFC 2253 subject
 
 
 def host_port(host: str, port: int) -> str:
@@ -115,10 +117,18 @@ class Security:
         UNAUTHENTICATED when a TLS caller's certificate names no CN."""
         if self.tls is None:
             return LOCAL
-        names = context.auth_context().get("x509_common_name") or []
+        auth = context.auth_context()
+        names = auth.get("x509_common_name") or []
         name = names[0].decode() if names else ""
         if not name:
             raise KVError(Code.UNAUTHENTICATED, "client certificate has no subject CN")
+        subject = b",".join(auth.get("x509_subject") or []).decode(errors="replace")
+        if len(SUBJECT_CN.findall(subject)) > 1:  # gRPC names the first; other tools the last
+            raise KVError(
+                Code.UNAUTHENTICATED,
+                f"client certificate subject {subject[:200]!r} has several CNs: "
+                "kvstore takes the caller's name from exactly one",
+            )
         store = not self.stores or name in self.stores
         return Principal(name, admin=name in self.admins, store=store)
 

@@ -24,8 +24,8 @@ from kvstore.wire.tls import TlsFiles
 DAY = datetime.timedelta(days=1)
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+def _name(cn: str, *more: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, n) for n in (cn, *more)])
 
 
 class Pki:
@@ -49,8 +49,9 @@ class Pki:
         self.ca.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
         self.server = self.issue("store")
 
-    def issue(self, cn: str) -> TlsFiles:
-        """A key and certificate with subject CN ``cn`` (SAN 127.0.0.1, localhost)."""
+    def issue(self, cn: str, *more_cns: str) -> TlsFiles:
+        """A key and certificate with subject CN ``cn`` (SAN 127.0.0.1, localhost);
+        ``more_cns``: further CN attributes after it, as some CAs issue."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         san = x509.SubjectAlternativeName(
@@ -58,7 +59,7 @@ class Pki:
         )
         cert = (
             x509.CertificateBuilder()
-            .subject_name(_name(cn))
+            .subject_name(_name(cn, *more_cns))
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -67,7 +68,8 @@ class Pki:
             .add_extension(san, critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        cert_path, key_path = self.dir / f"{cn}.pem", self.dir / f"{cn}.key"
+        stem = "+".join((cn, *more_cns))
+        cert_path, key_path = self.dir / f"{stem}.pem", self.dir / f"{stem}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_path.write_bytes(
             key.private_bytes(

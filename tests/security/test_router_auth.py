@@ -137,6 +137,20 @@ def test_certificate_of_another_ca_is_refused(tmp_path, tls_router):
     assert tls_router.router.stats().workers == 0
 
 
+def test_a_certificate_naming_several_cns_is_unauthenticated(pki, tls_router):
+    """gRPC names a caller by the first CN of its subject, other tools by the
+    last: a certificate of /CN=<admin>/CN=tenant-b, which a CA checking the last
+    CN would issue to tenant-b, made its holder the admin."""
+    two = pki.issue(ADMIN, "tenant-b")
+    client = RouterClient(tls_router.address, timeout_s=5, tls=two)
+    err = refused(client.register_worker, "w0", card())
+    assert err.code is Code.UNAUTHENTICATED and "several CNs" in err.message
+    assert tls_router.router.stats().workers == 0
+    one = RouterClient(tls_router.address, timeout_s=5, tls=pki.issue("tenant-b"))
+    one.register_worker("w0", card())  # one CN: as ever
+    assert tls_router.router.stats().workers == 1
+
+
 def test_one_certificate_cannot_fill_the_routers_peers(pki, tls_router, monkeypatch):
     """Any certificate may advertise a store node; one that advertised
     MAX_PEERS_PER_PRINCIPAL of them is RESOURCE_EXHAUSTED (it could fill
