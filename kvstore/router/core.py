@@ -50,12 +50,13 @@ from kvstore.router.routing import (
 )
 from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
 from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
+from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_store, denied
+from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, check_store, denied
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +475,11 @@ class Router:
                 raise exists(f"request_id {request_id!r}: another caller's request")
             now = self.clock()
             self.loads.expire(now)
+            if track and not self.loads.tracks(request_id):  # one certificate cannot fill it
+                owned = self.loads.owned.get(caller.name, 0)
+                check_quota(
+                    "tracked requests", owned, limits.MAX_ACTIVE_REQUESTS_PER_PRINCIPAL, caller
+                )
             self.peers.expire(now)
             sets = self.admission.resolve(model, namespace, role)
             wset = draw_worker_set(sets, self.rng)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvstore.router.admission import WorkerRef
@@ -89,6 +90,7 @@ class LoadTracker:
     workers: dict[WorkerRef, _Accounting] = field(default_factory=dict)
     load_reports: int = 0
     hits: HitCounts = field(default_factory=HitCounts)
+    owned: Counter[str] = field(default_factory=Counter)  # principal -> requests it tracks
     _deadlines: list[tuple[float, str]] = field(default_factory=list)
 
     def load(self, ref: WorkerRef, now: float, staleness_s: float) -> WorkerLoad:
@@ -122,6 +124,7 @@ class LoadTracker:
             self.expire(math.inf, limit=1)
         acc = self.workers.setdefault(request.ref, _Accounting())
         self.requests[request_id] = request
+        self.owned[request.owner] += 1
         acc.requests.add(request_id)
         acc.queued_tokens += request.prefill_tokens
         acc.queued_since_report += request.prefill_tokens
@@ -161,6 +164,7 @@ class LoadTracker:
         if req is None or not caller.may_act_for(req.owner):
             return False
         del self.requests[request_id]
+        self._disown(req.owner)
         acc = self.workers[req.ref]
         acc.requests.discard(request_id)
         if req.started:
@@ -196,4 +200,9 @@ class LoadTracker:
         requests of others costs what it held)."""
         acc = self.workers.pop(ref, None)
         for rid in acc.requests if acc is not None else ():
-            del self.requests[rid]
+            self._disown(self.requests.pop(rid).owner)
+
+    def _disown(self, owner: str) -> None:
+        self.owned[owner] -= 1
+        if not self.owned[owner]:
+            del self.owned[owner]

@@ -53,5 +53,6 @@ MAX_PEERS_PER_PRINCIPAL = 64  # store nodes one (non-admin) certificate may adve
 MAX_NAMESPACES_PER_PEER = 256
 MAX_REQUEST_ID_LEN = 256
 MAX_ACTIVE_REQUESTS = 1 << 20  # tracked loads; the oldest are dropped past it
+MAX_ACTIVE_REQUESTS_PER_PRINCIPAL = 1 << 16  # tracked loads one (non-admin) certificate holds
 MAX_QUEUED_PREFILL_TOKENS = 1 << 40  # one worker's reported prefill queue
 MAX_RUNNING_REQUESTS = 1 << 20  # one worker's reported running requests

@@ -259,6 +259,32 @@ def test_a_dropped_workers_requests_leave_with_it_and_no_one_elses_do():
     assert tracker.requests == {} and tracker.expire(math.inf) == 0
 
 
+def test_one_principal_cannot_crowd_out_anothers_tracked_requests(monkeypatch):
+    """Tracked requests had one global bound, the oldest dropped past it: tenant
+    b routing without end dropped tenant a's requests (their finish then counted
+    nothing). Each non-admin principal now holds at most its quota."""
+    from kvstore.wire.principal import Principal
+
+    monkeypatch.setattr(limits, "MAX_ACTIVE_REQUESTS_PER_PRINCIPAL", 5)
+    monkeypatch.setattr(limits, "MAX_ACTIVE_REQUESTS", 8)
+    router = make_router()
+    router.register_worker("w", card())
+    a, b = Principal("tenant-a"), Principal("tenant-b")
+    router.route("llama-8b", hashes=HASHES, request_id="a-req", caller=a)
+    for i in range(5):
+        router.route("llama-8b", hashes=HASHES, request_id=f"b{i}", caller=b)
+    with pytest.raises(KVError) as info:
+        router.route("llama-8b", hashes=HASHES, request_id="b5", caller=b)
+    assert info.value.code.name == "RESOURCE_EXHAUSTED" and "tracked requests" in info.value.message
+    router.route("llama-8b", hashes=HASHES, request_id="b0", caller=b)  # its own id again: ok
+    router.route("llama-8b", hashes=HASHES, track=False, caller=b)  # untracked: ok
+    router.request_finished("b1", caller=b)
+    router.route("llama-8b", hashes=HASHES, request_id="b5", caller=b)  # a slot came free
+    assert router.stats().active_requests == 6
+    router.request_finished("a-req", cached_blocks=8, caller=a)  # still a's to finish
+    assert router.stats().active_requests == 5
+
+
 @pytest.mark.parametrize(
     "report, field",
     [
