@@ -242,6 +242,18 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
         (["router", "--store-cn", "node-a"], "--store-cn names certificate CNs"),
         (["serve", "--store-cn", "node-a", "--no-transfer"], "--store-cn names certificate CNs"),
+        (["router", "--admin", "ops"], "--admin names certificate CNs"),
+        (["serve", "--admin", "ops", "--no-transfer"], "--admin names certificate CNs"),
+        (["router", "--zmq-endpoint", "w0=bogus"], "'bogus' is no ZMQ endpoint"),
+        (["router", "--zmq-endpoint", "w0=tcp://127.0.0.1"], "is no ZMQ endpoint"),
+        (
+            ["router", "--etcd", "127.0.0.1:2379", "--host", "0.0.0.0", "--insecure"],
+            "--host 0.0.0.0 with --etcd",
+        ),
+        (
+            ["serve", "--etcd", "127.0.0.1:2379", "--host", "::", "--insecure", "--no-transfer"],
+            "--host :: with --etcd",
+        ),
     ],
 )
 def test_out_of_range_flags_are_refused_naming_them(args, words):
@@ -261,11 +273,13 @@ def test_a_pool_that_cannot_be_allocated_is_refused_naming_it():
 
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_an_ipv6_host_binds_and_is_announced_in_brackets(host):
-    """gRPC read a bare ::1:PORT as another address, and the refusal blamed the TLS files."""
+    """gRPC read a bare ::1:PORT as another address, and the refusal blamed the TLS
+    files; /metrics could not bind [::1] ("Unknown error -2")."""
     import signal
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "router", "--host", host, "--port", "0"],
+        [sys.executable, "-m", "kvstore", "router", "--host", host, "--port", "0"]
+        + ["--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import math
 import sys
@@ -106,10 +107,21 @@ def add_etcd(p) -> None:
 
 
 def etcd_config(args: argparse.Namespace):
-    """The EtcdConfig of --etcd (None without it); ValueError names a bad flag."""
+    """The EtcdConfig of --etcd (None without it); ValueError names a bad flag.
+    With --etcd the bound --host is the address others dial: 0.0.0.0 or :: is refused."""
     if not args.etcd:
         return None
     from kvstore.membership.etcd import EtcdConfig
+
+    try:
+        unspecified = ipaddress.ip_address(args.host.strip("[]")).is_unspecified
+    except ValueError:  # a host name: what it resolves to is announced
+        unspecified = False
+    if unspecified:
+        raise ValueError(
+            f"--host {args.host} with --etcd: the bound address is announced in etcd, and "
+            "others would dial their own host; give --host this host's routable address"
+        )
 
     return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix)
 
@@ -466,9 +478,9 @@ async def _serve(args) -> None:
         config.check_peer_exposure()
         router = None
         if not args.no_router and not args.router:
-            from kvstore.cli.router import build_served_router, check_store_cns
+            from kvstore.cli.router import build_served_router, check_cn_flags
 
-            check_store_cns(config.security)
+            check_cn_flags(config.security)
             router = build_served_router(args)
         server = StoreServer(config, router)
     except ValueError as exc:

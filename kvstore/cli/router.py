@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -23,9 +24,11 @@ from kvstore.router.identity import IdentityAlgorithm
 from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
 from kvstore.service.tls import Security, host_port
+from kvstore.wire.limits import MAX_NAME_LEN
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
+ZMQ_ENDPOINT = re.compile(r"tcp://\S+:\d{1,5}|ipc://\S+")  # what a vLLM publisher binds
 
 
 # (flag, ScoringConfig field, help): the defaults are ScoringConfig's own; every
@@ -185,9 +188,20 @@ def feed_specs(args: argparse.Namespace) -> FeedSpecs:
 
 
 def _zmq_endpoint(spec: str) -> tuple[str, str]:
+    """NAME=ENDPOINT, ENDPOINT a ZMQ address (tcp://HOST:PORT, ipc://PATH): a bad one
+    is refused here (ZMQ refused it in the feed's task, which ended unheard)."""
     name, sep, endpoint = spec.partition("=")
     if not sep or not name or not endpoint:
         raise ValueError(f"--zmq-endpoint {spec!r}: expected NAME=tcp://host:port")
+    if len(name) > MAX_NAME_LEN or not name.isprintable():
+        raise ValueError(
+            f"--zmq-endpoint {spec!r}: NAME must be 1-{MAX_NAME_LEN} printable characters"
+        )
+    if not ZMQ_ENDPOINT.fullmatch(endpoint):
+        raise ValueError(
+            f"--zmq-endpoint {spec!r}: {endpoint!r} is no ZMQ endpoint "
+            "(tcp://HOST:PORT or ipc://PATH)"
+        )
     return name, endpoint
 
 
@@ -209,15 +223,21 @@ def security(args: argparse.Namespace) -> Security:
     --host has no TLS and no --insecure."""
     result = Security(tls_files(args), tuple(args.admin), tuple(args.store_cn))
     result.check_exposure(args.host, args.insecure)
-    check_store_cns(result)
+    check_cn_flags(result)
     return result
 
 
-def check_store_cns(served: Security) -> None:
-    """A served router's --store-cn: ValueError without TLS (there are no CNs);
-    a warning under TLS without it (any certificate may act as a store)."""
+def check_cn_flags(served: Security) -> None:
+    """A served router's --store-cn and --admin: ValueError without TLS (there are
+    no CNs); a warning under TLS without --store-cn (any certificate may act as a
+    store)."""
     if served.stores and served.tls is None:
         raise ValueError("--store-cn names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key")
+    if served.admins and served.tls is None:
+        raise ValueError(
+            "--admin names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key "
+            "(without TLS every caller is an admin already)"
+        )
     if served.tls is not None and not served.stores:
         log.warning(
             "no --store-cn: any certificate of the CA may act as a store node here "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 import zmq
@@ -226,16 +227,27 @@ class Subscriptions:
             if task is not None:
                 task.cancel()
         if admitted is not None and admitted.card.kv_events_endpoint:
-            self.tasks[admitted.ref] = self.loop.create_task(
-                follow_vllm(self.router, admitted.card.kv_events_endpoint, ref=admitted.ref)
+            endpoint = admitted.card.kv_events_endpoint
+            self.tasks[admitted.ref] = self._start(
+                follow_vllm(self.router, endpoint, ref=admitted.ref), f"vLLM events {endpoint}"
             )
 
     def add_vllm(self, name: str, endpoint: str) -> None:
         """A vLLM publisher whose events belong to whichever generation of ``name`` is admitted."""
-        self.static.append(self.loop.create_task(follow_vllm(self.router, endpoint, name=name)))
+        self.static.append(
+            self._start(follow_vllm(self.router, endpoint, name=name), f"vLLM events {endpoint}")
+        )
 
     def add_store(self, address: str) -> None:
-        self.static.append(self.loop.create_task(follow_store(self.router, address, tls=self.tls)))
+        feed = follow_store(self.router, address, tls=self.tls)
+        self.static.append(self._start(feed, f"store events {address}"))
+
+    def _start(self, feed, what: str) -> asyncio.Task:
+        """A feed's task; one that ends by an error says so (it is never awaited before
+        shutdown, so asyncio would not)."""
+        task = self.loop.create_task(feed)
+        task.add_done_callback(functools.partial(_ended, what))
+        return task
 
     async def close(self) -> None:
         self.router.remove_listener(self.on_worker_change)
@@ -247,3 +259,8 @@ class Subscriptions:
                 await task
         self.tasks.clear()
         self.static.clear()
+
+
+def _ended(what: str, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s: the feed stopped: %r", what, task.exception())

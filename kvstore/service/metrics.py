@@ -130,7 +130,7 @@ class MetricsServer:
         try:
             self._server = await asyncio.start_server(
                 self._handle,
-                self.host,
+                self.host.strip("[]"),  # an IPv6 host as gRPC takes it, [::1]
                 self.port,
                 ssl=context,
                 ssl_handshake_timeout=READ_TIMEOUT_S if context is not None else None,
