@@ -7,6 +7,8 @@ import pytest
 
 from kvstore.cli import parse_size
 
+METRICS_ON = ("--metrics-port", "0")
+
 
 def kvstore(*args):
     return subprocess.run(
@@ -278,8 +280,7 @@ def test_an_ipv6_host_binds_and_is_announced_in_brackets(host):
     import signal
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "router", "--host", host, "--port", "0"]
-        + ["--metrics-port", "0"],
+        [sys.executable, "-m", "kvstore", "router", "--host", host, "--port", "0", *METRICS_ON],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
