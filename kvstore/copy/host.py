@@ -199,6 +199,11 @@ int kvstore_copy_blocks(const kv_layer *layers, size_t num_layers, const int64_t
 """
 
 BACKENDS = ("auto", "native", "python")
+UNGUARDED = (
+    "using a Python memmove loop: slower, and unguarded, so a worker that shrinks its "
+    "registered shared memory during a copy crashes this process (SIGBUS) instead of "
+    "failing that request; install a C compiler (cc) to get the native copy"
+)
 SAVE = "save"  # paged cache -> slots
 LOAD = "load"  # slots -> paged cache
 SPLIT_ALIGN = 4096  # threads of a blocks copy start on multiples of this request offset
@@ -460,10 +465,10 @@ def _native_library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build_native()))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("kvstore: native host copy unavailable, using a Python memmove loop: %s", e)
+        log.warning("kvstore: native host copy unavailable (%s); %s", e, UNGUARDED)
         return None
     if lib.kvstore_guard_install() != 0:
-        log.warning("kvstore: cannot install the SIGBUS guard; using a Python memmove loop")
+        log.warning("kvstore: cannot install the SIGBUS guard; %s", UNGUARDED)
         return None
     return lib
 
