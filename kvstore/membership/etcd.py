@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFIX = "/kvstore/v1/"
 DEFAULT_TTL_S = 10
 MIN_TTL_S = 2  # etcd refuses shorter leases with its default election timeout
+REQUIRE_LEADER = (("hasleader", "true"),)  # etcd's gRPC metadata, as etcd's own clients send
 LEASE_NOT_FOUND = "requested lease not found"  # etcd's answer naming a lease it does not hold
 # The channel notices a hung etcd by keepalive pings (etcd refuses pings more
 # often than every 5 s) and redials a restarted one within about a second.
@@ -165,6 +166,12 @@ class Etcd:
             self._client = aetcd.Client(
                 host, int(port), timeout=self.config.timeout_s, options=CHANNEL_OPTIONS
             )
+            # every call and watch asks for a member with a leader: a member cut off
+            # from its cluster answers "no leader" (we move to the next endpoint) and
+            # cancels our watches (we list again), instead of serving a frozen view
+            # and a watch that never fires. aetcd sends the metadata it holds when it
+            # connects, on every call and on its watch stream.
+            self._client.metadata = REQUIRE_LEADER
         return self._client
 
     def _failed(self, client: aetcd.Client) -> None:

@@ -35,11 +35,15 @@ def etcd_binary() -> str | None:
 
 
 class EtcdServer:
-    """One etcd member on loopback ports, data in /dev/shm."""
+    """One etcd member on loopback ports, data in /dev/shm (alone, or one of an
+    :class:`EtcdCluster`)."""
 
-    def __init__(self, binary: str):
+    def __init__(self, binary: str, name: str = "kvstore-test", election_ms: int = 0):
         self.binary = binary
+        self.name = name
+        self.election_ms = election_ms  # etcd's --election-timeout (0: its 1,000 ms)
         self.client_port, self.peer_port = free_port(), free_port()
+        self.cluster = f"{name}={self.peer_url}"  # --initial-cluster
         self.data_dir = ""
         self.proc: subprocess.Popen | None = None
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
@@ -50,8 +54,13 @@ class EtcdServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.client_port}"
 
-    def start(self, fresh: bool = True) -> None:
-        """Start it; ``fresh`` on an empty data directory (etcd lost everything)."""
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, fresh: bool = True, wait: bool = True) -> None:
+        """Start it; ``fresh`` on an empty data directory (etcd lost everything);
+        ``wait`` until it is healthy (a cluster's member is once a leader is elected)."""
         if fresh or not self.data_dir:
             self._remove_data()
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -59,19 +68,27 @@ class EtcdServer:
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         args = [
             self.binary,
-            "--name=kvstore-test",
+            f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=kvstore-test={peer}",
+            f"--initial-cluster={self.cluster}",
             "--logger=zap",
             "--log-level=error",
         ]
         if self.no_fsync:  # 3.5+: the data is in memory anyway
             args.append("--unsafe-no-fsync")
+        if self.election_ms:
+            heartbeat = max(10, self.election_ms // 10)
+            args += [f"--election-timeout={self.election_ms}", f"--heartbeat-interval={heartbeat}"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        client = self.url
         deadline = time.monotonic() + ETCD_START_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
@@ -97,3 +114,24 @@ class EtcdServer:
     def stop(self) -> None:
         self.kill()
         self._remove_data()
+
+
+class EtcdCluster:
+    """``size`` etcd members of one cluster on loopback ports (a leader elected
+    within ``election_ms``); ``members[i].kill()`` takes one away."""
+
+    def __init__(self, binary: str, size: int = 3, election_ms: int = 500):
+        self.members = [EtcdServer(binary, f"m{i}", election_ms) for i in range(size)]
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.cluster = cluster
+
+    def start(self) -> None:
+        for member in self.members:  # none is healthy before a quorum runs
+            member.start(wait=False)
+        for member in self.members:
+            member.wait_healthy()
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()

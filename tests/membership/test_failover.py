@@ -309,3 +309,41 @@ def test_router_client_moves_past_a_dead_router_and_stays_on_the_live_one():
         assert gone.value.code is Code.UNAVAILABLE
     finally:
         live.stop()
+
+
+def test_a_member_cut_off_from_its_cluster_ends_our_watch_and_refuses_calls():
+    """Two of three members die: the third has no leader. Without etcd's
+    'hasleader' metadata it kept our watch open and silent for good (a replica
+    or store following it would never hear another change, nor move to a live
+    endpoint), and every call waited out its timeout. With it the member
+    cancels the watch and answers 'no leader' at once."""
+    import asyncio
+
+    from kvstore.membership.etcd import Etcd, EtcdConfig
+    from kvstore.testing.etcd import EtcdCluster
+
+    cluster = EtcdCluster(require_etcd(), 3, election_ms=500)
+    cluster.start()
+    try:
+        config = EtcdConfig.parse(cluster.members[2].url, TTL_S, "/kvstore-test/cut/")
+
+        async def cut_off() -> tuple[KVError, KVError]:
+            etcd = Etcd(config)
+            try:
+                _, revision = await etcd.list_prefix(config.prefix)
+                for member in cluster.members[:2]:
+                    member.kill()
+                with pytest.raises(KVError) as watch:
+                    async with asyncio.timeout(30):  # a silent watch fails the test here
+                        async for change in etcd.watch_prefix(config.prefix, revision + 1):
+                            raise AssertionError(f"a change without a leader: {change}")
+                with pytest.raises(KVError) as call:
+                    await etcd.get(config.prefix + "x")
+                return watch.value, call.value
+            finally:
+                await etcd.close()
+
+        watch, call = asyncio.run(cut_off())
+        assert "no leader" in watch.message and "no leader" in call.message
+    finally:
+        cluster.stop()
