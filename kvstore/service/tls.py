@@ -15,9 +15,9 @@ unless the operator says ``--insecure``.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
-import re
 import socket
 from dataclasses import dataclass
 
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 # SO_REUSEPORT by default, so a second server started on a port in use would
 # bind it too, and the kernel would split callers between the two, silently.
 BIND_OPTIONS = (("grpc.so_reuseport", 0),)
-SUBJECT_CN = re.compile(r"(?:^|(?<!\\),)\s*CN=")  # a CN attribute of an RFC 2253 subject
 
 
 def host_port(host: str, port: int) -> str:
@@ -122,18 +121,33 @@ class Security:
         name = names[0].decode() if names else ""
         if not name:
             raise KVError(Code.UNAUTHENTICATED, "client certificate has no subject CN")
-        subject = b",".join(auth.get("x509_subject") or []).decode(errors="replace")
-        if len(SUBJECT_CN.findall(subject)) > 1:  # gRPC names the first; other tools the last
+        pem = auth.get("x509_pem_cert") or [b""]
+        if len(subject_cns(pem[0])) != 1:  # gRPC names the first CN; other tools the last
             raise KVError(
                 Code.UNAUTHENTICATED,
-                f"client certificate subject {subject[:200]!r} has several CNs: "
-                "kvstore takes the caller's name from exactly one",
+                "client certificate subject has several CNs: kvstore takes the caller's "
+                "name from exactly one",
             )
         store = not self.stores or name in self.stores
         return Principal(name, admin=name in self.admins, store=store)
 
 
 PLAINTEXT = Security()
+
+
+@functools.lru_cache(maxsize=1024)
+def subject_cns(pem: bytes) -> tuple[str, ...]:
+    """Every CN attribute of a certificate's subject, in any RDN (read with
+    ``cryptography``, not from a printed subject, whose escapes and multi-valued
+    RDNs hide some); () when ``pem`` is no certificate."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return ()
+    return tuple(str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))
 
 
 def why_unbound(address: str) -> str:

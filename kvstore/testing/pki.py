@@ -49,9 +49,10 @@ class Pki:
         self.ca.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
         self.server = self.issue("store")
 
-    def issue(self, cn: str, *more_cns: str) -> TlsFiles:
+    def issue(self, cn: str, *more_cns: str, subject: x509.Name | None = None) -> TlsFiles:
         """A key and certificate with subject CN ``cn`` (SAN 127.0.0.1, localhost);
-        ``more_cns``: further CN attributes after it, as some CAs issue."""
+        ``more_cns``: further CN attributes after it, as some CAs issue; ``subject``:
+        that whole subject instead (``cn`` then only names the files)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         san = x509.SubjectAlternativeName(
@@ -59,7 +60,7 @@ class Pki:
         )
         cert = (
             x509.CertificateBuilder()
-            .subject_name(_name(cn, *more_cns))
+            .subject_name(subject or _name(cn, *more_cns))
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())

@@ -141,10 +141,30 @@ def test_a_certificate_naming_several_cns_is_unauthenticated(pki, tls_router):
     """gRPC names a caller by the first CN of its subject, other tools by the
     last: a certificate of /CN=<admin>/CN=tenant-b, which a CA checking the last
     CN would issue to tenant-b, made its holder the admin."""
-    two = pki.issue(ADMIN, "tenant-b")
-    client = RouterClient(tls_router.address, timeout_s=5, tls=two)
-    err = refused(client.register_worker, "w0", card())
-    assert err.code is Code.UNAUTHENTICATED and "several CNs" in err.message
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    def attr(oid, value):
+        return x509.NameAttribute(oid, value)
+
+    rdn = x509.RelativeDistinguishedName
+    hiding = [  # subjects whose printed form hides the second CN from a text count
+        x509.Name([rdn([attr(NameOID.COMMON_NAME, "tenant-b"), attr(NameOID.COMMON_NAME, ADMIN)])]),
+        x509.Name(
+            [
+                rdn([attr(NameOID.COMMON_NAME, ADMIN)]),
+                rdn([attr(NameOID.ORGANIZATIONAL_UNIT_NAME, "x\\")]),
+                rdn([attr(NameOID.COMMON_NAME, "tenant-b")]),
+            ]
+        ),
+    ]
+    for i, tls in enumerate(
+        [pki.issue(ADMIN, "tenant-b")]
+        + [pki.issue(f"hiding{i}", subject=n) for i, n in enumerate(hiding)]
+    ):
+        client = RouterClient(tls_router.address, timeout_s=5, tls=tls)
+        err = refused(client.register_worker, f"w{i}", card())
+        assert err.code is Code.UNAUTHENTICATED and "several CNs" in err.message, i
     assert tls_router.router.stats().workers == 0
     one = RouterClient(tls_router.address, timeout_s=5, tls=pki.issue("tenant-b"))
     one.register_worker("w0", card())  # one CN: as ever
