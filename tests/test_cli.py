@@ -246,6 +246,7 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["serve", "--store-cn", "node-a", "--no-transfer"], "--store-cn names certificate CNs"),
         (["router", "--admin", "ops"], "--admin names certificate CNs"),
         (["serve", "--admin", "ops", "--no-transfer"], "--admin names certificate CNs"),
+        (["serve", "--admin", "ops", "--no-router"], "--admin names certificate CNs"),
         (["router", "--zmq-endpoint", "w0=bogus"], "'bogus' is no ZMQ endpoint"),
         (["router", "--zmq-endpoint", "w0=tcp://127.0.0.1"], "is no ZMQ endpoint"),
         (

@@ -126,6 +126,16 @@ def etcd_config(args: argparse.Namespace):
     return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix)
 
 
+def check_admins(security) -> None:
+    """--admin names certificate CNs: ValueError without TLS, where it would do
+    nothing (every caller is an admin already)."""
+    if security.admins and security.tls is None:
+        raise ValueError(
+            "--admin names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key "
+            "(without TLS every caller is an admin already)"
+        )
+
+
 def add_tls(p, server: bool = False) -> None:
     """--tls-ca/--tls-cert/--tls-key (and, for a server, --admin and --insecure)."""
     p.add_argument(
@@ -475,6 +485,7 @@ async def _serve(args) -> None:
             peer_secret=_peer_secret(args),
         )
         config.security.check_exposure(config.host, config.insecure)
+        check_admins(config.security)
         config.check_peer_exposure()
         router = None
         if not args.no_router and not args.router:

@@ -17,7 +17,15 @@ import re
 import sys
 from collections.abc import Callable
 
-from kvstore.cli import add_etcd, add_metrics, add_tls, etcd_config, port_number, tls_files
+from kvstore.cli import (
+    add_etcd,
+    add_metrics,
+    add_tls,
+    check_admins,
+    etcd_config,
+    port_number,
+    tls_files,
+)
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.endpoints import LOOPBACK, EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm
@@ -233,11 +241,7 @@ def check_cn_flags(served: Security) -> None:
     store)."""
     if served.stores and served.tls is None:
         raise ValueError("--store-cn names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key")
-    if served.admins and served.tls is None:
-        raise ValueError(
-            "--admin names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key "
-            "(without TLS every caller is an admin already)"
-        )
+    check_admins(served)
     if served.tls is not None and not served.stores:
         log.warning(
             "no --store-cn: any certificate of the CA may act as a store node here "

@@ -46,7 +46,7 @@ COUNTERS = frozenset({
     "fetches_rma", "fetches_failed_rma", "rma_leases", "rma_leases_expired",
     # RouterStats.dropped_by: one counter per kvstore.router.drops.DropCause
     "stale_generation", "sequence_gap", "stale_sequence", "unknown_worker",
-    "not_indexable", "undecodable", "other_kv_group", "no_room",
+    "not_indexable", "undecodable", "other_kv_group", "no_room", "events_refused",
 })  # fmt: skip
 
 Record = object  # a dataclass stats record

@@ -111,6 +111,7 @@ class IndexStats:
     leases: int = 0  # leases clients hold by id
     evictions: int = 0
     pinned_blocks: int = 0  # held by a load, a lease or a peer's fetch right now
+    events_refused: int = 0  # events a listener raised on (the change stood; logged)
 
 
 def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
@@ -158,7 +159,7 @@ class BlockIndex:
         self._leases: dict[str, Lease] = {}  # leases held by id
         self._writers: dict[str, set[Key]] = {}  # session -> inflight blocks it claimed
         self._on_event = on_event
-        self.events_refused = 0  # events on_event raised on (logged; the change stands)
+        self._events_refused = 0  # events on_event raised on (logged; the change stands)
         self._seq = 0
         self._evictions = 0
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
@@ -197,6 +198,7 @@ class BlockIndex:
             leases=len(self._leases),
             evictions=self._evictions,
             pinned_blocks=self._pinned,
+            events_refused=self._events_refused,
         )
 
     def slot_limit(self) -> int:
@@ -619,12 +621,13 @@ class BlockIndex:
         try:
             self._on_event(StoreEvent(kind, namespace, hashes, "", STORE_TIER, seq=self._seq))
         except Exception:
-            self.events_refused += 1
-            if self.events_refused & (self.events_refused - 1) == 0:  # 1, 2, 4, ...: not every
+            self._events_refused += 1
+            refused = self._events_refused
+            if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, ...: not every one
                 log.exception(
                     "a %s event of %d blocks of %s was refused downstream (%d so far)",
                     kind,
                     len(hashes),
                     namespace,
-                    self.events_refused,
+                    refused,
                 )

@@ -360,6 +360,21 @@ def test_a_store_that_stops_answering_costs_one_deadline_not_one_a_step(server):
         worker.close([pool])
 
 
+def test_an_error_the_store_answers_in_time_leaves_it_in_use(server, rank):
+    """Only a call that waits out its whole deadline stops the rank's calls: a
+    store answering DEADLINE_EXCEEDED or UNAVAILABLE itself (a copy it cannot
+    end in time, a dead peer it fetched from) is there, and the next step uses it."""
+    worker = rank[0]
+    pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(2)]
+    worker.save(pairs)
+    worker.rpc_timeout = 0.03  # the store wants 50 ms + the bytes at 1 GB/s left to begin a copy
+    worker.load(pairs)  # refused at once: DEADLINE_EXCEEDED, answered by the store
+    assert worker.take_load_errors() == {0, 1}
+    worker.rpc_timeout = 60.0
+    worker.load(pairs)
+    assert worker.take_load_errors() == set() and worker.skipped == 0
+
+
 def test_a_hash_scheme_mismatch_disables_the_cache(server, rank, caplog):
     sched = SchedulerSide(
         StoreClient(server.address), "vllm-engine-1", BS, expected_hash_format=lambda: "vllm-xxhash"

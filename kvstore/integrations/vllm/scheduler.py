@@ -128,10 +128,13 @@ class SchedulerSide:
             del self._prefetching[req_id]
             self._drop_lookup(req_id)
             self._lookup(request, prefetch=False)
-        stale = self._lookups.get(req_id)
-        if stale is not None and self.clock() >= stale.fresh_until:
-            self._drop_lookup(req_id)
-        lookup = self._lookups.get(req_id) or self._lookup(request, self.prefetch)
+        lookup = self._lookups.get(req_id)
+        if lookup is not None and self.clock() >= lookup.fresh_until:
+            stale = self._lookups.pop(req_id)
+            lookup = self._lookup(request, self.prefetch)  # leased anew first,
+            self._release(stale)  # then the old lease goes: the blocks stay pinned between
+        elif lookup is None:
+            lookup = self._lookup(request, self.prefetch)
         if lookup is None:
             return NOT_YET
         lookup.local_tokens = num_computed_tokens
@@ -147,7 +150,8 @@ class SchedulerSide:
             try:
                 answer = self.client.query(namespace, keys, lease=True, lease_ms=self.lease_ms)
                 lookup.hit_blocks, lookup.lease_id = answer.prefix_blocks, answer.lease_id
-                lookup.fresh_until = asked + self.lease_ms / 2000
+                if self.lease_ms > 0:  # 0: the store's default lease, of unknown length
+                    lookup.fresh_until = asked + self.lease_ms / 2000
                 answered = True
                 self.stats.queries += 1
                 self.stats.hit_blocks += lookup.hit_blocks

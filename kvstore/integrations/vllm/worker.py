@@ -13,8 +13,8 @@ copy), exactly as it maps CUDA memory by IPC on a GPU.
 The store is a cache: when it cannot be reached the rank serves without it
 (loads fail and are recomputed by vLLM, saves are skipped), logs it once, and
 re-registers in the background until the store is back. A store that stops
-answering (a Load or Save past its deadline, or unavailable) is not called
-again for ``retry_s``: a hung store costs one deadline, not one every step.
+answering (a Load or Save waits out its whole deadline) is not called again
+for ``retry_s``: a hung store costs one deadline, not one every step.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class WorkerSide:
         if not pairs:
             return
         session = self._live_session()
+        began = time.monotonic()
         try:
             if session is None:
                 raise unavailable("not registered with the store")
@@ -198,7 +199,7 @@ class WorkerSide:
             )
             self.load_errors.update(p.block_id for p in pairs)
             self._step_load_failed = True
-            self._failed(err)
+            self._failed(err, began)
 
     def save(self, pairs: list[BlockPair], step: int = 0) -> None:
         """Save the step's newly full blocks after the forward (best effort). Not
@@ -223,6 +224,7 @@ class WorkerSide:
             return
         if any(layer.tensor.is_cuda for layer in self._layers):
             torch.cuda.current_stream().synchronize()  # the forward's kernels wrote them
+        began = time.monotonic()
         try:
             for chunk in request_chunks([tuple(p) for p in pairs]):
                 session.save(chunk, timeout=self.rpc_timeout, step=step)
@@ -230,20 +232,25 @@ class WorkerSide:
             log.warning(
                 "kvstore: save of %d blocks failed (%s); they stay uncached", len(pairs), err
             )
-            self._failed(err)
+            self._failed(err, began)
 
     def _quiet(self) -> bool:
         """The store stopped answering a moment ago: no call until ``retry_s`` passed."""
         return time.monotonic() < self._quiet_until
 
-    def _failed(self, err: KVError) -> None:
-        if err.code not in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE):
-            return  # the store answered: it is there
+    def _failed(self, err: KVError, began: float) -> None:
+        """A call that waited out its whole deadline: the store holds the connection
+        and answers nothing. Not an answer of the store's (a peer it fetched from
+        timed out, a copy that could not end in time: quick, and this step's only),
+        nor a store that is gone (the session ends; calls then cost nothing)."""
+        waited = time.monotonic() - began
+        if err.code is not Code.DEADLINE_EXCEEDED or waited < 0.9 * self.rpc_timeout:
+            return
         self._quiet_until = time.monotonic() + self.retry_s
         log.warning(
-            "kvstore: the store is unreachable or not answering (%s); this rank loads and "
-            "saves nothing for %.1f s (vLLM recomputes what it would have loaded)",
-            err.code.name,
+            "kvstore: the store did not answer within %.1f s; this rank loads and saves "
+            "nothing for %.1f s (vLLM recomputes what it would have loaded)",
+            self.rpc_timeout,
             self.retry_s,
         )
 
