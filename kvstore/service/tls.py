@@ -125,8 +125,8 @@ class Security:
         if len(subject_cns(pem[0])) != 1:  # gRPC names the first CN; other tools the last
             raise KVError(
                 Code.UNAUTHENTICATED,
-                "client certificate subject has several CNs: kvstore takes the caller's "
-                "name from exactly one",
+                "client certificate subject must hold exactly one readable CN (it has several CNs, "
+                "or cannot be parsed): kvstore takes the caller's name from it",
             )
         store = not self.stores or name in self.stores
         return Principal(name, admin=name in self.admins, store=store)
@@ -143,11 +143,11 @@ def subject_cns(pem: bytes) -> tuple[str, ...]:
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    try:
+    try:  # the subject is parsed when read: an encoding cryptography refuses raises then
         cert = x509.load_pem_x509_certificate(pem)
+        return tuple(str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))
     except ValueError:
         return ()
-    return tuple(str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))
 
 
 def why_unbound(address: str) -> str:

@@ -37,13 +37,17 @@ from kvstore.store.tenants import Tenants
 from kvstore.store.validation import check_instance_id
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError, invalid, not_found, precondition
-from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST, MAX_LEASE_MS, MAX_WAIT_MS
+from kvstore.wire.limits import (
+    DEFAULT_LEASE_MS,
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_LEASE_MS,
+    MAX_WAIT_MS,
+)
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
 from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_MS = 30_000
 # A Load starts its copy only with time for it left before the caller's deadline:
 # a copy goes on once begun, and one the caller stopped waiting for would land in
 # pages its engine reuses. Far below either copier's pace: time to spare.

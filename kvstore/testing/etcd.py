@@ -127,10 +127,14 @@ class EtcdCluster:
             member.cluster = cluster
 
     def start(self) -> None:
-        for member in self.members:  # none is healthy before a quorum runs
-            member.start(wait=False)
-        for member in self.members:
-            member.wait_healthy()
+        try:
+            for member in self.members:  # none is healthy before a quorum runs
+                member.start(wait=False)
+            for member in self.members:
+                member.wait_healthy()
+        except BaseException:  # no member nor data directory outlives a failed start
+            self.stop()
+            raise
 
     def stop(self) -> None:
         for member in self.members:

@@ -13,6 +13,7 @@ MAX_NAME_LEN = 256  # layer names, instance ids, dtypes, display names, worker n
 MAX_NAMESPACE_LEN = 128  # client namespace (docs/design.md §1)
 MAX_SHM_NAME_LEN = 200
 MAX_LEASE_MS = 10 * 60 * 1000
+DEFAULT_LEASE_MS = 30_000  # a Query's lease when it asks for one with lease_ms 0
 MAX_LEASES_PER_PRINCIPAL = 16384  # query leases one (non-admin) certificate may hold
 MAX_EVENT_STREAMS_PER_PRINCIPAL = 64  # Events streams one (non-admin) certificate may hold
 MAX_WAIT_MS = 60 * 1000  # GetInstance waits for a seal at most this long

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.vllm.identity import block_key
 from kvstore.wire.errors import Code, KVError
+from kvstore.wire.limits import DEFAULT_LEASE_MS
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ class SchedulerSide:
             try:
                 answer = self.client.query(namespace, keys, lease=True, lease_ms=self.lease_ms)
                 lookup.hit_blocks, lookup.lease_id = answer.prefix_blocks, answer.lease_id
-                if self.lease_ms > 0:  # 0: the store's default lease, of unknown length
-                    lookup.fresh_until = asked + self.lease_ms / 2000
+                lease_ms = self.lease_ms or DEFAULT_LEASE_MS  # 0: the store's default
+                lookup.fresh_until = asked + lease_ms / 2000
                 answered = True
                 self.stats.queries += 1
                 self.stats.hit_blocks += lookup.hit_blocks

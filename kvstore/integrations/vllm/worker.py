@@ -192,6 +192,7 @@ class WorkerSide:
                 self._step_load_failed = True
                 return
             for chunk in distinct_chunks([tuple(p) for p in pairs]):
+                began = time.monotonic()  # each call has its own deadline
                 session.load(chunk, timeout=self.rpc_timeout)
         except KVError as err:
             log.warning(
@@ -227,6 +228,7 @@ class WorkerSide:
         began = time.monotonic()
         try:
             for chunk in request_chunks([tuple(p) for p in pairs]):
+                began = time.monotonic()  # each call has its own deadline
                 session.save(chunk, timeout=self.rpc_timeout, step=step)
         except KVError as err:
             log.warning(
