@@ -144,6 +144,7 @@ import platform
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -733,10 +734,14 @@ class Row:
     rma: dict | None = None  # one-sided fetches of the same sets (one_sided_fields)
 
 
-def fetch_main(result: Any, ctrl: Any, env: dict, opts: dict) -> None:
+def fetch_main(
+    result: Any, ctrl: Any, env: dict, opts: dict, measure: Callable | None = None
+) -> None:
+    """The fetching process: ``measure(ctrl, opts)`` (this bench's, unless another
+    bench's) run on a loop of its own; (ok, its result or a traceback) to ``result``."""
     os.environ.update(env)
     try:
-        out = (True, asyncio.run(_measure(ctrl, opts)))
+        out = (True, asyncio.run((measure or _measure)(ctrl, opts)))
     except BaseException:
         out = (False, traceback.format_exc())
     try:
@@ -1228,7 +1233,6 @@ def shapes(args: argparse.Namespace) -> tuple[list[Shape], Shape]:
 
 
 def run_sweep(tls: str, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
     env = ucx_env(tls)
     rows, latency = shapes(args)
     serve_device = "cpu" if args.mem == "host" else "cuda:0"
@@ -1250,21 +1254,35 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
         "serve_device": serve_device,
         "serve_bytes": 2 * max(s.nbytes for s in [*rows, latency]),  # sets A and B
     }
+    out = run_pair(env, opts, opts)
+    out["env"] = env
+    return out
+
+
+def run_pair(
+    env: dict,
+    serve_opts: dict,
+    opts: dict,
+    measure: Callable | None = None,
+    timeout_s: float | None = None,
+) -> dict:
+    """A serving process (``serve_opts``) and a fetching one running ``measure``
+    (this bench's unless given) with ``opts``, both under ``env``; the fetching
+    process's result (RuntimeError with its traceback if it failed)."""
+    ctx = mp.get_context("spawn")
     serve_ctrl, fetch_ctrl = ctx.Pipe()
     result, result_child = ctx.Pipe(duplex=False)
-    server = ctx.Process(
-        target=serve_main,
-        args=(serve_ctrl, env, opts),
-        daemon=True,
-    )
+    server = ctx.Process(target=serve_main, args=(serve_ctrl, env, serve_opts), daemon=True)
     fetcher = ctx.Process(
-        target=fetch_main, args=(result_child, fetch_ctrl, env, opts), daemon=True
+        target=fetch_main, args=(result_child, fetch_ctrl, env, opts, measure), daemon=True
     )
     server.start()
     fetcher.start()
     for end in (serve_ctrl, fetch_ctrl, result_child):
         end.close()  # the children hold theirs: a dead child is EOF here and there
     try:
+        if timeout_s is not None and not result.poll(timeout_s):
+            raise TimeoutError(f"no result within {timeout_s} s")
         ok, out = result.recv()
         if not ok:
             raise RuntimeError(f"fetching process failed:\n{out}")
@@ -1274,7 +1292,6 @@ def run_sweep(tls: str, args: argparse.Namespace) -> dict:
         for p in (server, fetcher):
             if p.is_alive():
                 p.kill()
-    out["env"] = env
     return out
 
 

@@ -128,6 +128,13 @@ def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
         )
 
 
+def _distinct(sizes: np.ndarray) -> list[int]:
+    """The distinct slot sizes, ascending (one, as a rule: no sort then)."""
+    if bool((sizes == sizes[0]).all()):
+        return [int(sizes[0])]
+    return np.unique(sizes).tolist()
+
+
 def _place(
     blocks: list[Block], cells: np.ndarray, grid: np.ndarray, rows: np.ndarray | None
 ) -> None:
@@ -136,7 +143,7 @@ def _place(
     block cheaper than a fancy index) when the cells are evenly spaced."""
     step = int(cells[1] - cells[0]) if len(cells) > 1 else 1
     where: slice | np.ndarray = cells
-    if step > 0 and bool(np.all(np.diff(cells) == step)):
+    if step > 0 and (len(cells) < 3 or bool((cells[1:] - cells[:-1] == step).all())):
         where = slice(int(cells[0]), int(cells[-1]) + 1, step)
     if rows is not None:
         rows[:, where] = grid
@@ -520,7 +527,7 @@ class BlockIndex:
         taken: list[tuple[int, np.ndarray]] = []
         checked = False
         try:
-            for size in np.unique(sizes).tolist():
+            for size in _distinct(sizes):
                 cells = slots[sizes == size]
                 count = len(cells) * len(blocks)
                 if not checked and not pool.can_alloc(size, count):

@@ -124,7 +124,10 @@ class SlotFrees:
 
     def _add_alike(self, group: list[Block]) -> None:
         first = group[0]
-        offsets = np.stack([b.offsets for b in group])  # (blocks, slots)
+        if len(group) == 1:  # a block dropped on its own (np.stack costs more)
+            offsets = first.offsets[None, :]
+        else:
+            offsets = np.stack([b.offsets for b in group])  # (blocks, slots)
         for device in {d for d in first.devices if d is not None}:
             idx = rank_slots(first, device)
             sizes = first.slot_bytes[idx]

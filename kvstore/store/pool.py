@@ -39,6 +39,23 @@ def _ascending(idx: np.ndarray) -> np.ndarray:
     return np.sort(idx)
 
 
+def _slab_runs(slab_ids: np.ndarray) -> tuple[list[tuple[int, int, int]], np.ndarray | None]:
+    """(slab, first, end) of each slab's stretch of ``slab_ids`` once grouped by
+    slab (a stable sort, or None where they were grouped already); slots of one
+    slab (a block's, as a rule) cost no sort and no scan."""
+    n = len(slab_ids)
+    first, last = int(slab_ids[0]), int(slab_ids[-1])
+    if first == last and (n < 3 or bool((slab_ids == first).all())):
+        return [(first, 0, n)], None
+    order = None
+    if not bool((slab_ids[1:] >= slab_ids[:-1]).all()):
+        order = np.argsort(slab_ids, kind="stable")
+        slab_ids = slab_ids[order]
+    firsts = np.flatnonzero(np.diff(slab_ids, prepend=-1))
+    ends = np.append(firsts[1:], n)
+    return list(zip(slab_ids[firsts].tolist(), firsts.tolist(), ends.tolist(), strict=True)), order
+
+
 @dataclass(frozen=True)
 class PoolStats:
     """Bytes of one pool, or of several summed (see :meth:`PoolStats.total`)."""
@@ -176,13 +193,12 @@ class SlotPool:
         ValueError before anything is freed."""
         size = round_size(nbytes)
         offsets = np.asarray(offsets, dtype=np.int64)
+        if not len(offsets):
+            return
         slab_ids = offsets // self.slab_bytes
-        if len(slab_ids) > 1 and not bool(np.all(slab_ids[1:] >= slab_ids[:-1])):
-            order = np.argsort(slab_ids, kind="stable")
-            offsets, slab_ids = offsets[order], slab_ids[order]
-        firsts = np.flatnonzero(np.diff(slab_ids, prepend=-1))
-        ends = np.append(firsts[1:], len(offsets))
-        runs = list(zip(slab_ids[firsts].tolist(), firsts.tolist(), ends.tolist(), strict=True))
+        runs, order = _slab_runs(slab_ids)
+        if order is not None:
+            offsets = offsets[order]
         for slab_id, first, end in runs:
             slab = self._slabs.get(slab_id)
             if slab is None or slab.slot_bytes != size:

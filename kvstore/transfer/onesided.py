@@ -53,10 +53,14 @@ def runs_for(local: SlotTable, grant: Grant, lanes: int) -> SlotRuns:
     order = transfer_order(local.counts.tolist(), lanes)
     ptr, size, memory = local.take(order)
     remote = grant.addresses[order]
-    cuts = np.union1d(
-        run_starts(ptr, size, memory, cap=NO_CAP),
-        run_starts(remote, size, np.zeros(len(size), dtype=np.int64), cap=NO_CAP),
-    )
+    mine = run_starts(ptr, size, memory, cap=NO_CAP)
+    theirs = run_starts(remote, size, np.zeros(len(size), dtype=np.int64), cap=NO_CAP)
+    if not len(theirs) or np.array_equal(mine, theirs):
+        cuts = mine
+    else:
+        cuts = theirs if not len(mine) else np.union1d(mine, theirs)
+    if not len(cuts) and len(size):  # one run: both sides contiguous (one slot, as a rule)
+        return SlotRuns.of(remote[:1], ptr[:1], [size.sum(dtype=np.uint64)])
     starts = np.concatenate(([0], cuts)).astype(np.int64)
     nbytes = np.add.reduceat(size.astype(np.uint64), starts) if len(size) else size
     return SlotRuns.of(remote[starts], ptr[starts], nbytes)

@@ -51,9 +51,9 @@ class SlotTable:
         if not n:
             return [], np.zeros(0, dtype=np.int64)
         k = int(self.counts[0])
-        if bool(np.all(self.counts == k)):
+        if n == 1 or bool((self.counts == k).all()):
             rows = self.nbytes.reshape(n, k)
-            if bool(np.all(rows == rows[0])):
+            if n == 1 or bool((rows == rows[0]).all()):
                 return [rows[0].tolist()], np.zeros(n, dtype=np.int64)
             unique, index = np.unique(rows, axis=0, return_inverse=True)
             return unique.tolist(), index.reshape(-1).astype(np.int64)

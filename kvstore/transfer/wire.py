@@ -273,8 +273,7 @@ def decode_offer(body: bytes, requested: int, rma: bool = False) -> Offer:
     layouts = [_decode_layout(p) for p in packed_layouts]
     if len(index) and int(index.max()) >= len(layouts):
         raise ProtocolError("block_layout points past the layouts")
-    offer = Offer(layouts, index, lanes=lanes)
-    num_slots = int(offer.slot_counts.sum())
+    num_slots = _num_slots(layouts, index)
     if num_slots > MAX_SLOTS_PER_FETCH:
         raise ProtocolError(f"{num_slots} slots, limit {MAX_SLOTS_PER_FETCH}")
     if not (
@@ -287,6 +286,14 @@ def decode_offer(body: bytes, requested: int, rma: bool = False) -> Offer:
         )
     grant = _decode_grant(reply[4:], num_slots) if len(reply) == 7 else None
     return Offer(layouts, index, decode_run_starts(packed_starts, num_slots), lanes, grant)
+
+
+def _num_slots(layouts: list[list[int]], block_layout: np.ndarray) -> int:
+    """Slots of the blocks, each ``len(layouts[block_layout[i]])``."""
+    if len(layouts) == 1:  # one layout: the usual offer
+        return len(layouts[0]) * len(block_layout)
+    lens = np.array([len(x) for x in layouts], dtype=np.int64)
+    return int(lens[block_layout].sum()) if len(block_layout) else 0
 
 
 def _decode_grant(fields: list[Any], num_slots: int) -> Grant:

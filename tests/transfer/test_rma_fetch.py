@@ -10,6 +10,8 @@ slot straight into its reservation, commits, and RELEASEs the lease.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import need_nixl
 from tests.transfer.nodes import HASHES, blocks_of, wait_until
@@ -243,6 +245,45 @@ def test_runs_break_where_either_side_breaks():
     assert runs.local.tolist() == [0, 200, 1000]
     assert runs.remote.tolist() == [5000, 9000, 9200]
     assert runs.nbytes.tolist() == [200, 200, 200]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(1, 3)), min_size=1, max_size=12)
+)
+def test_runs_are_the_slots_merged_where_both_sides_continue(slots):
+    """Against a slot-by-slot walk: one slot, both sides contiguous, cuts on one
+    side, on the other, on both (each slot: whether it jumps here, there; size)."""
+    import numpy as np
+
+    from kvstore.transfer.onesided import runs_for
+    from kvstore.transfer.slots import SlotTable
+    from kvstore.transfer.wire import Grant
+
+    local, remote, sizes, at_l, at_r = [], [], [], 0, 1 << 20
+    for jump_l, jump_r, units in slots:
+        at_l += 4096 * jump_l
+        at_r += 8192 * jump_r
+        local.append(at_l)
+        remote.append(at_r)
+        sizes.append(256 * units)
+        at_l, at_r = at_l + sizes[-1], at_r + sizes[-1]
+    want: list[list[int]] = []  # [remote, local, nbytes] per run
+    for r, lo, n in zip(remote, local, sizes, strict=True):
+        if want and want[-1][0] + want[-1][2] == r and want[-1][1] + want[-1][2] == lo:
+            want[-1][2] += n
+        else:
+            want.append([r, lo, n])
+    n = len(slots)
+    table = SlotTable(
+        np.array(local, dtype=np.uint64),
+        np.array(sizes, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        np.array([n]),
+    )
+    runs = runs_for(table, Grant(1, 1.0, np.array(remote, dtype=np.uint64)), lanes=1)
+    got = list(zip(runs.remote.tolist(), runs.local.tolist(), runs.nbytes.tolist(), strict=True))
+    assert got == [tuple(w) for w in want]
 
 
 def test_a_protocol_4_request_is_refused_naming_both_versions(nodes):
