@@ -50,7 +50,7 @@ def step(new=(), cached=None, scheduled=None):
     )
 
 
-def engine_rank(server, tp_rank=0, tp_size=1, **timing):
+def engine_rank(server, tp_rank=0, tp_size=1, tls=None, **timing):
     """An engine rank whose KV cache vLLM allocated through the connector's pool, registered."""
     pool = SharedMemoryKVPool()
     with pool:
@@ -64,9 +64,75 @@ def engine_rank(server, tp_rank=0, tp_size=1, **timing):
     identity = RankSpec(
         "vllm-engine-1", "tiny-0123456789abcdef", HF, BS, tp_rank, tp_size, tp_rank, tp_size
     )
-    worker = WorkerSide(StoreClient(server.address), identity, **timing)
+    worker = WorkerSide(StoreClient(server.address, tls=tls), identity, **timing)
     worker.register(paged_layers(views, BS, "LBHNC", pool))
     return worker, views, buf, pool
+
+
+# vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py): memory order of the logical
+# [L, B, H, N, C] dims of the cache, C the K+V cell
+VLLM_ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_views(buf, layout, layers, heads=2, ratio=1):
+    """The per-layer [B, H, N, C] views vLLM 0.32 hands register_kv_caches for
+    ``layout`` (allocate_kv_cache: one dense int8 buffer, bf16 views; checked equal
+    to vLLM's own for every layout and ratio it allows), ``ratio`` kernel blocks a block."""
+    shape = (layers, NB * ratio, heads, BS // ratio, 128)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(VLLM_ORDERS[layout]):
+        strides[dim] = step
+        step *= shape[dim]
+    cache = torch.as_strided(buf.view(torch.bfloat16), shape, strides)
+    return {f"model.layers.{i}.self_attn.attn": cache[i] for i in range(layers)}
+
+
+@pytest.mark.parametrize(("layout", "layers", "heads"), [("LHBNC", 2, 2), ("BHLNC", 2, 2)])
+def test_a_layout_that_splits_a_layers_block_is_refused_at_registration(layout, layers, heads):
+    """Before: paged_layers took these layouts by name, so register_kv_caches went
+    through and the registration failed later, in the background (the client's
+    geometry check), retried every retry_s as if the store were down. Now the
+    engine fails at start, naming the layout and the ones that work."""
+    views = vllm_views(
+        torch.zeros(layers * NB * heads * BS * 128 * 2, dtype=torch.int8), layout, layers, heads
+    )
+    with pytest.raises(ValueError, match=layout) as err:
+        paged_layers(views, BS, layout, None)
+    assert "LBHNC, LBNHC, BLHNC, BLNHC" in str(err.value)
+    assert "VLLM_KV_CACHE_LAYOUT" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("layout", "layers", "heads", "ratio"),
+    [
+        ("LBNHC", 2, 2, 2),
+        ("BLHNC", 2, 2, 1),
+        ("BLNHC", 1, 2, 2),  # vLLM splits a block-outermost cache only with one layer
+        ("LHBNC", 2, 1, 1),  # one KV head a rank: the bytes of LBHNC
+    ],
+)
+def test_layouts_whose_blocks_are_one_run_register_and_seal(server, layout, layers, heads, ratio):
+    pool = SharedMemoryKVPool()
+    with pool:
+        buf = torch.zeros(max(layers * NB * heads * BS * 128 * 2, 1 << 20), dtype=torch.int8)
+    views = vllm_views(buf, layout, layers, heads, ratio)
+    identity = RankSpec(f"vllm-{layout}", "tiny-0123456789abcdef", HF, BS, 0, 1, 0, 1)
+    worker = WorkerSide(StoreClient(server.address), identity, seal_timeout=10, retry_s=0.2)
+    try:
+        worker.register(paged_layers(views, BS, layout, pool))
+        assert worker.wait_ready(10)
+        worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(2)])
+        assert StoreClient(server.address).stats().sealed_blocks == 2
+    finally:
+        worker.close([pool])
 
 
 @pytest.fixture
@@ -373,6 +439,59 @@ def test_an_error_the_store_answers_in_time_leaves_it_in_use(server, rank):
     worker.rpc_timeout = 60.0
     worker.load(pairs)
     assert worker.take_load_errors() == set() and worker.skipped == 0
+
+
+def test_a_lease_quota_refusal_is_a_miss_of_that_lookup_only(tmp_path, monkeypatch, caplog):
+    """Before: a Query refused RESOURCE_EXHAUSTED (the tenant's lease quota full)
+    took the store for down for retry_s: no request was looked up, and leases of
+    requests finishing meanwhile were not given back, which kept the quota full.
+    Now that lookup misses, a renewal that is refused gives the old lease back,
+    and the next request asks again; one warning per episode."""
+    from kvstore.testing.pki import Pki
+    from kvstore.wire import limits
+    from tests.conftest import ServerThread
+
+    monkeypatch.setattr(limits, "MAX_LEASES_PER_PRINCIPAL", 1)  # the server runs in this process
+    pki = Pki(tmp_path)
+    server = ServerThread(
+        pool_size=64 << 20,
+        device="cpu",
+        slab_bytes=4 << 20,
+        transfer=False,
+        tls=pki.server,
+        admins=("ops",),
+    )
+    tenant, admin = pki.issue("tenant-a"), StoreClient(server.address, tls=pki.issue("ops"))
+    worker, _, _, pool = engine_rank(server, tls=tenant, seal_timeout=10, retry_s=0.2)
+    now = [0.0]
+    sched = SchedulerSide(
+        StoreClient(server.address, tls=tenant),
+        "vllm-engine-1",
+        BS,
+        lease_ms=10_000,
+        retry_s=60,
+        clock=lambda: now[0],
+    )
+    try:
+        worker.save([BlockPair(block_key(vllm_hash(i)), i) for i in range(4)])
+        with caplog.at_level(logging.INFO):
+            assert sched.matched_tokens(request("a", 4), 0) == 4 * BS  # the tenant's one lease
+            assert sched.matched_tokens(request("b", 4), 0) == 0  # refused: a miss
+            assert sched.matched_tokens(request("c", 4), 0) == 0  # asked again, refused again
+            sched.finished("b")
+            now[0] = 5.0  # a's answer is half its lease old: renewed, which is refused
+            assert sched.matched_tokens(request("a", 4), 0) == 0
+            assert admin.stats().leases == 0  # its old lease went back all the same
+            assert sched.matched_tokens(request("d", 4), 0) == 4 * BS  # the store is in use
+        assert sched.stats.lease_refusals == 3 and sched.stats.store_errors == 0
+        assert admin.stats().leases == 1
+        refused = [m for m in caplog.messages if "refused a lease" in m]
+        assert len(refused) == 1 and "query leases" in refused[0]
+        assert len([m for m in caplog.messages if "grants leases again after" in m]) == 1
+        assert not [m for m in caplog.messages if "unreachable" in m]
+    finally:
+        worker.close([pool])
+        server.stop()
 
 
 def test_a_hash_scheme_mismatch_disables_the_cache(server, rank, caplog):

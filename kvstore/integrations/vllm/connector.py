@@ -13,7 +13,8 @@ vLLM builds one connector per process: the scheduler's (metadata only,
 calls to those two halves. Loads are synchronous (before the forward), every
 layer in one Load; saves happen after the forward, one Save per step. Not
 supported: the hybrid KV cache manager (HMA), layer-wise loading, context
-parallelism (decode or prefill; refused at start).
+parallelism (decode or prefill; refused at start), KV-cache layouts that split
+a layer's block (LHBNC, BHLNC; refused in register_kv_caches, at start).
 
 ``kv_connector_extra_config`` keys (all optional):
     address          store server, host:port (127.0.0.1:50051)

@@ -10,7 +10,9 @@ Plain Python over duck-typed vLLM objects (``request.request_id``,
 ``request.block_hashes``, ``request.num_tokens``; a scheduler output's
 ``scheduled_new_reqs``, ``scheduled_cached_reqs`` and ``num_scheduled_tokens``),
 so it is tested without an engine. A store that cannot be reached is a miss,
-logged once per outage, never an error the engine sees.
+logged once per outage, never an error the engine sees. A lease the store
+refuses (its per-certificate lease quota, RESOURCE_EXHAUSTED) is a miss of that
+request only: the store answered, and is asked again by the next request.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class SchedulerStats:
     save_blocks: int = 0
     store_errors: int = 0
     prefetches: int = 0
+    lease_refusals: int = 0  # lookups the store answered RESOURCE_EXHAUSTED (a miss each)
 
 
 class SchedulerSide:
@@ -104,6 +107,7 @@ class SchedulerSide:
         self.stats = SchedulerStats()
         self._namespace: str | None = None
         self._down_since: float | None = None
+        self._refused_since: float | None = None  # first lease refusal of this episode
         self._next_try = 0.0
         self._lookups: dict[str, _Lookup] = {}
         self._prefetching: dict[str, threading.Thread] = {}
@@ -157,8 +161,13 @@ class SchedulerSide:
                 self.stats.queries += 1
                 self.stats.hit_blocks += lookup.hit_blocks
                 self._store_ok()
+                if lookup.lease_id:  # a miss takes no lease, and says nothing of the quota
+                    self._leases_granted()
             except KVError as err:
-                self._store_failed(err)
+                if err.code is Code.RESOURCE_EXHAUSTED:
+                    self._lease_refused(err)  # no prefetch either: its lookup would be refused
+                else:
+                    self._store_failed(err)
         # a prefetch only where the store answered: one that did not would hold the
         # request back a whole prefetch timeout for a store that is down or hung
         if prefetch and answered and lookup.hit_blocks < len(keys):
@@ -248,6 +257,34 @@ class SchedulerSide:
                 err,
                 self.retry_s,
             )
+
+    def _lease_refused(self, err: KVError) -> None:
+        """The store refused this lookup's lease: its quota of leases per certificate
+        (MAX_LEASES_PER_PRINCIPAL, every engine of the tenant together) is full.
+
+        The store answered, so it is not down. Taken for down, it was not asked for
+        ``retry_s``, and requests finishing meanwhile did not give their leases back
+        (a down store's leases expire by themselves), which kept the quota full. This
+        request misses; the next one asks again, and leases given back meanwhile make
+        room. Logged once per episode (until a lease is granted again)."""
+        self.stats.lease_refusals += 1
+        if self._refused_since is None:
+            self._refused_since = self.clock()
+            log.warning(
+                "kvstore store %s refused a lease (%s): requests miss the external prefix "
+                "cache (prefixes are recomputed) until it grants leases again",
+                self.client.address,
+                err,
+            )
+
+    def _leases_granted(self) -> None:
+        if self._refused_since is not None:
+            log.warning(
+                "kvstore store %s grants leases again after %.1f s; external prefix cache on",
+                self.client.address,
+                self.clock() - self._refused_since,
+            )
+            self._refused_since = None
 
     # ----------------------------------------------------------- allocation
 

@@ -36,6 +36,7 @@ from kvstore.client.store_client import (
     distinct_chunks,
     request_chunks,
 )
+from kvstore.copy import region_from_tensor
 from kvstore.integrations.vllm.scheduler import BlockPair
 from kvstore.wire.errors import Code, KVError, unavailable
 from kvstore.wire.kv_layout import LayoutKind, paged_layout
@@ -43,6 +44,9 @@ from kvstore.wire.kv_layout import LayoutKind, paged_layout
 log = logging.getLogger(__name__)
 
 MIN_POOL_BYTES = 1 << 20  # smaller int8 zeros are not vLLM's KV buffer
+# vLLM's layouts with L and B outermost (its is_block_compact): a layer's block is one
+# contiguous run of bytes, which is what the store copies
+BLOCK_COMPACT_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
 
 
 class SharedMemoryKVPool(TorchFunctionMode):
@@ -124,11 +128,37 @@ def paged_layers(
             )
         ratio = block_size // kernel_block
         t = view.unflatten(0, (view.shape[0] // ratio, ratio)) if ratio > 1 else view
+        _check_block_is_one_run(name, t, vllm_layout, ratio)
         shm = pool.owner_of(view) if pool is not None and not view.is_cuda else None
         kv_dtype = "" if cache_dtype == "auto" else cache_dtype
         layout = paged_layout(vllm_layout, ratio)
         layers.append(KVLayer(name, t, LayoutKind.PAGED, layout, shm, kv_dtype=kv_dtype))
     return layers
+
+
+def _check_block_is_one_run(name: str, t: torch.Tensor, vllm_layout: str, ratio: int) -> None:
+    """ValueError, naming the layout, for a layer whose block is not one run of bytes.
+
+    The store copies each layer's block as one contiguous run. vLLM has layouts
+    that split it (LHBNC puts the heads outside the blocks, BHLNC the other
+    layers between a block's heads) and ``paged_layout`` takes their names, so
+    only the client's geometry check (this same one, when the registration is
+    sent) refused them: after register_kv_caches had returned, in the
+    background, again every ``retry_s``, while the rank served as if the store
+    were down. Checked here, the engine fails at start, saying why and what to
+    choose. A layout that happens to be one run (LHBNC with one KV head a rank,
+    BHLNC with one layer) is let through: its bytes are LBHNC's.
+    """
+    try:
+        region_from_tensor(t, LayoutKind.PAGED.value)
+    except ValueError as err:
+        raise ValueError(
+            f"layer {name}: vLLM's KV cache layout {vllm_layout} (kernel blocks per block: "
+            f"{ratio}) does not keep a layer's block in one contiguous run of bytes, which "
+            f"is what kvstore stores ({err}). KVStoreConnector supports the layouts "
+            f"{', '.join(BLOCK_COMPACT_LAYOUTS)}: set VLLM_KV_CACHE_LAYOUT to one of them "
+            "that the attention backend supports, or run without the connector"
+        ) from err
 
 
 class WorkerSide:
