@@ -118,11 +118,12 @@ class Admission:
         """
         checksum = card_checksum(card)
         key = key_of(card)
+        domain = domain_of(card, checksum, self.algorithm)
         old = self.workers.get(name)
         if old is not None:
             check_owner(f"worker name {name!r}", old.owner, caller)
-        elif not generation:  # etcd's were checked before etcd took them
-            self.check_quota(name, caller)
+        if not generation:  # etcd's were checked before etcd took them
+            self.check_quota(name, caller, domain)
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
@@ -144,7 +145,7 @@ class Admission:
             card,
             checksum,
             key,
-            domain_of(card, checksum, self.algorithm),
+            domain,
             caller.name,
         )
         wset = self.sets.get(key)
@@ -154,13 +155,30 @@ class Admission:
         self.workers[name] = worker
         return worker, old
 
-    def check_quota(self, name: str, caller: Principal) -> None:
-        """RESOURCE_EXHAUSTED when ``name`` is new and ``caller`` (not an admin)
-        already has MAX_WORKERS_PER_PRINCIPAL workers admitted: each may cost
-        the router an event feed (a task, two ZMQ sockets)."""
+    def check_quota(self, name: str, caller: Principal, domain: Domain | None = None) -> None:
+        """RESOURCE_EXHAUSTED when ``caller`` (not an admin) already has
+        MAX_WORKERS_PER_PRINCIPAL workers admitted and ``name`` is new (each may
+        cost the router an event feed: a task, two ZMQ sockets), or, with the
+        ``domain`` the card would join, already has
+        MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL workers there besides ``name`` (a
+        re-registration replaces its own generation; it adds none)."""
+        if caller.admin:
+            return
         if name not in self.workers:
             owned = owned_by(caller, (worker.owner for worker in self.workers.values()))
             check_quota("workers admitted", owned, limits.MAX_WORKERS_PER_PRINCIPAL, caller)
+        if domain is not None:
+            owned = sum(
+                1
+                for worker in self.workers.values()
+                if worker.domain == domain and worker.owner == caller.name and worker.name != name
+            )
+            check_quota(
+                f"workers in indexer domain {domain} (whose holder slots every tenant shares)",
+                owned,
+                limits.MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL,
+                caller,
+            )
 
     def remove(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove worker ``name`` (that generation only, when given); PERMISSION_DENIED

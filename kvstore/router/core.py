@@ -28,7 +28,7 @@ from kvstore.router.admission import Admission, Worker, WorkerRef, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
 from kvstore.router.drops import DropCause, EventDrops
 from kvstore.router.endpoints import EndpointAllowList
-from kvstore.router.identity import IdentityAlgorithm
+from kvstore.router.identity import IdentityAlgorithm, domain_of
 from kvstore.router.load import LoadReport, LoadTracker, TrackedRequest
 from kvstore.router.peers import Peer, Peers
 from kvstore.router.requests import (
@@ -38,7 +38,6 @@ from kvstore.router.requests import (
     check_peer,
     check_request_id,
     check_route,
-    check_token_blocks,
     decode_store_events,
 )
 from kvstore.router.routing import (
@@ -47,11 +46,12 @@ from kvstore.router.routing import (
     draw_worker_set,
     hash_tokens,
     route_result,
+    token_takers,
 )
 from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
 from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
 from kvstore.wire import limits
-from kvstore.wire.card import WorkerCard, validate_card
+from kvstore.wire.card import WorkerCard, card_checksum, validate_card
 from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
@@ -172,12 +172,18 @@ class Router:
         self._notify(worker, old)
         return worker
 
-    def check_worker_quota(self, name: str, caller: Principal) -> None:
-        """RESOURCE_EXHAUSTED when admitting ``name`` would give ``caller`` more
-        than its share of workers (register_worker checks it; a replica on etcd
-        asks before etcd admits, judged by what it has seen of etcd)."""
+    def check_worker_quota(
+        self, name: str, caller: Principal, card: WorkerCard | None = None
+    ) -> None:
+        """RESOURCE_EXHAUSTED when admitting ``name`` (with ``card``, a validated
+        card: into its indexer domain) would give ``caller`` more than its share
+        of workers (register_worker checks it; a replica on etcd asks before
+        etcd admits, judged by what it has seen of etcd)."""
+        domain = None
+        if card is not None:
+            domain = domain_of(card, card_checksum(card), self.admission.algorithm)
         with self._lock:
-            self.admission.check_quota(name, caller)
+            self.admission.check_quota(name, caller, domain)
 
     def remove_worker(self, name: str, generation: int = 0, caller: Principal = LOCAL) -> Worker:
         """Remove a worker; its index entries and tracked load go with it.
@@ -467,7 +473,9 @@ class Router:
         started and finished; a ``request_id`` another principal's tracked
         request holds is ALREADY_EXISTS.
         ``decode_tokens`` is checked but not scored: a request's output length
-        does not change its own first token."""
+        does not change its own first token. Every refusal comes before the
+        WorkerSet draw (token ids are judged against each matching set, and the
+        draw is among those that can take them): a refused Route changes nothing."""
         hashes = check_route(model, token_ids, hashes, request_id, decode_tokens)
         cfg = self.config.scoring
         with self._lock:
@@ -482,9 +490,10 @@ class Router:
                 )
             self.peers.expire(now)
             sets = self.admission.resolve(model, namespace, role)
+            if token_ids:  # judged on every set before the draw: a refusal draws nothing
+                sets = token_takers(sets, len(token_ids))
             wset = draw_worker_set(sets, self.rng)
             if token_ids:
-                check_token_blocks(len(token_ids), wset.reference.kv_block_size)
                 hashes = hash_tokens(wset, token_ids)
             block_size = wset.reference.kv_block_size
             prompt_tokens = len(token_ids) if token_ids else len(hashes) * block_size

@@ -2,11 +2,17 @@
 
 The router core calls these under its lock, in this order:
 
+    token_takers      token ids: the sets that can hash them, else the refusal
     draw_worker_set   among the sets a model name resolves to, by member count
     hash_tokens       token ids -> block hashes (native hash format only)
     candidates        per member: prefix depth on its GPU, in its own store, at a peer
     (scoring.py)      expected ttft of each candidate, then the lowest or a softmax draw
     route_result      the answer, with each block counted in the best tier holding it
+
+Everything that can refuse a route is judged before the draw, on every set
+the name resolves to, so a refused Route draws nothing (the router's seeded
+random stream moves only for routes that are answered) and whether a request
+is refused never depends on which set a draw picks.
 
 A member's depths come from two kinds of index: its own events, in its
 indexer domain (gpu and offload tiers, domains.py), and the store peers of
@@ -23,8 +29,9 @@ from dataclasses import dataclass
 from kvstore.router.admission import Worker, WorkerSet, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
 from kvstore.router.peers import Peers, StoreDepths
+from kvstore.router.requests import check_token_blocks
 from kvstore.router.scoring import Candidate, ScoringConfig, TtftEstimate, explain
-from kvstore.wire.errors import precondition
+from kvstore.wire.errors import KVError, precondition
 from kvstore.wire.events import GPU_TIER, STORE_TIER
 from kvstore.wire.hashing import HASH_FORMAT, block_hashes
 
@@ -44,6 +51,37 @@ class RouteResult:
     worker_sets: int
 
 
+def token_takers(sets: list[WorkerSet], tokens: int) -> list[WorkerSet]:
+    """The sets among ``sets`` that can take a prompt of ``tokens`` token ids
+    (see :func:`check_tokens`), to draw among. When none can, the refusal:
+    the one set's, or for several the first set's code and every set's reason."""
+    takers, refusals = [], []
+    for wset in sets:
+        try:
+            check_tokens(wset, tokens)
+        except KVError as exc:
+            refusals.append(exc)
+        else:
+            takers.append(wset)
+    if takers:
+        return takers
+    if len(refusals) == 1:
+        raise refusals[0]
+    raise KVError(refusals[0].code, "; ".join(e.message for e in refusals))
+
+
+def check_tokens(wset: WorkerSet, tokens: int) -> None:
+    """INVALID_ARGUMENT when ``tokens`` make more than MAX_BLOCK_HASHES blocks of
+    the set's size; FAILED_PRECONDITION when the set's hash format is not the
+    native one, the only one the router hashes tokens in."""
+    check_token_blocks(tokens, wset.reference.kv_block_size)
+    if wset.reference.hash_format != HASH_FORMAT:
+        raise precondition(
+            f"token_ids: WorkerSet {wset.key} uses hash format "
+            f"{wset.reference.hash_format!r}; send block_hashes"
+        )
+
+
 def draw_worker_set(sets: list[WorkerSet], rng: random.Random) -> WorkerSet:
     """One of the matching WorkerSets, drawn by member count (a rolling upgrade)."""
     if len(sets) == 1:
@@ -52,12 +90,7 @@ def draw_worker_set(sets: list[WorkerSet], rng: random.Random) -> WorkerSet:
 
 
 def hash_tokens(wset: WorkerSet, token_ids: Sequence[int]) -> list[int]:
-    """The router hashes tokens only for WorkerSets of the native hash format."""
-    if wset.reference.hash_format != HASH_FORMAT:
-        raise precondition(
-            f"token_ids: WorkerSet {wset.key} uses hash format "
-            f"{wset.reference.hash_format!r}; send block_hashes"
-        )
+    """Block hashes of ``token_ids`` for a set :func:`token_takers` let through."""
     return block_hashes(token_ids, wset.reference.kv_block_size)
 
 

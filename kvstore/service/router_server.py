@@ -163,7 +163,7 @@ class ClusterRouterService(RouterService):
             validate_card(card)
             self.router.config.events_allow.check(card.kv_events_endpoint)
             caller = self.security.principal(context)
-            self.router.check_worker_quota(name, caller)
+            self.router.check_worker_quota(name, caller, card)
             outcome = await self.replica.admit(name, card, caller)
             if isinstance(outcome, Refused):
                 self.router.record_rejected()

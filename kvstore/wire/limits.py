@@ -49,6 +49,14 @@ MAX_EVENT_BYTES = 4 << 20  # one msgpack event / one vLLM batch
 MAX_HASHES_PER_EVENT = 1 << 16
 MAX_WORKERS_PER_DOMAIN = 4096  # bits in one holder mask
 MAX_WORKERS_PER_PRINCIPAL = 4096  # workers one (non-admin) certificate may have admitted
+# Workers one non-admin certificate may have admitted into one indexer domain.
+# Every tenant whose cards name the same model and routing scope (or the same
+# indexer overrides) shares that domain's prefix index, and each of its workers
+# takes up to two of the index's MAX_WORKERS_PER_DOMAIN holder bits (gpu and
+# store tier): one certificate gets at most a quarter of them, so it cannot fill
+# the index and leave other tenants' workers there unindexed (their batches
+# refused, no_room).
+MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL = MAX_WORKERS_PER_DOMAIN // 8
 MAX_PEERS = 4096
 MAX_PEERS_PER_PRINCIPAL = 64  # store nodes one (non-admin) certificate may advertise
 MAX_NAMESPACES_PER_PEER = 256

@@ -13,8 +13,11 @@ from hypothesis import strategies as st
 from kvstore.router.admission import WorkerRef, WorkerSetKey
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import BlockEvent
+from kvstore.wire import limits
 from kvstore.wire.card import card_checksum
 from kvstore.wire.errors import KVError
+from kvstore.wire.events import STORE_TIER
+from kvstore.wire.principal import Principal
 from tests.router.conftest import card
 
 HASHES = [11, 22, 33, 44]
@@ -291,3 +294,77 @@ def test_alias_resolves_and_primary_name_wins(router):
     with pytest.raises(KVError) as err:
         router.route("nobody")
     assert err.value.code.name == "NOT_FOUND"
+
+
+# -- one tenant's share of a domain's holder slots --
+
+TENANT_A = Principal("tenant-a")
+TENANT_B = Principal("tenant-b")
+
+
+def test_one_tenant_cannot_fill_the_holder_slots_of_a_domain_others_share(router):
+    """A domain is not per tenant: every card of one model and routing scope
+    joins it, whoever admits it (here tenant-b's prefill workers join tenant-a's
+    decode worker), and each worker may take two of its MAX_WORKERS_PER_DOMAIN
+    holder bits. Before, tenant-b could admit MAX_WORKERS_PER_DOMAIN / 2 workers
+    there, fill every bit, and tenant-a's worker's batches were refused (no_room).
+    Now a non-admin certificate has MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL workers
+    in one domain: past it RESOURCE_EXHAUSTED naming the limit, nothing changed."""
+    a0 = router.register_worker("a0", card(), caller=TENANT_A)
+    greedy, refusals = [], []
+    for i in range(limits.MAX_WORKERS_PER_DOMAIN // 2):  # enough to take every bit
+        before = snapshot(router)
+        try:
+            greedy.append(
+                router.register_worker(f"b{i}", card(worker_type="prefill"), caller=TENANT_B)
+            )
+        except KVError as exc:
+            refusals.append(exc)
+            assert snapshot(router) == before
+    assert {w.domain for w in greedy} == {a0.domain} and greedy[0].key != a0.key
+    for w in greedy:  # every one of them takes both of its bits
+        router.apply_worker_events(w.ref, [BlockEvent("stored", [1]), stored_offloaded([2])])
+    assert router.apply_worker_events(a0.ref, [BlockEvent("stored", HASHES)]) == 1
+    assert router.route("llama-8b", role="decode", hashes=HASHES).overlap_blocks == 4
+    assert router.stats().dropped_by.no_room == 0
+    share = len(greedy)
+    assert refusals and 0 < 2 * share < limits.MAX_WORKERS_PER_DOMAIN
+    message = refusals[0].message
+    assert {e.code.name for e in refusals} == {"RESOURCE_EXHAUSTED"}
+    assert f"'tenant-b' already holds {share} workers in indexer domain {a0.domain}" in message
+    assert f"at most {share}" in message
+
+
+def test_the_domain_share_counts_one_tenants_workers_in_that_domain_only(router, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL", 2)
+    router.register_worker("a0", card(), caller=TENANT_A)
+    router.register_worker("a1", card(), caller=TENANT_A)
+    with pytest.raises(KVError) as err:
+        router.register_worker("a2", card(), caller=TENANT_A)
+    assert err.value.code.name == "RESOURCE_EXHAUSTED"
+    router.register_worker("a1", card(address="10.0.0.9:8000"), caller=TENANT_A)  # a restart
+    router.register_worker("a2", card(display_name="other"), caller=TENANT_A)  # another domain
+    with pytest.raises(KVError):  # nor may a name move into the full domain
+        router.register_worker("a2", card(), caller=TENANT_A)
+    assert router.admission.workers["a2"].card.display_name == "other"
+    router.register_worker("b0", card(), caller=TENANT_B)  # another tenant's share
+    for i in range(3):  # an admin's are not counted
+        router.register_worker(f"admin{i}", card())
+    router.remove_worker("a0", caller=TENANT_A)
+    router.register_worker("a3", card(), caller=TENANT_A)
+
+
+def test_a_replica_asks_for_the_domain_share_before_etcd_admits(router, monkeypatch):
+    """On etcd a replica judges a card before etcd takes it (the admission
+    applied from etcd comes as an admin's): check_worker_quota with the card."""
+    monkeypatch.setattr(limits, "MAX_WORKERS_PER_DOMAIN_PER_PRINCIPAL", 1)
+    router.register_worker("a0", card(), caller=TENANT_A)
+    router.check_worker_quota("a0", TENANT_A, card())  # its own again
+    router.check_worker_quota("a1", TENANT_A, card(display_name="other"))
+    with pytest.raises(KVError) as err:
+        router.check_worker_quota("a1", TENANT_A, card())
+    assert err.value.code.name == "RESOURCE_EXHAUSTED" and "indexer domain" in err.value.message
+
+
+def stored_offloaded(hashes):
+    return BlockEvent("stored", list(hashes), tier=STORE_TIER)

@@ -12,6 +12,7 @@ from kvstore.router.core import Router, RouterConfig
 from kvstore.router.holders import HolderIndex
 from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import BlockEvent
+from kvstore.wire import limits
 from kvstore.wire.errors import KVError
 from kvstore.wire.hashing import block_hashes
 from tests.router.conftest import Clock, card
@@ -217,3 +218,87 @@ def test_a_generated_request_id_never_takes_a_tracked_one(router):
     queued = router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens
     router.request_finished("r2", caller=a)  # still A's: its load leaves the queue
     assert router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens < queued
+
+
+# -- a refused Route draws nothing --
+
+
+def seeded_router() -> Router:
+    return Router(RouterConfig(scoring=ScoringConfig(seed=11)))
+
+
+@pytest.mark.parametrize(
+    "cards, tokens, code",
+    [
+        # two sets that cannot hash token ids at all
+        (
+            [
+                card(hash_format="vllm-sha256"),
+                card(hash_format="vllm-sha256", worker_type="prefill"),
+            ],
+            PROMPT,
+            "FAILED_PRECONDITION",
+        ),
+        # two sets of 1-token blocks: more blocks than a route may carry
+        (
+            [card(kv_block_size=1), card(kv_block_size=1, worker_type="prefill")],
+            [1] * (limits.MAX_BLOCK_HASHES + 1),
+            "INVALID_ARGUMENT",
+        ),
+    ],
+)
+def test_a_refused_route_draws_no_worker_set(cards, tokens, code):
+    """Before, Route drew one of a model's WorkerSets (a step of the router's
+    seeded random stream) and only then found that it could not take the token
+    ids: the refused request had moved every later draw. Now the sets are judged
+    first, and a refusal changes nothing, the random stream included."""
+    router, twin = seeded_router(), seeded_router()
+    for r in (router, twin):
+        for i, c in enumerate(cards):
+            r.register_worker(f"w{i}", c)
+    state = router.rng.getstate()
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", token_ids=tokens)
+    assert err.value.code.name == code and "token_ids" in err.value.message
+    assert router.rng.getstate() == state and router.stats().active_requests == 0
+
+    def picks(r: Router) -> list[str]:
+        return [r.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(50)]
+
+    assert picks(router) == picks(twin)
+
+
+def test_refusals_before_the_draw_leave_the_random_stream_alone():
+    router = seeded_router()
+    router.register_worker("w0", card())
+    router.register_worker("w1", card(worker_type="prefill"))
+    state = router.rng.getstate()
+    for kwargs in (
+        {"model": "nobody"},
+        {"model": "llama-8b", "hashes": [1 << 64]},
+        {"model": "llama-8b", "token_ids": [1] * 16, "hashes": [1]},
+    ):
+        with pytest.raises(KVError):
+            router.route(**kwargs)
+    assert router.rng.getstate() == state
+
+
+def test_token_ids_go_to_a_set_that_can_hash_them_whatever_the_draw():
+    """Before, token ids for a model whose sets differ in hash format were
+    refused whenever the draw (by member count) picked a set of another format,
+    so one request was refused or answered by chance. Now the draw is among the
+    sets that can take them."""
+    router = seeded_router()
+    router.register_worker("native", card())
+    for i in range(3):
+        router.register_worker(
+            f"foreign{i}", card(hash_format="vllm-sha256", worker_type="prefill")
+        )
+    results = [router.route("llama-8b", token_ids=PROMPT, track=False) for _ in range(40)]
+    assert {r.worker.name for r in results} == {"native"}
+    assert {r.worker_sets for r in results} == {1}
+    # block_hashes still go to either, drawn by member count
+    got = Counter(
+        router.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(200)
+    )
+    assert got["native"] > 0 and sum(got.values()) - got["native"] > got["native"]
