@@ -29,11 +29,11 @@ blocks; these adapters are the only place the two meet.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,13 +65,14 @@ def slot_table(index: BlockIndex, blocks: list[Block], rows: np.ndarray | None =
     offsets = joined.astype(np.uint64)
     first, n = blocks[0], len(blocks)
     if all(b.devices == first.devices and b.slot_bytes is first.slot_bytes for b in blocks):
-        base, memory = _slot_bases(index, first)
-        k = len(base)
+        row = _placed_row(index, first)
+        if n == 1:  # the cached row itself (read-only)
+            return SlotTable(offsets + row.base, row.nbytes, row.memory, row.counts, owner=index)
         return SlotTable(  # rows repeated by broadcasting: np.tile costs more per call
-            (offsets.reshape(n, k) + base).reshape(-1),
-            _repeat(first.slot_bytes.astype(np.int64), n),
-            _repeat(memory, n),
-            np.full(n, k, dtype=np.int64),
+            (offsets.reshape(n, len(row.base)) + row.base).reshape(-1),
+            _repeat(row.nbytes, n),
+            _repeat(row.memory, n),
+            np.full(n, len(row.base), dtype=np.int64),
             owner=index,  # keeps the pools, and so the slots' memory, alive
         )
     rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -97,26 +98,48 @@ def _repeat(row: np.ndarray, n: int) -> np.ndarray:
     return row[None, :].repeat(n, axis=0).reshape(-1)
 
 
+class _PlacedRow(NamedTuple):
+    """Per slot of a block placed like another: its pool's base, its size and its
+    memory key (0 for host memory, else the CUDA pool's base: runs never cross
+    allocations); ``counts`` is [slots] (one block's). Read-only, cached."""
+
+    base: np.ndarray  # uint64
+    nbytes: np.ndarray  # int64
+    memory: np.ndarray  # int64
+    counts: np.ndarray  # int64, one entry
+
+
 def _slot_bases(index: BlockIndex, block: Block) -> tuple[np.ndarray, np.ndarray]:
-    """Per slot of a block placed like ``block``: its pool's base, and its memory key
-    (0 for host memory, else the CUDA pool's base: runs never cross allocations)."""
+    """Per slot of a block placed like ``block``: its pool's base and memory key."""
+    row = _placed_row(index, block)
+    return row.base, row.memory
+
+
+def _placed_row(index: BlockIndex, block: Block) -> _PlacedRow:
     pools = [index.pool(d) for d in block.devices]
-    keys = tuple(p.base if p.buffer.is_cuda else 0 for p in pools)
-    return _placed_bases(tuple(p.base for p in pools), keys, len(block.slot_bytes))
+    return _placed(
+        tuple(p.base for p in pools),
+        tuple(p.memory_key for p in pools),
+        block.slot_bytes.astype(np.int64, copy=False).tobytes(),  # a few hundred bytes at most
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _placed_bases(
-    bases: tuple[int, ...], keys: tuple[int, ...], num_slots: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """_slot_bases of the slots of a block whose rank r lies in a pool at
-    ``bases[r]`` with memory key ``keys[r]`` (slot s is rank s % tp_size's):
-    the same few rows for every fetch, so cached (read-only)."""
-    rank = np.arange(num_slots) % len(bases)
-    base = np.array(bases, dtype=np.uint64)[rank]
-    memory = np.array(keys, dtype=np.int64)[rank]
-    base.flags.writeable = memory.flags.writeable = False
-    return base, memory
+def _placed(bases: tuple[int, ...], keys: tuple[int, ...], slot_bytes: bytes) -> _PlacedRow:
+    """The row of a block whose rank r lies in a pool at ``bases[r]`` with memory
+    key ``keys[r]`` (slot s is rank s % tp_size's), its slots of ``slot_bytes``
+    (int64, packed): the same few rows for every fetch, so cached."""
+    nbytes = np.frombuffer(slot_bytes, dtype=np.int64).copy()
+    rank = np.arange(len(nbytes)) % len(bases)
+    row = _PlacedRow(
+        np.array(bases, dtype=np.uint64)[rank],
+        nbytes,
+        np.array(keys, dtype=np.int64)[rank],
+        np.array([len(nbytes)], dtype=np.int64),
+    )
+    for column in row:
+        column.flags.writeable = False
+    return row
 
 
 @dataclass
@@ -317,7 +340,7 @@ class Fetcher:
             finally:
                 self.index.unpin(held)
             if fetched is not None:
-                return dataclasses.replace(fetched, local_blocks=local)
+                return FetchResult(local, fetched.fetched_blocks, fetched.peer)
 
     async def _lead(self, key: tuple, namespace: str, missing: list[int]) -> FetchResult:
         """Fetch ``missing``, publishing the outcome to callers that ask for the

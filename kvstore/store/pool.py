@@ -111,6 +111,9 @@ class SlotPool:
         if device == "cpu":
             self.buffer.zero_()  # fault every page in now, not inside the first saves
         self.base = self.buffer.data_ptr()
+        # what tells this pool's slots apart from other memory in a transfer's runs:
+        # 0 for host memory, else the CUDA allocation (its base)
+        self.memory_key = self.base if self.buffer.is_cuda else 0
         self._free_slabs = list(range(num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
         self._partial: dict[int, dict[int, None]] = {}  # size -> ordered set of slab ids

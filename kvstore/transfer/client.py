@@ -299,6 +299,14 @@ async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:
 
 def _matches(table: SlotTable, offer: Offer) -> bool:
     """Whether ``table`` holds exactly the offered blocks' slots, of the offered sizes."""
+    if len(offer.layouts) == 1:  # the rule: every block in the namespace's one layout
+        layout, n = offer.layouts[0], offer.num_blocks
+        return (
+            table.num_blocks == n
+            and len(table.nbytes) == n * len(layout)
+            and bool((table.counts == len(layout)).all())
+            and bool((table.nbytes.reshape(n, len(layout)) == layout).all())
+        )
     return np.array_equal(table.counts, offer.slot_counts) and np.array_equal(
         table.nbytes, offer.flat_sizes()
     )

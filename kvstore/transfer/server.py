@@ -462,11 +462,18 @@ def _offerable(lease: Lease, hashes: list[int]) -> SlotTable:
     if n > len(hashes) or list(lease.hashes) != hashes[:n] or table.num_blocks != n:
         raise ValueError("lease is not a prefix of the request")
     counts = table.counts
-    fits = (
-        (counts > 0) & (counts <= MAX_SLOTS_PER_BLOCK) & (np.cumsum(counts) <= MAX_SLOTS_PER_FETCH)
-    )
-    if not bool(fits.all()):
-        table = table.prefix(int(np.argmin(fits)))
+    if n and not (  # three reductions when every block fits (the rule)
+        int(counts.min()) > 0
+        and int(counts.max()) <= MAX_SLOTS_PER_BLOCK
+        and int(counts.sum()) <= MAX_SLOTS_PER_FETCH
+    ):
+        fits = (
+            (counts > 0)
+            & (counts <= MAX_SLOTS_PER_BLOCK)
+            & (np.cumsum(counts) <= MAX_SLOTS_PER_FETCH)
+        )
+        if not bool(fits.all()):
+            table = table.prefix(int(np.argmin(fits)))
     if len(table.nbytes) and not (
         int(table.nbytes.min()) > 0 and int(table.nbytes.max()) <= MAX_SLOT_BYTES
     ):
@@ -479,6 +486,6 @@ def readable(table: SlotTable, region: Region) -> bool:
     memory (memory key 0) for DRAM, the one GPU allocation the region is (its
     base is the slots' memory key) for VRAM."""
     key = 0 if region.mem == "DRAM" else region.addr
-    if not bool(np.all(table.memory == key)):
+    if not bool((table.memory == key).all()):
         return False
     return inside(table.ptr, table.nbytes.astype(np.uint64), region)

@@ -187,6 +187,8 @@ def choose_lanes(table: SlotTable) -> int:
     """The lane count (a power of two dividing every block's slot count) whose
     transfer order leaves the fewest runs in this side's memory. Cuts at the
     segment cap do not count: every order has those."""
+    if len(table.ptr) < 2:  # one slot (or none): one run whatever the order
+        return 1
     best, fewest = 1, None
     lanes = 1
     counts = table.counts

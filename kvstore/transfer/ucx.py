@@ -700,9 +700,10 @@ _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EndpointPool] = (
 def endpoint_pool() -> EndpointPool:
     """The running event loop's pool (ucxx endpoints belong to one loop)."""
     loop = asyncio.get_running_loop()
-    if loop not in _POOLS:
-        _POOLS[loop] = EndpointPool()
-    return _POOLS[loop]
+    pool = _POOLS.get(loop)
+    if pool is None:
+        pool = _POOLS[loop] = EndpointPool()
+    return pool
 
 
 async def close_endpoints() -> None:

@@ -426,12 +426,12 @@ def _fixed_bytes(value: Any, size: int, what: str) -> bytes:
 def _decode_layout(packed: Any) -> list[int]:
     if not isinstance(packed, bytes) or len(packed) % 8:
         raise ProtocolError("a layout must be packed u64 slot sizes")
-    sizes = np.frombuffer(packed, dtype="<u8")
-    if not 0 < len(sizes) <= MAX_SLOTS_PER_BLOCK:
-        raise ProtocolError(f"{len(sizes)} slots per block, limit 1..{MAX_SLOTS_PER_BLOCK}")
-    if int(sizes.min()) < 1 or int(sizes.max()) > MAX_SLOT_BYTES:
+    if not 0 < len(packed) // 8 <= MAX_SLOTS_PER_BLOCK:
+        raise ProtocolError(f"{len(packed) // 8} slots per block, limit 1..{MAX_SLOTS_PER_BLOCK}")
+    sizes = np.frombuffer(packed, dtype="<u8").tolist()
+    if min(sizes) < 1 or max(sizes) > MAX_SLOT_BYTES:  # a block's few slots: no numpy call
         raise ProtocolError(f"slot size outside 1..{MAX_SLOT_BYTES}")
-    return sizes.tolist()
+    return sizes
 
 
 def encode_error(code: Code, message: str) -> bytes:

@@ -143,3 +143,37 @@ def test_layouts_and_offers_round_trip():
         assert offer.slot_counts.tolist() == [len(b) for b in sizes]
         assert offer.flat_sizes().tolist() == [n for b in sizes for n in b]
         assert wire.decode_offer(wire.encode_offer(sizes), len(sizes)).slot_sizes == sizes
+
+
+def _table(sizes_per_block: list[list[int]]):
+    from kvstore.transfer.slots import SlotTable
+
+    flat = [s for block in sizes_per_block for s in block]
+    return SlotTable(
+        np.arange(len(flat), dtype=np.uint64) * 4096,
+        np.array(flat, dtype=np.int64),
+        np.zeros(len(flat), dtype=np.int64),
+        np.array([len(b) for b in sizes_per_block], dtype=np.int64),
+    )
+
+
+@pytest.mark.parametrize(
+    ("layouts", "block_layout", "blocks", "fits"),
+    [
+        ([[100, 200]], [0, 0, 0], [[100, 200]] * 3, True),
+        ([[100, 200]], [0, 0, 0], [[100, 200], [100, 201], [100, 200]], False),  # one size off
+        ([[100, 200]], [0, 0, 0], [[100, 200]] * 2, False),  # a block fewer
+        ([[100, 200]], [0, 0], [[100, 200], [100, 200, 300]], False),  # a slot more
+        ([[100, 200]], [0, 0], [[100], [200, 100, 200]], False),  # same bytes, other blocks
+        ([[100, 200], [100]], [0, 1, 0], [[100, 200], [100], [100, 200]], True),
+        ([[100, 200], [100]], [0, 1, 0], [[100], [100, 200], [100, 200]], False),
+    ],
+)
+def test_a_reservation_fits_an_offer_only_slot_for_slot(layouts, block_layout, blocks, fits):
+    """What a fetch lands in must be the offered blocks' slots, block for block
+    (a peer's other layout is its fault: the fetch goes elsewhere)."""
+    from kvstore.transfer.client import _matches
+    from kvstore.transfer.wire import Offer
+
+    offer = Offer(layouts, np.array(block_layout, dtype=np.int64))
+    assert _matches(_table(blocks), offer) is fits
