@@ -1,7 +1,7 @@
 """The control floor of a one-slot peer fetch, back to back, against its parts
 (issue 15 item 3: "fetch control floor <= 0.1 ms + vectorised O(slots)").
 
-    python bench/control_floor.py --quick     # about a minute on a 2-core host
+    python bench/control_floor.py --quick     # about two minutes on a 2-core host
     python bench/control_floor.py             # more rounds
 
 bench/transfer.py times its control floor interleaved with every other op of a
@@ -13,30 +13,33 @@ control path's own (Python on both sides, the lease, the reservation, the
 commit, the one-way RELEASE).
 
 Two spawned processes, as in bench/transfer.py (its serving process: a store
-node with sealed blocks of one 16 KiB slot, a PeerServer with its pool
-registered with NIXL, a raw ucxx listener). The fetching process has a store
-node of the same layout. Each round runs every op ``--ops`` times in a row, the
-ops in a fresh random order per round:
+node with sealed blocks of 16 KiB slots, a PeerServer with its pool registered
+with NIXL, a raw ucxx listener). The fetching process has a store node of the
+same layout. Two shapes, one after the other: one block of one slot, and 128
+blocks of 16 slots (2,048 slots, 32 MiB: bench/transfer.py's second floor
+shape, where what grows with the blocks shows). Each round runs every op
+``--ops`` times in a row, the ops in a fresh random order per round:
 
-  fetch_rma   StoreNode.prefetch of one block, one-sided (REQUEST, grant, NIXL
-              READ into the reserved slot, commit, RELEASE); the block is
-              dropped (untimed) after each, its bytes compared first
-  fetch       the same two-sided (REQUEST, offer, GO, the slot as a message)
+  fetch_rma   StoreNode.prefetch of the blocks, one-sided (REQUEST, grant, NIXL
+              READ into the reserved slots, commit, RELEASE); the blocks are
+              dropped (untimed) after each, their bytes compared first
+  fetch       the same two-sided (REQUEST, offer, GO, the slots as messages)
   rtt         raw ucxx: a 16-byte request, a 64-byte answer (bench/transfer.py's
               raw_one of 64 bytes): one round trip, no kvstore code
-  nixl_read   one raw NIXL READ of the slot (the same endpoints and registered
-              pools as fetch_rma), a blocking wait; bytes compared after each
+  nixl_read   one raw NIXL READ of the same bytes as ONE run (the same endpoints
+              and registered pools as fetch_rma), a blocking wait; bytes
+              compared after each
 
 Per round the p50 of each op; over the rounds p10/p50/p90 of those, and per
 round ``over_floor_us`` = fetch_rma p50 - (rtt p50 + nixl_read p50), the control
 path's own cost, and ``ratio_floor`` = (rtt + nixl_read) / fetch_rma.
 
-JSON to bench/results/control_floor.json: benchmark, note, generated, code (git
-describe of the kvstore measured), host, env, rounds, ops_per_round,
-us_p10_p50_p90 (per op), over_floor_us_p10_p50_p90, ratio_floor_p10_p50_p90,
-verified (fetches and reads whose bytes were compared). ``--label`` keeps earlier
-runs under their labels (A/B of two trees: run the script with PYTHONPATH set to
-the other tree's root).
+JSON to bench/results/control_floor.json: benchmark, note, host, runs{label:
+code (git describe of the kvstore measured), generated, rounds, ops_per_round,
+transports, env, shapes{"1", "2048": slots, slot_bytes, us_p10_p50_p90 (per
+op), over_floor_us_p10_p50_p90, ratio_floor_p10_p50_p90, verified (fetches and
+reads whose bytes were compared)}}. ``--label`` keeps other labels' runs (A/B of
+two trees: run this script with PYTHONPATH set to the other tree's root).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ from rma import RAW_DATA_TAG, RAW_ONE, RAW_REQUEST_TAG, polled, timed_read, ucx_
 
 OUT = Path(__file__).resolve().parent / "results" / "control_floor.json"
 SLOT = 16 << 10
+# (label, slot bytes, slots a block, tp, blocks): one slot, and 2,048 (bench/transfer.py's)
+SHAPES = (("1", SLOT, 1, 1, 1), ("2048", SLOT, 16, 1, 128))
 ANSWER_BYTES = 64
 OPS = ("fetch_rma", "fetch", "rtt", "nixl_read")
 
@@ -69,11 +74,10 @@ OPS = ("fetch_rma", "fetch", "rtt", "nixl_read")
 class Floor:
     """The fetching process's timed ops."""
 
-    def __init__(self, ctrl: Any, address: str, raw_ep: Any, card: Any):
+    def __init__(self, ctrl: Any, address: str, raw_ep: Any, card: Any, shape: bt.Shape):
         from kvstore.transfer import rma
 
-        self.ctrl, self.raw_ep = ctrl, raw_ep
-        self.shape = bt.Shape(SLOT, 1, 1, 1)
+        self.ctrl, self.raw_ep, self.shape = ctrl, raw_ep, shape
         self.namespace, sets = bt.ask(ctrl, "prepare", asdict(self.shape))
         self.hashes = sets[0]
         self.side = bt.StoreFetching("cpu", self.shape, address, one_sided=True)
@@ -101,14 +105,14 @@ class Floor:
         return self.nixl_read()
 
     async def fetch(self, one_sided: bool) -> float:
-        self.side.buffer[:SLOT].fill_(bt.POISON)
+        self.side.buffer[: self.shape.nbytes].fill_(bt.POISON)
         start = time.perf_counter()
         n = await self.side.fetch(self.namespace, self.hashes, one_sided=one_sided)
         elapsed = time.perf_counter() - start
-        if n != 1:
-            raise AssertionError(f"fetched {n} of 1 block")
+        if n != len(self.hashes):
+            raise AssertionError(f"fetched {n} of {len(self.hashes)} blocks")
         offsets = self.side.offsets(self.namespace, self.hashes)
-        bt.check_slots(self.side.buffer, self.shape, offsets, 0, "fetched slot")
+        bt.check_slots(self.side.buffer, self.shape, offsets, 0, "fetched slots")
         self.side.node.index.clear(self.namespace)  # the next fetch fetches again
         self.verified += 1
         return elapsed
@@ -143,19 +147,23 @@ async def _measure(ctrl: Any, opts: dict) -> dict:
         raise AssertionError("the serving process has no NIXL card")
     loop_progress()
     raw_ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
-    floor = Floor(ctrl, address, raw_ep, card)
     rng = np.random.default_rng(opts["seed"])
-    p50s: dict[str, list[float]] = {name: [] for name in OPS}
-    bt.ask(ctrl, "progress", True)  # the serving side progresses NIXL, as under a lease
-    for _ in range(opts["warmup"]):
-        for name in OPS:
-            await floor.op(name)
-    for _ in range(opts["rounds"]):
-        for name in rng.permutation(OPS):
-            times = [await floor.op(name) for _ in range(opts["ops"])]
-            p50s[name].append(float(np.median(times)) * 1e6)
-    bt.ask(ctrl, "progress", False)
-    return {"p50s": p50s, "verified": floor.verified, "transports": transports}
+    shapes = {}
+    for label, *dims in SHAPES:
+        floor = Floor(ctrl, address, raw_ep, card, bt.Shape(*dims))
+        p50s: dict[str, list[float]] = {name: [] for name in OPS}
+        bt.ask(ctrl, "progress", True)  # the serving side progresses NIXL, as under a lease
+        for _ in range(opts["warmup"]):
+            for name in OPS:
+                await floor.op(name)
+        for _ in range(opts["rounds"]):
+            for name in rng.permutation(OPS):
+                times = [await floor.op(name) for _ in range(opts["ops"])]
+                p50s[name].append(float(np.median(times)) * 1e6)
+        bt.ask(ctrl, "progress", False)
+        floor.side.close()
+        shapes[label] = {"p50s": p50s, "verified": floor.verified}
+    return {"shapes": shapes, "transports": transports}
 
 
 def spread(values: list[float] | np.ndarray, digits: int = 1) -> list[float]:
@@ -163,15 +171,22 @@ def spread(values: list[float] | np.ndarray, digits: int = 1) -> list[float]:
 
 
 def summarise(out: dict, opts: dict) -> dict:
-    p50s = {k: np.asarray(v) for k, v in out["p50s"].items()}
-    parts = p50s["rtt"] + p50s["nixl_read"]
+    rows = {}
+    for (label, slot, per_block, _, blocks), shape in zip(SHAPES, out["shapes"].values()):
+        p50s = {k: np.asarray(v) for k, v in shape["p50s"].items()}
+        parts = p50s["rtt"] + p50s["nixl_read"]
+        rows[label] = {
+            "slots": per_block * blocks,
+            "slot_bytes": slot,
+            "us_p10_p50_p90": {name: spread(v) for name, v in p50s.items()},
+            "over_floor_us_p10_p50_p90": spread(p50s["fetch_rma"] - parts),
+            "ratio_floor_p10_p50_p90": spread(parts / p50s["fetch_rma"], 3),
+            "verified": shape["verified"],
+        }
     return {
         "rounds": opts["rounds"],
         "ops_per_round": opts["ops"],
-        "us_p10_p50_p90": {name: spread(v) for name, v in p50s.items()},
-        "over_floor_us_p10_p50_p90": spread(p50s["fetch_rma"] - parts),
-        "ratio_floor_p10_p50_p90": spread(parts / p50s["fetch_rma"], 3),
-        "verified": out["verified"],
+        "shapes": rows,
         "transports": out["transports"],
     }
 
@@ -181,7 +196,7 @@ def run(opts: dict) -> dict:
     serve_opts = {
         "serve_device": "cpu",
         "source": "store",
-        "serve_bytes": 16 << 20,
+        "serve_bytes": 2 * max(bt.Shape(*dims).nbytes for _, *dims in SHAPES),  # sets A, B
         "layers_by_name": False,
         "rma": True,
     }

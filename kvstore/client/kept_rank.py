@@ -2,13 +2,20 @@
 
 An engine rank registers its layers once, waits for the seal (which needs
 every rank of the instance, so it may take a while), and then serves. The
-store is a cache, so nothing here raises into the engine: while the store is
-down the rank serves without it, and a background thread registers again
-until it is back (docs/design.md §7).
+store is a cache, so nothing here raises into the engine's serving path
+(``start``, ``live``): while the store is down the rank serves without it,
+and a background thread registers again until it is back (docs/design.md §7).
 
 A registration that is in but not yet sealed (the other ranks are still
 starting) is kept across attempts, never registered twice: a second
 RegisterLayers for the same rank would be ALREADY_EXISTS.
+
+A failure that another attempt can cure (the store down or restarting,
+unreachable, slow, this rank's previous session not yet reaped) is retried
+every ``retry_s`` and logged once an outage. A refusal that no attempt can
+change (:data:`FINAL_CODES`, or layers this client cannot describe to the
+store) ends the attempts: it is logged once at ERROR with what to fix, the
+rank serves without the store, and :meth:`KeptRank.wait_ready` raises it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,35 @@ from kvstore.client.store_client import KVLayer, RankSession, RankSpec, SealInfo
 from kvstore.wire.errors import Code, KVError
 
 log = logging.getLogger(__name__)
+
+# Refusals the same registration always gets again: the store judged the request
+# itself (its fields, layers, memory, or how they fit the other ranks and this
+# store), or this engine's certificate, which stays the channel's for its life.
+# The rest may pass: UNAVAILABLE (the store down or restarting, or TLS failing),
+# DEADLINE_EXCEEDED (slow or hung), CANCELLED, RESOURCE_EXHAUSTED, ALREADY_EXISTS
+# (this rank's previous session, or another process's, is still registered: it
+# goes once its call ends), INTERNAL and UNKNOWN (a store fault a restart may cure).
+FINAL_CODES = frozenset(
+    {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED, Code.UNAUTHENTICATED}
+)
+
+# What to do about a final refusal, by code (the message names the field, layer and rank).
+_FIXES = {
+    Code.INVALID_ARGUMENT: "fix the registration it names (this rank's, or the engine's "
+    "configuration that makes the ranks disagree) and restart the engine",
+    Code.FAILED_PRECONDITION: "make the store able to map this memory and seal the instance "
+    "as it says (same node, same user, a pool on the device; every layer owned by a tp_rank), "
+    "then restart the engine",
+    Code.PERMISSION_DENIED: "register with the certificate that owns this client namespace "
+    "and instance, or under another namespace / instance id, then restart the engine",
+    Code.UNAUTHENTICATED: "give the engine a client certificate the store accepts "
+    "(with a subject CN), then restart the engine",
+}
+_LAYER_FIX = (
+    "the store copies whole blocks of a paged KV cache and cannot copy this tensor; give "
+    "kvstore KV-cache tensors in a layout it supports (KVLayer, docs/design.md §3), "
+    "then restart the engine"
+)
 
 
 class KeptRank:
@@ -49,12 +85,16 @@ class KeptRank:
         self._failures = 0  # attempts failed in a row
         self._lost = False  # a sealed session was lost and is being made again
         self._waiting = False  # logged that the other ranks are awaited
+        self._traced = False  # an unexpected exception's traceback was logged this outage
+        self._refused: KVError | None = None  # a final refusal: no more attempts
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Register and wait for the seal once; keep trying in the background."""
         self._attempt(self.seal_timeout)
+        if self._refused is not None:
+            return  # nothing to keep trying
         self._thread = threading.Thread(
             target=self._keep, daemon=True, name=f"kvstore-register-{self.spec.rank}"
         )
@@ -78,11 +118,29 @@ class KeptRank:
         return session
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the rank is registered and sealed, waiting at most ``timeout`` s."""
+        """True once the rank is registered and sealed, waiting at most ``timeout`` s;
+        False when it is not by then (the store away, the other ranks not in).
+
+        Raises the :class:`KVError` of a final refusal (:attr:`refused`) at once:
+        the rank will never be ready, and waiting it out would hide why.
+        """
         deadline = time.monotonic() + timeout
-        while self.live() is None and time.monotonic() < deadline and not self._stop.is_set():
+        while True:
+            if self.live() is not None:
+                return True
+            refused = self._refused
+            if refused is not None:
+                raise KVError(refused.code, refused.message) from refused.__cause__
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return False
             self._stop.wait(0.05)
-        return self.live() is not None
+
+    @property
+    def refused(self) -> KVError | None:
+        """The refusal that ended the attempts (the store will never take this
+        rank as it is registered: :data:`FINAL_CODES`, or layers the client
+        cannot describe), or None while the rank is kept."""
+        return self._refused
 
     @property
     def final_namespace(self) -> str:
@@ -110,10 +168,13 @@ class KeptRank:
             except KVError as err:
                 self._failed(err)
                 return
-            except Exception as exc:  # grpc's ValueError on a closed channel, and the like:
-                log.exception("kvstore: registering rank %d failed", self.spec.rank)
-                self._failed(KVError(Code.UNKNOWN, f"{type(exc).__name__}: {exc}"))
-                return  # retried like any failure: this thread must not end
+            except Exception as exc:  # noqa: BLE001 - this thread must not end: sorted below
+                refusal = self._layers_refusal()
+                if refusal is not None:  # the client's own check of its layers: final
+                    self._refuse(refusal, _LAYER_FIX)
+                else:  # grpc's ValueError on a closed channel, and the like: retried
+                    self._failed(KVError(Code.UNKNOWN, f"{type(exc).__name__}: {exc}"), exc)
+                return
             with self._lock:
                 closed = self._stop.is_set()  # close() ran while this registered
                 if not closed:
@@ -142,7 +203,7 @@ class KeptRank:
                 return self._session
             self._session, self._pending = pending, None
             self._namespace = seal.final_namespace
-            self._waiting = False
+            self._waiting = self._traced = False
             failures, self._failures = self._failures, 0
             lost, self._lost = self._lost, False
         s = self.spec
@@ -171,13 +232,39 @@ class KeptRank:
         )
         self._waiting = True
 
-    def _failed(self, err: KVError) -> None:
-        """The first failure in a row is a warning, the rest debug."""
+    def _layers_refusal(self) -> KVError | None:
+        """Why this client cannot describe its layers to the store (a tensor whose
+        blocks the store cannot copy, a host tensor outside shared memory), or None.
+        The layers never change, so neither does the answer: asked only when
+        registering raised something other than a KVError."""
+        for layer in self.layers:
+            try:
+                layer.spec()
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the layer is at fault
+                err = KVError(
+                    Code.INVALID_ARGUMENT,
+                    f"layer {layer.name!r} of rank {self.spec.rank} cannot be registered: "
+                    f"{type(exc).__name__}: {exc}",
+                )
+                err.__cause__ = exc
+                return err
+        return None
+
+    def _failed(self, err: KVError, exc: BaseException | None = None) -> None:
+        """A failed attempt. A final refusal ends the attempts, logged once at ERROR;
+        any other failure is retried, its first in a row a warning, the rest debug.
+        ``exc``: an unexpected exception behind ``err``, its traceback logged once an
+        outage."""
+        if err.code in FINAL_CODES:
+            self._refuse(err)
+            return
         with self._lock:
             self._failures += 1
             first = self._failures == 1
+            trace = exc is not None and not self._traced
+            self._traced = self._traced or trace
         s = self.spec
-        (log.warning if first else log.debug)(
+        (log.warning if first or trace else log.debug)(
             "kvstore: rank %d of %s could not register with %s (%s); serving without "
             "the store and retrying every %.1f s",
             s.rank,
@@ -185,10 +272,29 @@ class KeptRank:
             self.client.address,
             err,
             self.retry_s,
+            exc_info=exc if trace else None,
+        )
+
+    def _refuse(self, err: KVError, fix: str = "") -> None:
+        """No attempt can succeed: stop them, say what to fix, hand it to the waiters."""
+        fix = fix or _FIXES[err.code]
+        refused = KVError(err.code, f"{err.message}; retrying cannot change this: {fix}")
+        refused.__cause__ = err.__cause__
+        with self._lock:
+            self._refused = refused
+        s = self.spec
+        log.error(
+            "kvstore: %s rank %d of %s cannot register with %s (%s); it serves without "
+            "the store and no longer retries",
+            self.engine,
+            s.rank,
+            s.instance_id,
+            self.client.address,
+            refused,
         )
 
     def _keep(self) -> None:
-        while not self._stop.wait(self.retry_s):
+        while self._refused is None and not self._stop.wait(self.retry_s):
             if self.live() is not None:
                 continue
             with self._lock:

@@ -199,7 +199,9 @@ class WorkerSide:
         self._rank.start()
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the rank is registered and sealed, waiting at most ``timeout`` s."""
+        """True once the rank is registered and sealed, waiting at most ``timeout`` s;
+        raises the KVError of a registration the store refused for good
+        (KeptRank.wait_ready)."""
         return self._rank is not None and self._rank.wait_ready(timeout)
 
     def _live_session(self) -> RankSession | None:
