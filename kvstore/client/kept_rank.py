@@ -12,10 +12,15 @@ RegisterLayers for the same rank would be ALREADY_EXISTS.
 
 A failure that another attempt can cure (the store down or restarting,
 unreachable, slow, this rank's previous session not yet reaped) is retried
-every ``retry_s`` and logged once an outage. A refusal that no attempt can
-change (:data:`FINAL_CODES`, or layers this client cannot describe to the
-store) ends the attempts: it is logged once at ERROR with what to fix, the
-rank serves without the store, and :meth:`KeptRank.wait_ready` raises it.
+every ``retry_s`` and logged once an outage. A refusal (:data:`REFUSAL_CODES`:
+the store judged this registration and said no) is logged once at ERROR with
+what to fix, and :meth:`KeptRank.wait_ready` raises it instead of waiting
+out its timeout; it is still retried every ``retry_s``, because some pass
+later without the engine changing anything: a check against the instance's
+other ranks while a previous engine's ranks under the same instance id are
+still held, a namespace another tenant's ranks hold, a store restarted with
+its configuration fixed. Layers this client cannot describe to the store
+(its own geometry check) end the attempts: they never change.
 """
 
 from __future__ import annotations
@@ -29,28 +34,29 @@ from kvstore.wire.errors import Code, KVError
 
 log = logging.getLogger(__name__)
 
-# Refusals the same registration always gets again: the store judged the request
-# itself (its fields, layers, memory, or how they fit the other ranks and this
-# store), or this engine's certificate, which stays the channel's for its life.
-# The rest may pass: UNAVAILABLE (the store down or restarting, or TLS failing),
-# DEADLINE_EXCEEDED (slow or hung), CANCELLED, RESOURCE_EXHAUSTED, ALREADY_EXISTS
-# (this rank's previous session, or another process's, is still registered: it
-# goes once its call ends), INTERNAL and UNKNOWN (a store fault a restart may cure).
-FINAL_CODES = frozenset(
+# The store judged the registration and refused it: its fields, layers or memory,
+# how they fit the instance's other ranks and this store, or who may use the
+# namespace. Logged as an ERROR saying what to fix and raised by wait_ready, but
+# retried like the rest: the other ranks or the store may change (see above).
+# The rest is an outage: UNAVAILABLE (the store down or restarting, or TLS
+# failing), DEADLINE_EXCEEDED, CANCELLED, RESOURCE_EXHAUSTED, ALREADY_EXISTS (this
+# rank's previous session, or another process's, is still registered: it goes once
+# its call ends), INTERNAL and UNKNOWN (a store fault a restart may cure).
+REFUSAL_CODES = frozenset(
     {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED, Code.UNAUTHENTICATED}
 )
 
-# What to do about a final refusal, by code (the message names the field, layer and rank).
+# What to do about a refusal, by code (the message names the field, layer and rank).
 _FIXES = {
-    Code.INVALID_ARGUMENT: "fix the registration it names (this rank's, or the engine's "
-    "configuration that makes the ranks disagree) and restart the engine",
+    Code.INVALID_ARGUMENT: "fix the registration it names (this rank's, or the engine "
+    "configuration that makes the ranks disagree; a previous engine's ranks under this "
+    "instance id must leave first)",
     Code.FAILED_PRECONDITION: "make the store able to map this memory and seal the instance "
-    "as it says (same node, same user, a pool on the device; every layer owned by a tp_rank), "
-    "then restart the engine",
+    "as it says (same node, same user, a pool on the device; every layer owned by a tp_rank)",
     Code.PERMISSION_DENIED: "register with the certificate that owns this client namespace "
-    "and instance, or under another namespace / instance id, then restart the engine",
+    "and instance, or under another namespace / instance id",
     Code.UNAUTHENTICATED: "give the engine a client certificate the store accepts "
-    "(with a subject CN), then restart the engine",
+    "(with a subject CN)",
 }
 _LAYER_FIX = (
     "the store copies whole blocks of a paged KV cache and cannot copy this tensor; give "
@@ -86,14 +92,15 @@ class KeptRank:
         self._lost = False  # a sealed session was lost and is being made again
         self._waiting = False  # logged that the other ranks are awaited
         self._traced = False  # an unexpected exception's traceback was logged this outage
-        self._refused: KVError | None = None  # a final refusal: no more attempts
+        self._refused: KVError | None = None  # the last attempt's refusal (cleared by a seal)
+        self._final = False  # layers the client cannot describe: no more attempts
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Register and wait for the seal once; keep trying in the background."""
         self._attempt(self.seal_timeout)
-        if self._refused is not None:
+        if self._final:
             return  # nothing to keep trying
         self._thread = threading.Thread(
             target=self._keep, daemon=True, name=f"kvstore-register-{self.spec.rank}"
@@ -121,8 +128,9 @@ class KeptRank:
         """True once the rank is registered and sealed, waiting at most ``timeout`` s;
         False when it is not by then (the store away, the other ranks not in).
 
-        Raises the :class:`KVError` of a final refusal (:attr:`refused`) at once:
-        the rank will never be ready, and waiting it out would hide why.
+        Raises the :class:`KVError` of a refusal (:attr:`refused`) at once: the
+        rank is not ready until what it names is fixed, and waiting it out would
+        hide why.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -137,9 +145,8 @@ class KeptRank:
 
     @property
     def refused(self) -> KVError | None:
-        """The refusal that ended the attempts (the store will never take this
-        rank as it is registered: :data:`FINAL_CODES`, or layers the client
-        cannot describe), or None while the rank is kept."""
+        """Why the last attempt was refused (:data:`REFUSAL_CODES`, or layers the
+        client cannot describe), or None: not refused, or sealed since."""
         return self._refused
 
     @property
@@ -171,7 +178,7 @@ class KeptRank:
             except Exception as exc:  # noqa: BLE001 - this thread must not end: sorted below
                 refusal = self._layers_refusal()
                 if refusal is not None:  # the client's own check of its layers: final
-                    self._refuse(refusal, _LAYER_FIX)
+                    self._refuse(refusal, _LAYER_FIX, final=True)
                 else:  # grpc's ValueError on a closed channel, and the like: retried
                     self._failed(KVError(Code.UNKNOWN, f"{type(exc).__name__}: {exc}"), exc)
                 return
@@ -204,6 +211,7 @@ class KeptRank:
             self._session, self._pending = pending, None
             self._namespace = seal.final_namespace
             self._waiting = self._traced = False
+            refused, self._refused = self._refused, None
             failures, self._failures = self._failures, 0
             lost, self._lost = self._lost, False
         s = self.spec
@@ -219,6 +227,13 @@ class KeptRank:
             self.client.address,
             f", after {failures} failed attempts" if failures else "",
         )
+        if refused is not None:
+            log.warning(
+                "kvstore: rank %d of %s taken by the store after its refusal (%s)",
+                s.rank,
+                s.instance_id,
+                refused.code.name,
+            )
         return pending
 
     def _awaiting_others(self, pending: RankSession) -> None:
@@ -251,11 +266,13 @@ class KeptRank:
         return None
 
     def _failed(self, err: KVError, exc: BaseException | None = None) -> None:
-        """A failed attempt. A final refusal ends the attempts, logged once at ERROR;
-        any other failure is retried, its first in a row a warning, the rest debug.
+        """A failed attempt, retried. A refusal is logged at ERROR once until the
+        rank seals; any other failure, its first in a row a warning, the rest debug.
         ``exc``: an unexpected exception behind ``err``, its traceback logged once an
         outage."""
-        if err.code in FINAL_CODES:
+        if err.code in REFUSAL_CODES:
+            with self._lock:
+                self._failures += 1
             self._refuse(err)
             return
         with self._lock:
@@ -275,26 +292,31 @@ class KeptRank:
             exc_info=exc if trace else None,
         )
 
-    def _refuse(self, err: KVError, fix: str = "") -> None:
-        """No attempt can succeed: stop them, say what to fix, hand it to the waiters."""
+    def _refuse(self, err: KVError, fix: str = "", final: bool = False) -> None:
+        """Say what to fix (once until the rank seals) and hand it to the waiters;
+        ``final``: no attempt can succeed, stop them."""
         fix = fix or _FIXES[err.code]
-        refused = KVError(err.code, f"{err.message}; retrying cannot change this: {fix}")
+        refused = KVError(err.code, f"{err.message}; {fix}")
         refused.__cause__ = err.__cause__
         with self._lock:
-            self._refused = refused
+            first = self._refused is None
+            self._refused, self._final = refused, final
+        if not first:
+            return
         s = self.spec
         log.error(
             "kvstore: %s rank %d of %s cannot register with %s (%s); it serves without "
-            "the store and no longer retries",
+            "the store and %s",
             self.engine,
             s.rank,
             s.instance_id,
             self.client.address,
             refused,
+            "no longer retries" if final else f"retries every {self.retry_s:.1f} s",
         )
 
     def _keep(self) -> None:
-        while self._refused is None and not self._stop.wait(self.retry_s):
+        while not self._final and not self._stop.wait(self.retry_s):
             if self.live() is not None:
                 continue
             with self._lock:
