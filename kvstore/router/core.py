@@ -66,6 +66,11 @@ class RouterConfig:
     identity: IdentityAlgorithm = IdentityAlgorithm.R2
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     events_allow: EndpointAllowList = field(default_factory=EndpointAllowList)  # loopback
+    # Certificate CNs of the trusted store nodes (--store-cn, Security.stores; the
+    # served router adds its server's): they may relay GPU-tier events for any
+    # worker, a shared store serving several tenants' workers. Any other publisher
+    # relays only for workers it admitted itself (docs/design.md §8).
+    store_cns: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -261,15 +266,39 @@ class Router:
         with self._lock:
             self._drops.add(cause, count)
 
-    def apply_relayed_worker_event(self, event: StoreEvent) -> bool:
-        """A GPU-tier event a store relays for a worker it serves (no peer needed)."""
+    def apply_relayed_worker_event(self, event: StoreEvent, caller: Principal = LOCAL) -> bool:
+        """A GPU-tier event a store relays for a worker it serves (no peer needed),
+        applied only when ``caller``, the relaying store, may speak for that worker
+        (:meth:`may_relay_for`); else dropped and counted (``not_indexable``), and
+        nothing of that worker's changes."""
         with self._lock:
             worker = self.admission.workers.get(event.worker)
             if event.tier != GPU_TIER or worker is None:
                 self._drops.add(DropCause.UNKNOWN_WORKER)
                 return False
+            if not self.may_relay_for(caller, worker):
+                self._drops.add(DropCause.NOT_INDEXABLE)
+                return False
             batch = [BlockEvent(event.type, event.block_hashes)]
             return self.apply_worker_events(worker.ref, batch) == 1
+
+    def may_relay_for(self, caller: Principal, worker: Worker) -> bool:
+        """May ``caller`` relay GPU-tier events for ``worker``: its owner, an admin,
+        or a trusted store node (``RouterConfig.store_cns``, which may serve any
+        tenant's workers). Without ``--store-cn`` any certificate may publish as a
+        store, so a publisher's word about another principal's worker counts for
+        nothing: it would steer that worker's routes (routing-index poisoning)."""
+        return caller.may_act_for(worker.owner) or caller.name in self.config.store_cns
+
+    def _relay_target(self, event: StoreEvent, caller: Principal) -> Worker | None:
+        """The worker a GPU-tier ``event`` of ``caller``'s batch will be indexed for
+        (None: it will be dropped)."""
+        if event.tier != GPU_TIER:
+            return None
+        worker = self.admission.workers.get(event.worker)
+        if worker is None or not self.may_relay_for(caller, worker):
+            return None
+        return worker
 
     # -- store events ------------------------------------------------------
 
@@ -305,6 +334,9 @@ class Router:
 
         Only the principal that advertised ``node_id`` (or an admin) may
         publish as it, and only one that may act as a store: PERMISSION_DENIED.
+        A GPU-tier event it relays for a worker it may not speak for
+        (:meth:`may_relay_for`) is dropped and counted (``not_indexable``); the
+        rest of the batch applies.
         Room for every namespace and holder the batch brings is checked before
         its first event applies: RESOURCE_EXHAUSTED changes nothing.
 
@@ -326,16 +358,14 @@ class Router:
                 self._resyncs += 1
                 return self._drop_batch(len(events), fault)
             self.peers.check_room(peer, [e for e in events if self._indexable(peer, e)])
-            self.domains.check_room(
-                (worker, GPU_TIER)
-                for e in events
-                if e.tier == GPU_TIER and (worker := self.admission.workers.get(e.worker))
+            self.domains.check_room(  # only the relays that will apply take room
+                (worker, GPU_TIER) for e in events if (worker := self._relay_target(e, caller))
             )
             if snapshot:
                 self.peers.forget_blocks(peer)
             if seq or snapshot:
                 peer.last_seq = seq
-            applied = sum(self._apply_store_event(peer, e) for e in events)
+            applied = sum(self._apply_store_event(peer, e, caller) for e in events)
             return EventsApplied(applied, len(events) - applied)
 
     def _drop_batch(self, count: int, cause: DropCause) -> EventsApplied:
@@ -353,9 +383,9 @@ class Router:
             and is_final_namespace(event.namespace)
         )
 
-    def _apply_store_event(self, peer: Peer, event: StoreEvent) -> bool:
+    def _apply_store_event(self, peer: Peer, event: StoreEvent, caller: Principal) -> bool:
         if event.tier == GPU_TIER:
-            return self.apply_relayed_worker_event(event)
+            return self.apply_relayed_worker_event(event, caller)
         if not self._indexable(peer, event):
             self._drops.add(DropCause.NOT_INDEXABLE)
             return False

@@ -18,7 +18,9 @@ class DropCause(StrEnum):
     SEQUENCE_GAP = "sequence_gap"  # a batch after a lost one, or before any snapshot
     STALE_SEQUENCE = "stale_sequence"  # a batch numbered at or below the last applied one
     UNKNOWN_WORKER = "unknown_worker"  # a worker event for a worker (generation) not admitted
-    NOT_INDEXABLE = "not_indexable"  # a store event about another holder, or not final
+    # a store event about another holder, or not final, or relayed for a worker
+    # the publisher may not speak for (Router.may_relay_for)
+    NOT_INDEXABLE = "not_indexable"
     UNDECODABLE = "undecodable"  # a feed message that does not decode
     OTHER_KV_GROUP = "other_kv_group"  # vLLM events of KV-cache groups other than 0
     NO_ROOM = "no_room"  # a worker's batch whose new holders a full domain index cannot take

@@ -88,9 +88,13 @@ class ServedRouter:
         """Add the Router service to ``server`` and start the feeds.
 
         ``security``: the server's TLS and admins (who callers are; the store
-        feeds present the same credentials). Call it from inside the running
-        event loop (the feeds are tasks on it).
+        feeds present the same credentials); its store CNs (``--store-cn``) join
+        the core's trusted stores, which may relay GPU-tier events for any
+        worker. Call it from inside the running event loop (the feeds are tasks
+        on it).
         """
+        config = self.router.config
+        config.store_cns = config.store_cns | frozenset(security.stores)
         if self.etcd_config is None:
             service = RouterService(self.router, security)
         else:

@@ -232,3 +232,74 @@ def test_a_router_told_its_store_cns_lets_no_other_certificate_act_as_a_store(pk
         assert held["node-a"] == 2
     finally:
         router.stop()
+
+
+def gpu_route(client: RouterClient, model: str, hashes) -> tuple[str, int]:
+    """The worker a route of ``hashes`` picks, and its GPU-tier blocks of them."""
+    routed = client.route(model, hashes=hashes, track=False)
+    return routed.worker, routed.gpu_blocks
+
+
+def test_a_tenant_cannot_relay_gpu_blocks_for_another_tenants_worker(pki, tls_router):
+    """Without --store-cn any certificate may act as a store. Before, tenant-b
+    advertised a node and relayed GPU-tier events for tenant-a's worker: stored
+    ones drew tenant-a's routes (and its prefix accounting) to whatever tenant-b
+    chose, removed ones erased what tenant-a's own store had relayed. Now a relay
+    applies only for the worker's owner, an admin or a --store-cn store: the
+    rest of the batch applies, the refusal is counted (not_indexable)."""
+    victim = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    rogue = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    admin = RouterClient(tls_router.address, tls=pki.issue(ADMIN))
+    victim.register_worker("a0", card(display_name="model-a"))
+    victim.register_worker("a1", card(display_name="model-a"))
+    gen = victim.advertise_peer("node-a", "127.0.0.1:1", "", [NS])
+    reply = victim.publish([StoreEvent("stored", NS, [1, 2], "a0", tier="gpu")], "node-a", gen)
+    assert (reply.applied, reply.dropped) == (1, 0)  # its own worker: applied
+    assert gpu_route(victim, "model-a", [1, 2]) == ("a0", 2)
+
+    rogue_gen = rogue.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
+    poison = [
+        StoreEvent("stored", NS, [9, 8, 7], "node-b"),  # its own store blocks: fine
+        StoreEvent("stored", NS, [9, 8, 7], "a1", tier="gpu"),
+        StoreEvent("removed", NS, [1, 2], "a0", tier="gpu"),
+    ]
+    before = tls_router.router.stats()
+    reply = rogue.publish(poison, "node-b", rogue_gen)
+    assert (reply.applied, reply.dropped) == (1, 2)
+    assert gpu_route(victim, "model-a", [1, 2]) == ("a0", 2)  # not erased
+    assert gpu_route(victim, "model-a", [9, 8, 7])[1] == 0  # not planted
+    stats = rogue.stats()
+    assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable + 2
+    assert stats.events_dropped == before.events_dropped + 2
+    assert stats.indexed_blocks == before.indexed_blocks + 3  # node-b's own blocks only
+
+    # an admin may relay for any worker (a shared store given --admin)
+    admin_gen = admin.advertise_peer("node-ops", "127.0.0.1:3", "", [NS])
+    reply = admin.publish([StoreEvent("stored", NS, [5, 6], "a1", tier="gpu")], "", admin_gen)
+    assert (reply.applied, reply.dropped) == (1, 0)
+    assert gpu_route(victim, "model-a", [5, 6]) == ("a1", 2)
+
+
+def test_a_store_named_by_store_cn_relays_for_every_tenants_worker(pki):
+    """A shared store serves several tenants' workers: the router told its CN
+    (--store-cn) applies its relays for any of them; every other certificate
+    is no store there at all."""
+    security = Security(pki.server, admins=(ADMIN,), stores=("node-a",))
+    router = RouterThread(Router(RouterConfig()), security=security)
+    try:
+        node = RouterClient(router.address, tls=pki.issue("node-a"))
+        tenant_a = RouterClient(router.address, tls=pki.issue("tenant-a"))
+        tenant_b = RouterClient(router.address, tls=pki.issue("tenant-b"))
+        tenant_a.register_worker("a0", card(display_name="model-a"))
+        tenant_b.register_worker("b0", card(display_name="model-b"))
+        gen = node.advertise_peer("node-a", "127.0.0.1:1", "", [NS])
+        relayed = [
+            StoreEvent("stored", NS, [1, 2], "a0", tier="gpu"),
+            StoreEvent("stored", NS, [3, 4, 5], "b0", tier="gpu"),
+        ]
+        reply = node.publish(relayed, "node-a", gen)
+        assert (reply.applied, reply.dropped) == (2, 0)
+        assert gpu_route(tenant_a, "model-a", [1, 2]) == ("a0", 2)
+        assert gpu_route(tenant_b, "model-b", [3, 4, 5]) == ("b0", 3)
+    finally:
+        router.stop()
