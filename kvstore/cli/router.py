@@ -123,7 +123,9 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         metavar="CN",
         help="a client certificate CN of a store node: only these (and admins) may "
         "advertise store nodes, publish their events and ask which peers hold a "
-        "prefix (repeatable; with TLS; default: any certificate of the CA)",
+        "prefix, and relay GPU-tier events for other tenants' workers (a shared "
+        "store needs it; repeatable; with TLS; default: any certificate of the CA, "
+        "each relaying only for workers it admitted itself)",
     )
     parser.add_argument(
         "--identity",
@@ -245,7 +247,9 @@ def check_cn_flags(served: Security) -> None:
     if served.tls is not None and not served.stores:
         log.warning(
             "no --store-cn: any certificate of the CA may act as a store node here "
-            "(advertise, publish events, ask which peers hold a tenant's prefix)"
+            "(advertise, publish events, ask which peers hold a tenant's prefix); "
+            "a store's relayed GPU-tier events apply only to workers its own "
+            "certificate admitted, so a store shared by tenants needs --store-cn"
         )
 
 
