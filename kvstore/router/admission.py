@@ -168,11 +168,8 @@ class Admission:
             owned = owned_by(caller, (worker.owner for worker in self.workers.values()))
             check_quota("workers admitted", owned, limits.MAX_WORKERS_PER_PRINCIPAL, caller)
         if domain is not None:
-            owned = sum(
-                1
-                for worker in self.workers.values()
-                if worker.domain == domain and worker.owner == caller.name and worker.name != name
-            )
+            there = (w for w in self.workers.values() if w.domain == domain and w.name != name)
+            owned = owned_by(caller, (worker.owner for worker in there))
             check_quota(
                 f"workers in indexer domain {domain} (whose holder slots every tenant shares)",
                 owned,

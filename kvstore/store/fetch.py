@@ -75,15 +75,11 @@ def slot_table(index: BlockIndex, blocks: list[Block], rows: np.ndarray | None =
             np.full(n, len(row.base), dtype=np.int64),
             owner=index,  # keeps the pools, and so the slots' memory, alive
         )
-    rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     bases, memories = [], []
     for block in blocks:
-        placement = (block.devices, len(block.slot_bytes))
-        row = rows.get(placement)
-        if row is None:
-            row = rows[placement] = _slot_bases(index, block)
-        bases.append(row[0])
-        memories.append(row[1])
+        row = _placed_row(index, block)  # cached per placement and layout
+        bases.append(row.base)
+        memories.append(row.memory)
     return SlotTable(
         np.concatenate(bases) + offsets,
         np.concatenate([b.slot_bytes for b in blocks]).astype(np.int64),
@@ -107,12 +103,6 @@ class _PlacedRow(NamedTuple):
     nbytes: np.ndarray  # int64
     memory: np.ndarray  # int64
     counts: np.ndarray  # int64, one entry
-
-
-def _slot_bases(index: BlockIndex, block: Block) -> tuple[np.ndarray, np.ndarray]:
-    """Per slot of a block placed like ``block``: its pool's base and memory key."""
-    row = _placed_row(index, block)
-    return row.base, row.memory
 
 
 def _placed_row(index: BlockIndex, block: Block) -> _PlacedRow:

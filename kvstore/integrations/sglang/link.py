@@ -55,8 +55,8 @@ class RankLink:
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the rank is registered and sealed, waiting at most ``timeout`` s;
-        raises the KVError of a registration the store refused for good
-        (KeptRank.wait_ready)."""
+        raises the KVError of the store's refusal of the registration
+        (KeptRank.wait_ready: retried all the same)."""
         return self._rank.wait_ready(timeout)
 
     @property

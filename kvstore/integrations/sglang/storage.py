@@ -205,8 +205,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
         """True once this rank is registered and sealed (a helper for tests and
-        scripts); raises the KVError of a registration the store refused for good
-        (KeptRank.wait_ready)."""
+        scripts); raises the KVError of the store's refusal of the registration
+        (KeptRank.wait_ready: retried all the same)."""
         return self.link is not None and self.link.wait_ready(timeout)
 
     # -------------------------------------------------- zero-copy interface (v1)

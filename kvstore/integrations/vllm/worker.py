@@ -200,8 +200,8 @@ class WorkerSide:
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the rank is registered and sealed, waiting at most ``timeout`` s;
-        raises the KVError of a registration the store refused for good
-        (KeptRank.wait_ready)."""
+        raises the KVError of the store's refusal of the registration
+        (KeptRank.wait_ready: retried all the same)."""
         return self._rank is not None and self._rank.wait_ready(timeout)
 
     def _live_session(self) -> RankSession | None:
