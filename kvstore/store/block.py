@@ -125,6 +125,14 @@ def new_blocks(
     return NewBlocks(blocks, offsets)
 
 
+def offset_rows(blocks: list[Block]) -> np.ndarray:
+    """The offsets of blocks of one layout as one (blocks, slots) array (a copy)."""
+    if len(blocks) == 1:
+        return blocks[0].offsets[None, :]
+    # one concatenate of the rows: np.stack costs ~0.4 us more a block
+    return np.concatenate([b.offsets for b in blocks]).reshape(len(blocks), -1)
+
+
 def placed(devices: tuple[str | None, ...], tp_rank: int, device: str) -> tuple[str | None, ...]:
     """``devices`` with ``tp_rank``'s slots on ``device``."""
     return (*devices[:tp_rank], device, *devices[tp_rank + 1 :])

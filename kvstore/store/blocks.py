@@ -36,6 +36,7 @@ from kvstore.store.block import (
     Key,
     NewBlocks,
     new_blocks,
+    offset_rows,
     placed,
     slot_mask,
     unallocated,
@@ -117,8 +118,7 @@ class IndexStats:
 def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
     """A request the pool could not hold even empty is refused before anything
     is evicted for it."""
-    unique, counts = np.unique(sizes, return_counts=True)
-    wanted = dict(zip(unique.tolist(), (counts * num_blocks).tolist(), strict=True))
+    wanted = {size: int(np.count_nonzero(sizes == size)) * num_blocks for size in _distinct(sizes)}
     if not pool.holds_when_empty(wanted):
         nbytes = sum(size * count for size, count in wanted.items())
         raise exhausted(
@@ -299,12 +299,21 @@ class BlockIndex:
         block whose slots of ``by``'s tp_rank lie on another device is left alone
         (skipped): a block keeps one device a tp_rank, and another instance's
         ranks of that tp_rank (pipeline stages) may have claimed some of them."""
-        known, origin, tp_rank = self.blocks.get, by.origin, by.tp_rank
+        found = list(map(self.blocks.get, [(namespace, h) for h in hashes]))
+        if found.count(None) == len(found):  # the usual save: every block new
+            return list(range(len(hashes))), list(hashes), found, []
+        return self._sort_known(hashes, found, mask, by)
+
+    @staticmethod
+    def _sort_known(
+        hashes: list[int], known: list[Block | None], mask: int, by: Writer
+    ) -> tuple[list[int], list[int], list[Block | None], list[Block]]:
+        """:meth:`_sort` given the block each hash has in the index (or None)."""
+        origin, tp_rank = by.origin, by.tp_rank
         picked, fresh = [], []
         found: list[Block | None] = []
         stale: list[Block] = []
-        for i, h in enumerate(hashes):
-            block = known((namespace, h))
+        for i, (h, block) in enumerate(zip(hashes, known, strict=True)):
             if block is not None and not block.sealed and block.origin != origin:
                 if block.origin[0] == origin[0]:  # this instance, another step
                     stale.append(block)
@@ -330,6 +339,7 @@ class BlockIndex:
         mask = claim.mask
         written, sealed = 0, []
         known = self.blocks.get
+        full = claim.blocks[0].all_slots if claim.blocks else 0  # one layout a claim
         for block in claim.blocks:
             block.copying -= 1
             if known(block.key) is not block:  # dropped while the bytes moved
@@ -340,7 +350,7 @@ class BlockIndex:
                 continue
             block.written |= mask
             written += 1
-            if block.written == block.all_slots:
+            if block.written == full:
                 sealed.append(block)
         self._seal(sealed)
         return Finished(written, len(sealed))
@@ -377,7 +387,7 @@ class BlockIndex:
         """Address of ``slots`` of each block in ``device``'s pool, (slots, blocks);
         ``rows``: the blocks' offsets as one array, when they have it (Claim.offsets)."""
         if rows is None:
-            rows = np.stack([b.offsets for b in blocks])
+            rows = offset_rows(blocks)
         return (self._pools[device].base + rows[:, slots].T).astype(np.uint64)
 
     # ------------------------------------------------------------------- pins
@@ -448,11 +458,12 @@ class BlockIndex:
         per namespace; a block the index holds already is freed instead. How
         many were adopted."""
         fresh, index = [], self.blocks
+        full = blocks[0].all_slots if blocks else 0  # one reservation's: one layout
         for block in blocks:
             if block.key in index:
                 self._drop(block)
                 continue
-            block.written = block.all_slots
+            block.written = full
             index[block.key] = block
             fresh.append(block)
         self._seal(fresh)
@@ -493,6 +504,7 @@ class BlockIndex:
         """Make blocks visible; one STORED event per namespace for the lot."""
         stored: dict[str, list[int]] = {}
         writers, lru = self._writers, self._lru
+        namespace, hashes = None, []
         for block in blocks:
             block.sealed = True
             key = block.key
@@ -502,9 +514,9 @@ class BlockIndex:
                     mine.discard(key)
             block.writers = ()
             lru[key] = block
-            hashes = stored.get(key[0])
-            if hashes is None:
-                hashes = stored[key[0]] = []
+            if key[0] is not namespace:  # one namespace object a run, as a rule
+                namespace = key[0]
+                hashes = stored.setdefault(namespace, [])
             hashes.append(key[1])
         for namespace, hashes in stored.items():
             self._emit(STORED, namespace, hashes)
@@ -582,13 +594,14 @@ class BlockIndex:
         batch; the hashes removed, by namespace."""
         removed: dict[str, list[int]] = {}
         index, lru = self.blocks, self._lru
+        namespace, hashes = None, []
         for block in blocks:
             key = block.key
             del index[key]
             del lru[key]
-            hashes = removed.get(key[0])
-            if hashes is None:
-                hashes = removed[key[0]] = []
+            if key[0] is not namespace:  # one namespace object a run, as a rule
+                namespace = key[0]
+                hashes = removed.setdefault(namespace, [])
             hashes.append(key[1])
         frees = SlotFrees()
         frees.add(blocks)

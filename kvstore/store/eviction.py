@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvstore.store.block import Block
+from kvstore.store.block import Block, offset_rows
 from kvstore.store.pool import SlotPool, round_size
 
 
@@ -48,16 +48,22 @@ def same_size_victims(lru: Iterable[Block], pool: SlotPool, nbytes: int, need: i
     counts: dict[tuple, int] = {}  # (slot sizes, devices) -> slots of size on device
     out: list[Block] = []
     freed = 0
+    last: tuple = (None, None)  # (slot sizes, devices) of the block before, and its count
+    count = 0
     for block in lru:
         if freed >= need:
             break
         if block.pins:
             continue
-        key = (id(block.slot_bytes), block.devices)
-        count = counts.get(key)
-        if count is None:
-            idx = rank_slots(block, device)
-            count = counts[key] = int(np.count_nonzero(round_size(block.slot_bytes[idx]) == size))
+        if block.slot_bytes is not last[0] or block.devices is not last[1]:  # else: as before
+            last = (block.slot_bytes, block.devices)
+            key = (id(block.slot_bytes), block.devices)
+            count = counts.get(key)
+            if count is None:
+                idx = rank_slots(block, device)
+                count = counts[key] = int(
+                    np.count_nonzero(round_size(block.slot_bytes[idx]) == size)
+                )
         if count:
             out.append(block)
             freed += count
@@ -117,17 +123,19 @@ class SlotFrees:
     def add(self, blocks: list[Block]) -> None:
         """Take note of every allocated slot of ``blocks`` (read before they are reset)."""
         groups: dict[tuple, list[Block]] = {}  # blocks alike: same slot sizes and devices
+        last: tuple = (None, None)
+        group: list[Block] = []
         for block in blocks:
-            groups.setdefault((id(block.slot_bytes), block.devices), []).append(block)
-        for group in groups.values():
-            self._add_alike(group)
+            if block.slot_bytes is not last[0] or block.devices is not last[1]:
+                last = (block.slot_bytes, block.devices)  # blocks made together share both
+                group = groups.setdefault((id(last[0]), last[1]), [])
+            group.append(block)
+        for alike in groups.values():
+            self._add_alike(alike)
 
     def _add_alike(self, group: list[Block]) -> None:
         first = group[0]
-        if len(group) == 1:  # a block dropped on its own (np.stack costs more)
-            offsets = first.offsets[None, :]
-        else:
-            offsets = np.stack([b.offsets for b in group])  # (blocks, slots)
+        offsets = offset_rows(group)
         for device in {d for d in first.devices if d is not None}:
             idx = rank_slots(first, device)
             sizes = first.slot_bytes[idx]

@@ -400,8 +400,11 @@ def check_refs(reg: Registration, refs: list[BlockRef]) -> None:
         raise invalid("blocks is empty")
     check_count("blocks", len(refs))
     limit = min(layer.num_blocks for layer in reg.layers)
+    hashes, block_ids = zip(*refs, strict=True)
+    if max(block_ids) < limit and len(set(hashes)) == len(hashes):  # the rule: no loop
+        return
     seen: set[int] = set()
-    for block_hash, block_id in refs:
+    for block_hash, block_id in refs:  # name the first bad ref
         if block_id >= limit:
             raise invalid(
                 f"block_id {block_id} is outside the registered cache of rank "
@@ -416,6 +419,8 @@ def check_load_refs(reg: Registration, refs: list[BlockRef]) -> None:
     """check_refs, and distinct targets: a load writes each ref's block into the
     caller's cache, so two refs into one block_id would race on the same bytes."""
     check_refs(reg, refs)
+    if len({block_id for _, block_id in refs}) == len(refs):
+        return
     seen: set[int] = set()
     for _, block_id in refs:
         if block_id in seen:

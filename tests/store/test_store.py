@@ -73,6 +73,24 @@ def test_bad_saves_change_nothing():
     assert node.index.blocks == {} and used_bytes(node) == 0
 
 
+def test_bad_loads_change_nothing():
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    fill(ranks[0], 0, 5)
+    run(save_all(node, ranks, [(1, 0), (2, 1)]))
+    ranks[0].tensors[0][:, 5:7] = 9
+    for refs, words in [
+        ([(1, 5), (2, 99)], "block_id 99"),
+        ([(1, 5), (1, 6)], "appears twice"),
+        ([(1, 5), (2, 5)], "block_id 5 is the target of two blocks"),
+    ]:
+        with pytest.raises(KVError) as info:
+            run(node.load(ranks[0].reg.caller_id, refs))
+        assert info.value.code == Code.INVALID_ARGUMENT
+        assert words in info.value.message
+    assert (ranks[0].tensors[0][:, 5:7] == 9).all()  # untouched
+
+
 def test_load_of_missing_block_loads_nothing():
     node = make_store()
     ranks = make_instance(node.registry, "a")
