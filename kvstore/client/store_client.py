@@ -236,7 +236,8 @@ class RankSession:
             instance_id=self.instance_id,
             rank=self.rank,
             session=self.session,
-            blocks=_block_refs(blocks),
+            block_hashes=[h for h, _ in blocks],
+            block_ids=[i for _, i in blocks],
             step=step,
         )
         return call(self.stub.Save, request, timeout)
@@ -247,7 +248,8 @@ class RankSession:
             instance_id=self.instance_id,
             rank=self.rank,
             session=self.session,
-            blocks=_block_refs(blocks),
+            block_hashes=[h for h, _ in blocks],
+            block_ids=[i for _, i in blocks],
         )
         return call(self.stub.Load, request, timeout)
 
@@ -399,7 +401,3 @@ def distinct_chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]
             rounds.append([])
         rounds[n].append(pair)
     return [chunk for r in rounds for chunk in request_chunks(r)]
-
-
-def _block_refs(blocks: list[tuple[int, int]]) -> list[pb.BlockRef]:
-    return [pb.BlockRef(block_hash=h, block_id=i) for h, i in blocks]

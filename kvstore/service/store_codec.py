@@ -79,8 +79,15 @@ def caller_id(req: pb.SaveRequest | pb.LoadRequest) -> CallerId:
     return CallerId(req.instance_id, req.rank, req.session)
 
 
-def refs(blocks) -> list[tuple[int, int]]:
-    return [(b.block_hash, b.block_id) for b in blocks]
+def refs(req: pb.SaveRequest | pb.LoadRequest) -> list[tuple[int, int]]:
+    """The request's (block_hash, block_id) pairs: its two arrays side by side."""
+    hashes, block_ids = req.block_hashes, req.block_ids
+    if len(hashes) != len(block_ids):
+        raise invalid(
+            f"block_ids has {len(block_ids)} entries and block_hashes {len(hashes)}: "
+            "one block_id a block_hash"
+        )
+    return list(zip(hashes, block_ids, strict=True))
 
 
 # --------------------------------------------------------------- responses

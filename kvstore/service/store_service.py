@@ -128,12 +128,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -------------------------------------------------------------- blocks
 
     async def Save(self, request, context):
-        who, refs = codec.caller_id(request), codec.refs(request.blocks)
+        who, refs = codec.caller_id(request), await self._call(context, codec.refs, request)
         saved = await self._call(context, self.node.save, who, refs, request.step)
         return codec.save_response(saved)
 
     async def Load(self, request, context):
-        who, refs = codec.caller_id(request), codec.refs(request.blocks)
+        who, refs = codec.caller_id(request), await self._call(context, codec.refs, request)
         left = context.time_remaining()  # None: the caller set no deadline
         deadline = None if left is None else time.monotonic() + left
         return codec.load_response(await self._call(context, self.node.load, who, refs, deadline))

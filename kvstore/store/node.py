@@ -397,8 +397,8 @@ def check_refs(reg: Registration, refs: list[BlockRef]) -> None:
     """(block_hash, block_id) pairs of a Save or Load: 1..MAX_BLOCKS_PER_REQUEST of
     them, no hash twice, every block_id inside the caller's registered cache."""
     if not refs:
-        raise invalid("blocks is empty")
-    check_count("blocks", len(refs))
+        raise invalid("block_hashes is empty")
+    check_count("block_hashes", len(refs))
     limit = min(layer.num_blocks for layer in reg.layers)
     hashes, block_ids = zip(*refs, strict=True)
     if max(block_ids) < limit and len(set(hashes)) == len(hashes):  # the rule: no loop

@@ -272,7 +272,8 @@ def test_unknown_instance(kit, instance):
                 instance_id=instance,
                 rank=0,
                 session="x",
-                blocks=[pb.BlockRef(block_hash=1, block_id=0)],
+                block_hashes=[1],
+                block_ids=[0],
             ),
             5,
         )

@@ -85,7 +85,7 @@ def test_rank_cannot_act_for_another_and_bad_ids_write_nothing(server):
             call(
                 client.stub.Save,
                 pb.SaveRequest(
-                    instance_id="a", rank=1, session=session, blocks=[pb.BlockRef(block_hash=1)]
+                    instance_id="a", rank=1, session=session, block_hashes=[1], block_ids=[0]
                 ),
                 5,
             )

@@ -40,7 +40,15 @@ STATE_FIELDS = (
     "sealed_instances",
     "leases",
 )
-BLOCK_FIELDS = ("instance", "rank", "session", "blocks", "block_id", "block_hash")
+BLOCK_FIELDS = (
+    "instance",
+    "rank",
+    "session",
+    "block_hashes",
+    "block_ids",
+    "block_id",
+    "block_hash",
+)
 FUZZ = settings(
     max_examples=int(os.environ.get("KV_FUZZ_EXAMPLES", "100")),
     deadline=None,
@@ -179,16 +187,25 @@ def namespaces(draw, env_ns: str):
 
 
 @st.composite
-def block_refs(draw):
+def block_refs(draw) -> dict:
+    """A Save's or Load's block_hashes and block_ids: mostly valid, so real saves
+    and loads happen; some too many, with a pair twice, out of range or of two lengths."""
     if draw(st.integers(0, 15)) == 0:
-        return [pb.BlockRef(block_hash=i, block_id=0) for i in range(MAX_BLOCKS_PER_REQUEST + 1)]
-    ids = st.integers(0, NUM_BLOCKS - 1)  # mostly valid, so real saves and loads happen
+        n = MAX_BLOCKS_PER_REQUEST + 1
+        return dict(block_hashes=list(range(n)), block_ids=[0] * n)
+    ids = st.integers(0, NUM_BLOCKS - 1)
     if draw(st.integers(0, 2)) == 0:
         ids = st.one_of(ids, st.integers(0, NUM_BLOCKS + 2), U32)
     refs = draw(st.lists(st.tuples(HASH, ids), max_size=10))
     if refs and draw(st.integers(0, 3)) == 0:
         refs.append(draw(st.sampled_from(refs)))
-    return [pb.BlockRef(block_hash=h, block_id=b) for h, b in refs]
+    hashes, block_ids = [h for h, _ in refs], [b for _, b in refs]
+    if draw(st.integers(0, 7)) == 0:  # one array longer than the other
+        if draw(st.booleans()):
+            block_ids.append(draw(ids))
+        else:
+            hashes.append(draw(HASH))
+    return dict(block_hashes=hashes, block_ids=block_ids)
 
 
 @st.composite
@@ -213,7 +230,7 @@ def test_save_and_load_fuzz(env):
         blocks = data.draw(block_refs())
         kind = data.draw(st.sampled_from(["Save", "Load"]))
         cls = pb.SaveRequest if kind == "Save" else pb.LoadRequest
-        req = cls(instance_id=instance_id, rank=rank, session=session, blocks=blocks)
+        req = cls(instance_id=instance_id, rank=rank, session=session, **blocks)
         env.check(getattr(env.stub, kind), req, BLOCK_FIELDS)
 
     run()
@@ -321,6 +338,20 @@ def test_clear_stats_events_fuzz(env):
         events.cancel()
 
 
+@pytest.mark.parametrize("kind", ["Save", "Load"])
+def test_block_arrays_of_two_lengths_are_refused(env, kind):
+    """A block_id a block_hash: arrays of two lengths name both, and change nothing."""
+    cls = pb.SaveRequest if kind == "Save" else pb.LoadRequest
+    caller = dict(instance_id="fz", rank=0, session=env.session.session)
+    for hashes, block_ids in [([0xB001, 0xB002], [0]), ([0xB001], [0, 1]), ([], [0])]:
+        req = cls(**caller, block_hashes=hashes, block_ids=block_ids)
+        err = env.check(getattr(env.stub, kind), req)
+        assert err.code == Code.INVALID_ARGUMENT
+        assert f"block_ids has {len(block_ids)} entries and block_hashes {len(hashes)}" in (
+            err.message
+        )
+
+
 def test_requests_from_an_unsealed_instance_are_precondition(env):
     """A rank of a two-rank instance is in but the instance is not sealed."""
     shms = [kv_cache_shm("kv_first", 8, BLOCK_SIZE, HEADS, HEAD_DIM) for _ in range(LAYERS)]
@@ -328,8 +359,9 @@ def test_requests_from_an_unsealed_instance_are_precondition(env):
     sess = env.client.register("half", "fuzz", layers, tp_size=2, block_size=BLOCK_SIZE)
     try:
         base, env.base = env.base, env.state()
-        req = pb.SaveRequest(instance_id="half", rank=0, session=sess.session)
-        req.blocks.append(pb.BlockRef(block_hash=1, block_id=0))
+        req = pb.SaveRequest(
+            instance_id="half", rank=0, session=sess.session, block_hashes=[1], block_ids=[0]
+        )
         err = env.check(env.stub.Save, req)
         assert err.code == Code.FAILED_PRECONDITION
         err = env.check(env.stub.Load, pb.LoadRequest(**_fields(req)))
@@ -465,9 +497,14 @@ UNARY = ["Save", "Load", "Query", "Prefetch", "Release", "Clear", "Stats"]
 
 
 def valid_requests(env: Env) -> dict:
-    golden = [pb.BlockRef(block_hash=h, block_id=t) for (h, _), t in zip(GOLDEN, TARGETS)]
-    caller = dict(instance_id="fz", rank=0, session=env.session.session, blocks=golden)
     hashes = [h for h, _ in GOLDEN]
+    caller = dict(
+        instance_id="fz",
+        rank=0,
+        session=env.session.session,
+        block_hashes=hashes,
+        block_ids=TARGETS,
+    )
     return {
         "Save": pb.SaveRequest(**caller),
         "Load": pb.LoadRequest(**caller),

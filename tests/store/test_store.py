@@ -64,7 +64,7 @@ def test_bad_saves_change_nothing():
     for refs, words in [
         ([(1, 99)], "block_id 99"),
         ([(1, 0), (1, 1)], "appears twice"),
-        ([], "blocks is empty"),
+        ([], "block_hashes is empty"),
     ]:
         with pytest.raises(KVError) as info:
             run(node.save(ranks[0].reg.caller_id, refs))
