@@ -11,6 +11,7 @@ State:
     admission   workers and WorkerSets (admission.py)
     domains     workers' own blocks, one HolderIndex per indexer domain (domains.py)
     peers       store peers and one HolderIndex per final namespace (peers.py)
+    relays      which store node relayed GPU-tier events for which worker (relays.py)
     loads       per-worker load: workers' reports and routed requests (load.py)
 """
 
@@ -31,6 +32,7 @@ from kvstore.router.endpoints import EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm, domain_of
 from kvstore.router.load import LoadReport, LoadTracker, TrackedRequest
 from kvstore.router.peers import Peer, Peers
+from kvstore.router.relays import RelayLedger
 from kvstore.router.requests import (
     check_cached_blocks,
     check_hashes,
@@ -118,6 +120,7 @@ class Router:
         self.admission = Admission(self.config.identity)
         self.domains = DomainIndexes()
         self.peers = Peers()
+        self.relays = RelayLedger()
         self.loads = LoadTracker()
         self.rng = random.Random(self.config.scoring.seed)
         self._events_applied = 0
@@ -202,6 +205,7 @@ class Router:
 
     def _forget(self, worker: Worker) -> None:
         self.domains.forget(worker)
+        self.relays.forget_worker(worker.ref)
         self.loads.drop_worker(worker.ref)
 
     def record_rejected(self) -> None:
@@ -269,18 +273,23 @@ class Router:
     def apply_relayed_worker_event(self, event: StoreEvent, caller: Principal = LOCAL) -> bool:
         """A GPU-tier event a store relays for a worker it serves (no peer needed),
         applied only when ``caller``, the relaying store, may speak for that worker
-        (:meth:`may_relay_for`); else dropped and counted (``not_indexable``), and
-        nothing of that worker's changes."""
+        (:meth:`may_relay_for`); else dropped and counted (``relay_refused``), and
+        nothing of that worker's changes. Relayed outside a peer's batch, no
+        snapshot replaces it (:meth:`apply_store_events` relays do)."""
         with self._lock:
-            worker = self.admission.workers.get(event.worker)
-            if event.tier != GPU_TIER or worker is None:
-                self._drops.add(DropCause.UNKNOWN_WORKER)
-                return False
-            if not self.may_relay_for(caller, worker):
-                self._drops.add(DropCause.NOT_INDEXABLE)
-                return False
-            batch = [BlockEvent(event.type, event.block_hashes)]
-            return self.apply_worker_events(worker.ref, batch) == 1
+            return self._relay(event, caller) is not None
+
+    def _relay(self, event: StoreEvent, caller: Principal) -> Worker | None:
+        """Apply relayed ``event``: the worker it applied for, else None (counted)."""
+        worker = self.admission.workers.get(event.worker)
+        if event.tier != GPU_TIER or worker is None:
+            self._drops.add(DropCause.UNKNOWN_WORKER)
+            return None
+        if not self.may_relay_for(caller, worker):
+            self._drops.add(DropCause.RELAY_REFUSED)
+            return None
+        applied = self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)])
+        return worker if applied == 1 else None
 
     def may_relay_for(self, caller: Principal, worker: Worker) -> bool:
         """May ``caller`` relay GPU-tier events for ``worker``: its owner, an admin,
@@ -335,7 +344,7 @@ class Router:
         Only the principal that advertised ``node_id`` (or an admin) may
         publish as it, and only one that may act as a store: PERMISSION_DENIED.
         A GPU-tier event it relays for a worker it may not speak for
-        (:meth:`may_relay_for`) is dropped and counted (``not_indexable``); the
+        (:meth:`may_relay_for`) is dropped and counted (``relay_refused``); the
         rest of the batch applies.
         Room for every namespace and holder the batch brings is checked before
         its first event applies: RESOURCE_EXHAUSTED changes nothing.
@@ -343,7 +352,10 @@ class Router:
         ``seq`` numbers the peer's batches (0: unsequenced, always applied); a
         numbered batch that does not follow the last one applied is dropped
         whole and answered ``resync`` (docs/design.md §6). A ``snapshot`` batch
-        replaces every block indexed for the peer, then applies.
+        replaces every block indexed for the peer, and the GPU tier of every
+        worker that node id relayed for (under any of its generations) and
+        ``caller`` may relay for, then applies: that node's relays are then what
+        its snapshot says.
         """
         check_store("PublishEvents", caller)
         with self._lock:
@@ -363,6 +375,7 @@ class Router:
             )
             if snapshot:
                 self.peers.forget_blocks(peer)
+                self._forget_relays(node_id, caller)
             if seq or snapshot:
                 peer.last_seq = seq
             applied = sum(self._apply_store_event(peer, e, caller) for e in events)
@@ -383,9 +396,25 @@ class Router:
             and is_final_namespace(event.namespace)
         )
 
+    def _forget_relays(self, node_id: str, caller: Principal) -> None:
+        """Drop the GPU-tier blocks of every worker ``node_id`` relayed for that
+        ``caller`` may relay for; the others stay, recorded (a node id taken over
+        after its peer left erases no other tenant's worker's blocks)."""
+        for ref in self.relays.take(node_id):
+            worker = self.admission.current(ref)
+            if worker is None:
+                continue
+            if self.may_relay_for(caller, worker):
+                self.domains.forget(worker, (GPU_TIER,))
+            else:
+                self.relays.record(node_id, ref)
+
     def _apply_store_event(self, peer: Peer, event: StoreEvent, caller: Principal) -> bool:
         if event.tier == GPU_TIER:
-            return self.apply_relayed_worker_event(event, caller)
+            worker = self._relay(event, caller)
+            if worker is not None:
+                self.relays.record(peer.node_id, worker.ref)
+            return worker is not None
         if not self._indexable(peer, event):
             self._drops.add(DropCause.NOT_INDEXABLE)
             return False

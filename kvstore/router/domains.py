@@ -64,12 +64,13 @@ class DomainIndexes:
                     f"whose index has room for {room}"
                 )
 
-    def forget(self, worker: Worker) -> None:
-        """Drop every block of ``worker`` (all tiers), and its domain's index if emptied."""
+    def forget(self, worker: Worker, tiers: Sequence[str] = LOCAL_TIERS) -> None:
+        """Drop every block of ``worker`` in ``tiers`` (by default all), and its
+        domain's index if emptied."""
         index = self.indexes.get(worker.domain)
         if index is None:
             return
-        for tier in LOCAL_TIERS:
+        for tier in tiers:
             index.release((worker.ref, tier))
         if not index.holders():
             del self.indexes[worker.domain]

@@ -18,12 +18,13 @@ class DropCause(StrEnum):
     SEQUENCE_GAP = "sequence_gap"  # a batch after a lost one, or before any snapshot
     STALE_SEQUENCE = "stale_sequence"  # a batch numbered at or below the last applied one
     UNKNOWN_WORKER = "unknown_worker"  # a worker event for a worker (generation) not admitted
-    # a store event about another holder, or not final, or relayed for a worker
-    # the publisher may not speak for (Router.may_relay_for)
-    NOT_INDEXABLE = "not_indexable"
+    NOT_INDEXABLE = "not_indexable"  # a store event about another holder, or not final
     UNDECODABLE = "undecodable"  # a feed message that does not decode
     OTHER_KV_GROUP = "other_kv_group"  # vLLM events of KV-cache groups other than 0
     NO_ROOM = "no_room"  # a worker's batch whose new holders a full domain index cannot take
+    # a GPU-tier event relayed for a worker the publisher may not speak for
+    # (Router.may_relay_for: not its owner, an admin or a --store-cn store)
+    RELAY_REFUSED = "relay_refused"
 
 
 @dataclass
@@ -38,6 +39,7 @@ class EventDrops:
     undecodable: int = 0
     other_kv_group: int = 0
     no_room: int = 0
+    relay_refused: int = 0
 
     def add(self, cause: DropCause, count: int = 1) -> None:
         setattr(self, cause.value, getattr(self, cause.value) + count)

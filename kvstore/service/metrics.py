@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvstore.router.drops import DropCause
 from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,9 @@ COUNTERS = frozenset({
     "hit_blocks_predicted", "hit_blocks_reported", "worker_recreations",
     "resyncs_requested", "event_subscribers_cut", "auth_failures", "fetches_failed_auth",
     "fetches_rma", "fetches_failed_rma", "rma_leases", "rma_leases_expired",
-    # RouterStats.dropped_by: one counter per kvstore.router.drops.DropCause
-    "stale_generation", "sequence_gap", "stale_sequence", "unknown_worker",
-    "not_indexable", "undecodable", "other_kv_group", "no_room", "events_refused",
+    "events_refused",
+    # RouterStats.dropped_by: one counter per drop cause
+    *(cause.value for cause in DropCause),
 })  # fmt: skip
 
 Record = object  # a dataclass stats record

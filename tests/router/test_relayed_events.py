@@ -8,8 +8,10 @@ and so B's routes, were A's to steer (no KV bytes exposed). Now a relayed event
 applies only when its publisher may speak for the worker: the worker's owner,
 an admin, or a trusted store (``RouterConfig.store_cns``, fed by
 ``--store-cn``), which relays for every tenant's workers on a shared store.
-Any other relay is dropped and counted (``not_indexable``), the rest of its
-batch applies, and nothing of that worker's changes (docs/design.md §8).
+Any other relay is dropped and counted under a cause of its own
+(``relay_refused``, not the ``not_indexable`` of a store event about another
+holder), the rest of its batch applies, and nothing of that worker's changes
+(docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def test_a_tenant_cannot_store_into_another_tenants_worker(tenants):
     assert gpu_depth(router, "a0") == 2  # A may relay for its own worker
     assert [p.prefix_blocks for p in router.query_prefix(NS, HASHES)] == [4]
     stats = router.stats()
-    assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable + 1
+    assert stats.dropped_by.relay_refused == before.dropped_by.relay_refused + 1
+    assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable
     assert stats.events_dropped == before.events_dropped + 1
     assert stats.events_applied == before.events_applied + 2
     # the route for these hashes cannot be pulled to b0 by A's relay
@@ -90,7 +93,7 @@ def test_a_tenant_cannot_remove_another_tenants_blocks(tenants):
     assert gpu_depth(router, "b0") == 4
     after = router.stats()
     assert after.indexed_blocks == before.indexed_blocks
-    assert after.dropped_by.not_indexable == before.dropped_by.not_indexable + 2
+    assert after.dropped_by.relay_refused == before.dropped_by.relay_refused + 2
 
 
 @pytest.mark.parametrize("relayer", [STORE, ADMIN, LOCAL], ids=["store-cn", "admin", "local"])
@@ -119,7 +122,7 @@ def test_a_refused_relay_for_an_unknown_worker_is_still_unknown(tenants):
     router = tenants
     assert publish(router, TENANT_A, [relay("ghost")]) == EventsApplied(0, 1)
     assert router.stats().dropped_by.unknown_worker == 1
-    assert router.stats().dropped_by.not_indexable == 0
+    assert router.stats().dropped_by.relay_refused == 0
 
 
 def test_a_refused_relay_takes_no_room_in_a_full_domain(tenants):
@@ -136,7 +139,7 @@ def test_a_refused_relay_takes_no_room_in_a_full_domain(tenants):
     result = publish(router, TENANT_A, [own("node-a"), relay("b0")])
     assert result == EventsApplied(applied=1, dropped=1)
     assert gpu_depth(router, "b0") == 0
-    assert router.stats().dropped_by.not_indexable == before.dropped_by.not_indexable + 1
+    assert router.stats().dropped_by.relay_refused == before.dropped_by.relay_refused + 1
 
 
 def test_the_direct_relay_entry_point_checks_its_caller(tenants):
@@ -146,4 +149,21 @@ def test_the_direct_relay_entry_point_checks_its_caller(tenants):
     assert router.apply_relayed_worker_event(relay("b0"), TENANT_B) is True
     assert router.apply_relayed_worker_event(relay("a0"), STORE) is True
     assert (gpu_depth(router, "a0"), gpu_depth(router, "b0")) == (4, 4)
-    assert router.stats().dropped_by.not_indexable == 1
+    assert router.stats().dropped_by.relay_refused == router.stats().events_dropped == 1
+
+
+def test_a_node_id_taken_over_cannot_erase_what_it_relayed_for_another_tenant(tenants):
+    """A snapshot replaces the GPU tier of the workers its node id relayed for.
+    Once tenant A's node-a has left, tenant B may advertise a node of that id:
+    its snapshot must not erase A's worker's blocks (B could not relay their
+    removal either), while a trusted store's snapshot of that id may."""
+    router = tenants
+    assert publish(router, TENANT_A, [relay("a0")]) == EventsApplied(1, 0)
+    router.remove_peer("node-a")
+    gen = router.advertise_peer("node-a", "127.0.0.1:9", "", [NS], caller=TENANT_B).generation
+    assert router.apply_store_events("node-a", gen, [], TENANT_B, seq=1, snapshot=True).applied == 0
+    assert gpu_depth(router, "a0") == 4
+    router.remove_peer("node-a")
+    gen = router.advertise_peer("node-a", "127.0.0.1:9", "", [NS], caller=STORE).generation
+    router.apply_store_events("node-a", gen, [], STORE, seq=1, snapshot=True)
+    assert gpu_depth(router, "a0") == 0

@@ -246,7 +246,7 @@ def test_a_tenant_cannot_relay_gpu_blocks_for_another_tenants_worker(pki, tls_ro
     ones drew tenant-a's routes (and its prefix accounting) to whatever tenant-b
     chose, removed ones erased what tenant-a's own store had relayed. Now a relay
     applies only for the worker's owner, an admin or a --store-cn store: the
-    rest of the batch applies, the refusal is counted (not_indexable)."""
+    rest of the batch applies, the refusal is counted (relay_refused)."""
     victim = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
     rogue = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
     admin = RouterClient(tls_router.address, tls=pki.issue(ADMIN))
@@ -269,7 +269,8 @@ def test_a_tenant_cannot_relay_gpu_blocks_for_another_tenants_worker(pki, tls_ro
     assert gpu_route(victim, "model-a", [1, 2]) == ("a0", 2)  # not erased
     assert gpu_route(victim, "model-a", [9, 8, 7])[1] == 0  # not planted
     stats = rogue.stats()
-    assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable + 2
+    assert stats.dropped_by.relay_refused == before.dropped_by.relay_refused + 2
+    assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable
     assert stats.events_dropped == before.events_dropped + 2
     assert stats.indexed_blocks == before.indexed_blocks + 3  # node-b's own blocks only
 

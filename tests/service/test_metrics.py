@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client import KVLayer, StoreClient, kv_cache_shm
+from kvstore.router.drops import DropCause
 from kvstore.wire.events import StoreEvent
 from tests.conftest import ServerThread, wait_for
 
@@ -124,6 +125,8 @@ def test_a_standalone_router_serves_its_metrics():
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
         assert m["kvstore_router_workers"] == 0 and "kvstore_router_events_dropped_total" in m
+        for cause in DropCause:  # each a counter, whatever cause is added
+            assert m[f"kvstore_router_dropped_by_{cause.value}_total"] == 0
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -1,0 +1,115 @@
+"""A store's snapshot replaces the GPU-tier blocks it relayed, over a real loopback server.
+
+A store relays its attached workers' GPU-tier events in its numbered batches,
+and a snapshot is its whole state, relays included (docs/design.md §6). Before,
+a snapshot dropped only the store's own blocks: what it had relayed for a
+worker stayed in that worker's index whatever the snapshot said, so a relayed
+removal lost to a sequence gap was never undone by the resync snapshot, and
+routes kept crediting the worker with blocks its GPU no longer held. Now the
+snapshot replaces the GPU tier of every worker that node id relayed for, under
+any of its generations, and nothing of workers it never relayed for.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.client.router_client import RouterClient
+from kvstore.wire.events import REMOVED, STORED, StoreEvent
+from tests.router.conftest import card
+
+NS = "tenant.0123456789abcdef"
+NODE = "node-a"
+W0 = [101, 102, 103, 104]  # w0's GPU blocks, as node-a relays them
+W1 = [201, 202, 203]  # w1's, as node-b relays them
+OWN = [301, 302]  # node-a's own store blocks
+
+
+def relay(worker: str, hashes: list[int], type_: str = STORED) -> StoreEvent:
+    return StoreEvent(type_, NS, hashes, worker, tier="gpu")
+
+
+def own() -> StoreEvent:
+    return StoreEvent(STORED, NS, OWN, NODE)
+
+
+def gpu(client: RouterClient, hashes: list[int]) -> tuple[str, int]:
+    """The worker a route for ``hashes`` picks, and the GPU blocks it credits it with."""
+    reply = client.route("llama-8b", hashes=hashes, track=False)
+    return reply.worker, reply.gpu_blocks
+
+
+@pytest.fixture
+def store(served):
+    """w0 and w1 admitted; node-a advertised, its first snapshot relaying all of w0."""
+    _, client, _ = served
+    client.register_worker("w0", card())
+    client.register_worker("w1", card())
+    client.advertise_peer(NODE, "127.0.0.1:1", "", [NS])
+    reply = client.publish([own(), relay("w0", W0)], seq=1, snapshot=True)
+    assert (reply.applied, reply.dropped, reply.resync) == (2, 0, False)
+    assert gpu(client, W0) == ("w0", 4)
+    return client
+
+
+def test_a_snapshot_replaces_the_blocks_its_node_relayed(store):
+    client = store
+    client.publish([own(), relay("w0", W0[:2])], seq=2, snapshot=True)
+    assert gpu(client, W0) == ("w0", 2)  # replaced, not merged with the first snapshot
+    client.publish([own()], seq=3, snapshot=True)  # relays for nobody any more
+    assert gpu(client, W0)[1] == 0
+    assert client.stats().indexed_blocks == len(OWN)
+
+
+def test_a_relayed_removal_lost_to_a_gap_is_undone_by_the_resync_snapshot(store):
+    """w0 evicts its last two blocks; the batch relaying that (seq 2) is lost. The
+    next batch is refused with resync, and the snapshot the store answers with
+    says what w0 holds now: the router forgets the evicted blocks."""
+    client = store
+    # seq 2, [relay("w0", W0[2:], REMOVED)], is lost on the way
+    reply = client.publish([relay("w0", W0[:1], REMOVED)], seq=3)  # w0 evicts one more
+    assert (reply.applied, reply.dropped, reply.resync) == (0, 1, True)
+    assert gpu(client, W0) == ("w0", 4)  # stale until the store resyncs
+    reply = client.publish([own(), relay("w0", W0[1:2])], seq=4, snapshot=True)
+    assert (reply.applied, reply.resync) == (2, False)
+    assert gpu(client, [W0[1]]) == ("w0", 1)  # what w0 holds now, and nothing else
+    assert gpu(client, W0)[1] == 0
+    assert client.stats().dropped_by.sequence_gap == 1
+
+
+def test_a_new_generations_snapshot_replaces_what_the_old_one_relayed(store):
+    """A store that advertises again (a failed publish) is a new peer generation
+    and sends its snapshot there: it also states the relays of the old one."""
+    client = store
+    client.advertise_peer(NODE, "127.0.0.1:1", "", [NS])  # generation 0: a new one
+    reply = client.publish([own()], seq=1, snapshot=True)
+    assert (reply.applied, reply.resync) == (1, False)
+    assert gpu(client, W0)[1] == 0
+
+
+def test_a_snapshot_leaves_the_workers_another_node_relays_for(store):
+    client = store
+    other = RouterClient(client.address)
+    try:
+        other.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
+        assert other.publish([relay("w1", W1)], seq=1, snapshot=True).applied == 1
+        client.publish([own()], seq=2, snapshot=True)  # node-a: no relays any more
+        assert gpu(client, W1) == ("w1", 3)
+        assert gpu(client, W0)[1] == 0
+        other.publish([], seq=2, snapshot=True)  # node-b: none either
+        assert gpu(client, W1)[1] == 0
+    finally:
+        other.close()
+
+
+def test_a_worker_admitted_again_gets_the_relays_of_the_next_snapshot(store):
+    """A new generation of w0 starts empty (it may be a new process); the store's
+    next snapshot relays for it, and a later one without it drops them again."""
+    client = store
+    client.remove_worker("w0")
+    client.register_worker("w0", card())
+    assert gpu(client, W0)[1] == 0
+    client.publish([own(), relay("w0", W0[:3])], seq=2, snapshot=True)
+    assert gpu(client, W0) == ("w0", 3)
+    client.publish([own()], seq=3, snapshot=True)
+    assert gpu(client, W0)[1] == 0
