@@ -25,6 +25,7 @@ from kvstore.wire.errors import invalid
 U64 = np.uint64
 DESCRIPTOR_FIELDS = 6  # base, block_stride, segment_stride, segment_bytes, segments, num_blocks
 MAX_PAIRWISE_LAYERS = 2048  # above this, layers whose extents interleave are not analysed
+MAX_SEGMENTS_PROVEN = 8  # layers of more segments are proven apart by their extents only
 
 
 class RegionTable:
@@ -127,9 +128,9 @@ def paged_disjoint(regions: Sequence[LayerRegion]) -> bool:
 
     Within a layer blocks never overlap (`region_from_tensor` checks it); K and
     V of one layer, and two layers, are proven apart by their extents or, for
-    single-segment layers with one block stride (vLLM's `paged` views into one
-    buffer), by their offsets modulo that stride. Anything else (a layer listed
-    twice, exotic strides) is reported as not proven.
+    layers with one block stride (vLLM's views into one buffer that interleaves
+    layers block by block), by their segments' offsets modulo that stride.
+    Anything else (a layer listed twice, exotic strides) is reported as not proven.
     """
     if not all(_layer_apart(r) for r in regions):
         return False
@@ -167,15 +168,29 @@ def _layer_apart(r: LayerRegion) -> bool:
 
 
 def _interleaved_apart(regions: Sequence[LayerRegion], start: np.ndarray, end: np.ndarray) -> bool:
-    """Pairwise: extents apart, or one stride and single segments whose offsets never meet."""
+    """Pairwise: extents apart, or one block stride and every segment of one layer
+    clear of every segment of the other modulo that stride (layers interleaved in
+    one buffer block by block, as vLLM's cross-layer layouts lay them out, K and V
+    segments and all).
+
+    Segment a of layer i lies at ``start_i + a * segment_stride_i`` plus a whole
+    number of strides s; with d the offset of segment b of layer j after it,
+    modulo s, the two never meet for any pair of blocks iff ``d >= bytes_i`` and
+    ``s - d >= bytes_j``."""
     seg = np.array([r.segments for r in regions], dtype=np.int64)
     stride = np.array([r.block_stride for r in regions], dtype=np.int64)
     size = np.array([r.segment_bytes for r in regions], dtype=np.int64)
+    shift = np.array([r.segment_stride for r in regions], dtype=np.int64)
     apart = (start[:, None] >= end[None, :]) | (end[:, None] <= start[None, :])
-    same = (seg[:, None] == 1) & (seg[None, :] == 1) & (stride[:, None] == stride[None, :])
+    same = (stride[:, None] == stride[None, :]) & (stride[:, None] > 0)
+    same &= (seg[:, None] <= MAX_SEGMENTS_PROVEN) & (seg[None, :] <= MAX_SEGMENTS_PROVEN)
     safe_stride = np.maximum(stride, 1)[:, None]
-    d = (start[None, :] - start[:, None]) % safe_stride  # offset of j after i, modulo the stride
-    fits = (d >= size[:, None]) & (safe_stride - d >= size[None, :]) & (stride[:, None] > 0)
+    fits = np.ones_like(same)
+    for a in range(min(int(seg.max()), MAX_SEGMENTS_PROVEN)):
+        for b in range(min(int(seg.max()), MAX_SEGMENTS_PROVEN)):
+            d = ((start + b * shift)[None, :] - (start + a * shift)[:, None]) % safe_stride
+            clear = (d >= size[:, None]) & (safe_stride - d >= size[None, :])
+            fits &= clear | (a >= seg)[:, None] | (b >= seg)[None, :]  # no such segment
     ok = apart | (same & fits)
     np.fill_diagonal(ok, True)
     return bool(ok.all())
