@@ -123,9 +123,10 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         metavar="CN",
         help="a client certificate CN of a store node: only these (and admins) may "
         "advertise store nodes, publish their events and ask which peers hold a "
-        "prefix, and relay GPU-tier events for other tenants' workers (a shared "
-        "store needs it; repeatable; with TLS; default: any certificate of the CA, "
-        "each relaying only for workers it admitted itself)",
+        "prefix, and relay GPU-tier events for other tenants' workers attached to "
+        "the node they publish as (a worker card's node_id; a shared store needs "
+        "it; repeatable; with TLS; default: any certificate of the CA, each "
+        "relaying only for workers it admitted itself)",
     )
     parser.add_argument(
         "--identity",

@@ -69,9 +69,10 @@ class RouterConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     events_allow: EndpointAllowList = field(default_factory=EndpointAllowList)  # loopback
     # Certificate CNs of the trusted store nodes (--store-cn, Security.stores; the
-    # served router adds its server's): they may relay GPU-tier events for any
-    # worker, a shared store serving several tenants' workers. Any other publisher
-    # relays only for workers it admitted itself (docs/design.md §8).
+    # served router adds its server's): a shared store serving several tenants'
+    # workers, it may relay GPU-tier events for every worker attached to the node
+    # it publishes as (the card's node_id). Any other publisher relays only for
+    # workers it admitted itself (docs/design.md §8).
     store_cns: frozenset[str] = frozenset()
 
 
@@ -275,37 +276,45 @@ class Router:
         applied only when ``caller``, the relaying store, may speak for that worker
         (:meth:`may_relay_for`); else dropped and counted (``relay_refused``), and
         nothing of that worker's changes. Relayed outside a peer's batch, no
-        snapshot replaces it (:meth:`apply_store_events` relays do)."""
+        snapshot replaces it (:meth:`apply_store_events` relays do), and no node
+        id names the relayer: only the worker's owner or an admin may, a
+        ``--store-cn`` store's trust being for its own node's workers."""
         with self._lock:
             return self._relay(event, caller) is not None
 
-    def _relay(self, event: StoreEvent, caller: Principal) -> Worker | None:
-        """Apply relayed ``event``: the worker it applied for, else None (counted)."""
+    def _relay(self, event: StoreEvent, caller: Principal, node_id: str = "") -> Worker | None:
+        """Apply ``event``, relayed by ``caller`` publishing as ``node_id`` ("" for
+        none): the worker it applied for, else None (counted)."""
         worker = self.admission.workers.get(event.worker)
         if event.tier != GPU_TIER or worker is None:
             self._drops.add(DropCause.UNKNOWN_WORKER)
             return None
-        if not self.may_relay_for(caller, worker):
+        if not self.may_relay_for(caller, worker, node_id):
             self._drops.add(DropCause.RELAY_REFUSED)
             return None
         applied = self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)])
         return worker if applied == 1 else None
 
-    def may_relay_for(self, caller: Principal, worker: Worker) -> bool:
-        """May ``caller`` relay GPU-tier events for ``worker``: its owner, an admin,
-        or a trusted store node (``RouterConfig.store_cns``, which may serve any
-        tenant's workers). Without ``--store-cn`` any certificate may publish as a
-        store, so a publisher's word about another principal's worker counts for
-        nothing: it would steer that worker's routes (routing-index poisoning)."""
-        return caller.may_act_for(worker.owner) or caller.name in self.config.store_cns
+    def may_relay_for(self, caller: Principal, worker: Worker, node_id: str = "") -> bool:
+        """May ``caller``, publishing as store ``node_id`` ("" for no node), relay
+        GPU-tier events for ``worker``: its owner, an admin, or a trusted store
+        (``RouterConfig.store_cns``) publishing as the node the worker is attached
+        to (its card's ``node_id``). Without ``--store-cn`` any certificate may
+        publish as a store, so a publisher's word about another principal's worker
+        counts for nothing: it would steer that worker's routes (routing-index
+        poisoning); and a trusted store speaks only for its own node's workers."""
+        if caller.may_act_for(worker.owner):
+            return True
+        attached = bool(node_id) and worker.card.node_id == node_id
+        return attached and caller.name in self.config.store_cns
 
-    def _relay_target(self, event: StoreEvent, caller: Principal) -> Worker | None:
-        """The worker a GPU-tier ``event`` of ``caller``'s batch will be indexed for
-        (None: it will be dropped)."""
+    def _relay_target(self, event: StoreEvent, caller: Principal, node_id: str) -> Worker | None:
+        """The worker a GPU-tier ``event`` of ``caller``'s batch as ``node_id`` will
+        be indexed for (None: it will be dropped)."""
         if event.tier != GPU_TIER:
             return None
         worker = self.admission.workers.get(event.worker)
-        if worker is None or not self.may_relay_for(caller, worker):
+        if worker is None or not self.may_relay_for(caller, worker, node_id):
             return None
         return worker
 
@@ -343,9 +352,9 @@ class Router:
 
         Only the principal that advertised ``node_id`` (or an admin) may
         publish as it, and only one that may act as a store: PERMISSION_DENIED.
-        A GPU-tier event it relays for a worker it may not speak for
-        (:meth:`may_relay_for`) is dropped and counted (``relay_refused``); the
-        rest of the batch applies.
+        A GPU-tier event it relays for a worker it may not speak for as
+        ``node_id`` (:meth:`may_relay_for`) is dropped and counted
+        (``relay_refused``); the rest of the batch applies.
         Room for every namespace and holder the batch brings is checked before
         its first event applies: RESOURCE_EXHAUSTED changes nothing.
 
@@ -354,8 +363,8 @@ class Router:
         whole and answered ``resync`` (docs/design.md §6). A ``snapshot`` batch
         replaces every block indexed for the peer, and the GPU tier of every
         worker that node id relayed for (under any of its generations) and
-        ``caller`` may relay for, then applies: that node's relays are then what
-        its snapshot says.
+        ``caller`` may relay for as ``node_id``, then applies: that node's
+        relays are then what its snapshot says.
         """
         check_store("PublishEvents", caller)
         with self._lock:
@@ -371,7 +380,9 @@ class Router:
                 return self._drop_batch(len(events), fault)
             self.peers.check_room(peer, [e for e in events if self._indexable(peer, e)])
             self.domains.check_room(  # only the relays that will apply take room
-                (worker, GPU_TIER) for e in events if (worker := self._relay_target(e, caller))
+                (worker, GPU_TIER)
+                for e in events
+                if (worker := self._relay_target(e, caller, node_id))
             )
             if snapshot:
                 self.peers.forget_blocks(peer)
@@ -398,20 +409,22 @@ class Router:
 
     def _forget_relays(self, node_id: str, caller: Principal) -> None:
         """Drop the GPU-tier blocks of every worker ``node_id`` relayed for that
-        ``caller`` may relay for; the others stay, recorded (a node id taken over
-        after its peer left erases no other tenant's worker's blocks)."""
+        ``caller`` may relay for as ``node_id``; the others stay, recorded (a node
+        id taken over after its peer left erases no other tenant's worker's
+        blocks, and a trusted store's snapshot none of a worker attached to
+        another node)."""
         for ref in self.relays.take(node_id):
             worker = self.admission.current(ref)
             if worker is None:
                 continue
-            if self.may_relay_for(caller, worker):
+            if self.may_relay_for(caller, worker, node_id):
                 self.domains.forget(worker, (GPU_TIER,))
             else:
                 self.relays.record(node_id, ref)
 
     def _apply_store_event(self, peer: Peer, event: StoreEvent, caller: Principal) -> bool:
         if event.tier == GPU_TIER:
-            worker = self._relay(event, caller)
+            worker = self._relay(event, caller, peer.node_id)
             if worker is not None:
                 self.relays.record(peer.node_id, worker.ref)
             return worker is not None

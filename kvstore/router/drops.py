@@ -23,7 +23,8 @@ class DropCause(StrEnum):
     OTHER_KV_GROUP = "other_kv_group"  # vLLM events of KV-cache groups other than 0
     NO_ROOM = "no_room"  # a worker's batch whose new holders a full domain index cannot take
     # a GPU-tier event relayed for a worker the publisher may not speak for
-    # (Router.may_relay_for: not its owner, an admin or a --store-cn store)
+    # (Router.may_relay_for: not its owner, an admin or a --store-cn store
+    # publishing as the node the worker is attached to)
     RELAY_REFUSED = "relay_refused"
 
 

@@ -90,8 +90,8 @@ class ServedRouter:
         ``security``: the server's TLS and admins (who callers are; the store
         feeds present the same credentials); its store CNs (``--store-cn``) join
         the core's trusted stores, which may relay GPU-tier events for any
-        worker. Call it from inside the running event loop (the feeds are tasks
-        on it).
+        tenant's workers attached to the node they publish as. Call it from
+        inside the running event loop (the feeds are tasks on it).
         """
         config = self.router.config
         config.store_cns = config.store_cns | frozenset(security.stores)

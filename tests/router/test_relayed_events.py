@@ -7,11 +7,13 @@ relay ``stored`` or ``removed`` events for tenant B's worker: B's prefix index,
 and so B's routes, were A's to steer (no KV bytes exposed). Now a relayed event
 applies only when its publisher may speak for the worker: the worker's owner,
 an admin, or a trusted store (``RouterConfig.store_cns``, fed by
-``--store-cn``), which relays for every tenant's workers on a shared store.
-Any other relay is dropped and counted under a cause of its own
-(``relay_refused``, not the ``not_indexable`` of a store event about another
-holder), the rest of its batch applies, and nothing of that worker's changes
-(docs/design.md §8).
+``--store-cn``), which relays for every tenant's workers attached to the node
+it publishes as (the card's ``node_id``). Before, a trusted store relayed for
+every worker of every tenant wherever attached; now its word about a worker of
+another node counts for nothing, in a batch as in a snapshot. Any other relay
+is dropped and counted under a cause of its own (``relay_refused``, not the
+``not_indexable`` of a store event about another holder), the rest of its
+batch applies, and nothing of that worker's changes (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from kvstore.router.core import EventsApplied, Router, RouterConfig
 from kvstore.wire import limits
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.principal import LOCAL, Principal
 from tests.router.conftest import card
@@ -30,6 +33,7 @@ TENANT_A = Principal("tenant-a")
 TENANT_B = Principal("tenant-b")
 STORE = Principal("store-x")  # a trusted store node (--store-cn store-x)
 ADMIN = Principal("ops", admin=True)
+SHARED = "shared"  # the node a0 and b0 are attached to (their cards' node_id)
 
 
 def relay(worker: str, hashes=HASHES, type_="stored") -> StoreEvent:
@@ -50,12 +54,13 @@ def gpu_depth(router: Router, name: str, hashes=HASHES) -> int:
 
 @pytest.fixture
 def tenants() -> Router:
-    """Tenant A's worker a0 and tenant B's worker b0; node-a is tenant A's store
-    node (advertised by tenant A's certificate: no --store-cn, so it may)."""
+    """Tenant A's worker a0 and tenant B's worker b0, both attached to the shared
+    node; node-a is tenant A's store node (advertised by tenant A's certificate:
+    not --store-cn, so it relays only for tenant A's workers)."""
     router = Router(RouterConfig())
     router.config.store_cns = frozenset({STORE.name})  # as ServedRouter.start sets it
-    router.register_worker("a0", card(), caller=TENANT_A)
-    router.register_worker("b0", card(), caller=TENANT_B)
+    router.register_worker("a0", card(node_id=SHARED), caller=TENANT_A)
+    router.register_worker("b0", card(node_id=SHARED), caller=TENANT_B)
     router.advertise_peer("node-a", "127.0.0.1:1", "", [NS], caller=TENANT_A)
     return router
 
@@ -99,13 +104,42 @@ def test_a_tenant_cannot_remove_another_tenants_blocks(tenants):
 @pytest.mark.parametrize("relayer", [STORE, ADMIN, LOCAL], ids=["store-cn", "admin", "local"])
 def test_trusted_stores_and_admins_relay_for_any_tenants_worker(tenants, relayer):
     """A shared store serves several tenants' workers: named by --store-cn (or an
-    admin; without TLS every caller is the local admin) it relays for all of them."""
+    admin; without TLS every caller is the local admin) it relays for all of
+    those attached to it."""
     router = tenants
-    router.advertise_peer("shared", "127.0.0.1:3", "", [NS], caller=relayer)
+    router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=relayer)
     events = [relay("a0", HASHES[:1]), relay("b0"), relay("b0", HASHES[3:], "removed")]
-    assert publish(router, relayer, events, node="shared") == EventsApplied(3, 0)
+    assert publish(router, relayer, events, node=SHARED) == EventsApplied(3, 0)
     assert (gpu_depth(router, "a0"), gpu_depth(router, "b0")) == (1, 3)
     assert router.stats().events_dropped == 0
+
+
+def test_a_trusted_store_cannot_relay_for_a_worker_attached_to_another_node(tenants):
+    """A --store-cn store speaks for the workers of the node it publishes as: a
+    relay for a worker whose card names another node is dropped (relay_refused),
+    stored or removed, and the rest of the batch applies. The worker's owner and
+    admins relay for it through any node, as before."""
+    router = tenants
+    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.advertise_peer("node-c", "127.0.0.1:2", "", [NS], caller=TENANT_B)
+    assert publish(router, TENANT_B, [relay("b1")], node="node-c") == EventsApplied(1, 0)
+    router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=STORE)
+    before = router.stats()
+    events = [
+        own(SHARED),
+        relay("a0"),  # attached to SHARED: applies
+        relay("b1", [901, 902]),
+        relay("b1", HASHES[:1], "removed"),
+    ]
+    assert publish(router, STORE, events, node=SHARED) == EventsApplied(applied=2, dropped=2)
+    assert gpu_depth(router, "a0") == 4
+    assert gpu_depth(router, "b1") == 4  # its owner's relay stands, nothing erased
+    assert gpu_depth(router, "b1", [901, 902]) == 0  # nothing planted
+    stats = router.stats()
+    assert stats.dropped_by.relay_refused == before.dropped_by.relay_refused + 2
+    assert stats.events_dropped == before.events_dropped + 2
+    assert publish(router, ADMIN, [relay("b1", [901, 902])], node=SHARED) == EventsApplied(1, 0)
+    assert gpu_depth(router, "b1", [901, 902]) == 2
 
 
 def test_a_store_cn_of_another_router_is_trusted_by_name_only(tenants):
@@ -142,28 +176,74 @@ def test_a_refused_relay_takes_no_room_in_a_full_domain(tenants):
     assert router.stats().dropped_by.relay_refused == before.dropped_by.relay_refused + 1
 
 
+def test_a_trusted_stores_relays_take_room_only_for_its_nodes_workers(tenants):
+    """The room check before a batch applies judges a trusted store's relays as
+    they will apply: with one holder bit left, its relay for a worker of its
+    node takes it and one for a worker of another node neither lands nor
+    refuses the batch (before: both counted, RESOURCE_EXHAUSTED); with none
+    left, its relay for a new worker of its node refuses the whole batch."""
+    router = tenants
+    for i in range(limits.MAX_WORKERS_PER_DOMAIN - 1):  # all but one holder bit taken
+        router.apply_relayed_worker_event(relay(router.register_worker(f"f{i}", card()).name, [1]))
+    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.register_worker("a1", card(node_id=SHARED), caller=TENANT_A)
+    router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=STORE)
+    assert publish(router, STORE, [relay("a0"), relay("b1")], node=SHARED) == EventsApplied(1, 1)
+    assert (gpu_depth(router, "a0"), gpu_depth(router, "b1")) == (4, 0)
+    with pytest.raises(KVError) as err:
+        publish(router, STORE, [own(SHARED), relay("a1")], node=SHARED)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED
+    assert router.query_prefix(NS, HASHES) == [] and gpu_depth(router, "a1") == 0
+
+
 def test_the_direct_relay_entry_point_checks_its_caller(tenants):
-    """apply_relayed_worker_event, as a feed calls it: the caller is the relayer."""
+    """apply_relayed_worker_event, as a feed calls it: the caller is the relayer.
+    It names no node, so a trusted store's word, good only for the workers of
+    the node it publishes as, counts there for nothing; owners and admins may."""
     router = tenants
     assert router.apply_relayed_worker_event(relay("b0"), TENANT_A) is False
+    assert router.apply_relayed_worker_event(relay("a0"), STORE) is False
     assert router.apply_relayed_worker_event(relay("b0"), TENANT_B) is True
-    assert router.apply_relayed_worker_event(relay("a0"), STORE) is True
-    assert (gpu_depth(router, "a0"), gpu_depth(router, "b0")) == (4, 4)
-    assert router.stats().dropped_by.relay_refused == router.stats().events_dropped == 1
+    assert router.apply_relayed_worker_event(relay("a0", HASHES[:2]), ADMIN) is True
+    assert (gpu_depth(router, "a0"), gpu_depth(router, "b0")) == (2, 4)
+    assert router.stats().dropped_by.relay_refused == router.stats().events_dropped == 2
 
 
 def test_a_node_id_taken_over_cannot_erase_what_it_relayed_for_another_tenant(tenants):
     """A snapshot replaces the GPU tier of the workers its node id relayed for.
-    Once tenant A's node-a has left, tenant B may advertise a node of that id:
+    Once tenant A's node has left, tenant B may advertise a node of that id:
     its snapshot must not erase A's worker's blocks (B could not relay their
-    removal either), while a trusted store's snapshot of that id may."""
+    removal either), while a trusted store's snapshot of that id may (a0 is
+    attached to it)."""
     router = tenants
-    assert publish(router, TENANT_A, [relay("a0")]) == EventsApplied(1, 0)
-    router.remove_peer("node-a")
-    gen = router.advertise_peer("node-a", "127.0.0.1:9", "", [NS], caller=TENANT_B).generation
-    assert router.apply_store_events("node-a", gen, [], TENANT_B, seq=1, snapshot=True).applied == 0
+    router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=TENANT_A)
+    assert publish(router, TENANT_A, [relay("a0")], node=SHARED) == EventsApplied(1, 0)
+    router.remove_peer(SHARED)
+    gen = router.advertise_peer(SHARED, "127.0.0.1:9", "", [NS], caller=TENANT_B).generation
+    assert router.apply_store_events(SHARED, gen, [], TENANT_B, seq=1, snapshot=True).applied == 0
     assert gpu_depth(router, "a0") == 4
-    router.remove_peer("node-a")
-    gen = router.advertise_peer("node-a", "127.0.0.1:9", "", [NS], caller=STORE).generation
-    router.apply_store_events("node-a", gen, [], STORE, seq=1, snapshot=True)
+    router.remove_peer(SHARED)
+    gen = router.advertise_peer(SHARED, "127.0.0.1:9", "", [NS], caller=STORE).generation
+    router.apply_store_events(SHARED, gen, [], STORE, seq=1, snapshot=True)
     assert gpu_depth(router, "a0") == 0
+
+
+def test_a_trusted_stores_snapshot_leaves_workers_attached_to_another_node(tenants):
+    """Tenant B's node id "shared" relayed for b0 (attached to it) and b1 (attached
+    to node-b); a trusted store taking that node id over replaces with its
+    snapshot what it may relay: b0's GPU tier, not b1's, which it could not
+    relay a removal of either."""
+    router = tenants
+    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=TENANT_B)
+    events = [relay("b0"), relay("b1")]
+    assert publish(router, TENANT_B, events, node=SHARED) == EventsApplied(2, 0)
+    router.remove_peer(SHARED)
+    gen = router.advertise_peer(SHARED, "127.0.0.1:9", "", [NS], caller=STORE).generation
+    router.apply_store_events(SHARED, gen, [], STORE, seq=1, snapshot=True)
+    assert (gpu_depth(router, "b0"), gpu_depth(router, "b1")) == (0, 4)
+    # still recorded for that node id: its owner's (an admin's) snapshot replaces it
+    router.remove_peer(SHARED)
+    gen = router.advertise_peer(SHARED, "127.0.0.1:9", "", [NS], caller=TENANT_B).generation
+    router.apply_store_events(SHARED, gen, [], TENANT_B, seq=1, snapshot=True)
+    assert gpu_depth(router, "b1") == 0

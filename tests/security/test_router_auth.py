@@ -283,16 +283,16 @@ def test_a_tenant_cannot_relay_gpu_blocks_for_another_tenants_worker(pki, tls_ro
 
 def test_a_store_named_by_store_cn_relays_for_every_tenants_worker(pki):
     """A shared store serves several tenants' workers: the router told its CN
-    (--store-cn) applies its relays for any of them; every other certificate
-    is no store there at all."""
+    (--store-cn) applies its relays for any of them attached to its node;
+    every other certificate is no store there at all."""
     security = Security(pki.server, admins=(ADMIN,), stores=("node-a",))
     router = RouterThread(Router(RouterConfig()), security=security)
     try:
         node = RouterClient(router.address, tls=pki.issue("node-a"))
         tenant_a = RouterClient(router.address, tls=pki.issue("tenant-a"))
         tenant_b = RouterClient(router.address, tls=pki.issue("tenant-b"))
-        tenant_a.register_worker("a0", card(display_name="model-a"))
-        tenant_b.register_worker("b0", card(display_name="model-b"))
+        tenant_a.register_worker("a0", card(display_name="model-a", node_id="node-a"))
+        tenant_b.register_worker("b0", card(display_name="model-b", node_id="node-a"))
         gen = node.advertise_peer("node-a", "127.0.0.1:1", "", [NS])
         relayed = [
             StoreEvent("stored", NS, [1, 2], "a0", tier="gpu"),
@@ -302,5 +302,55 @@ def test_a_store_named_by_store_cn_relays_for_every_tenants_worker(pki):
         assert (reply.applied, reply.dropped) == (2, 0)
         assert gpu_route(tenant_a, "model-a", [1, 2]) == ("a0", 2)
         assert gpu_route(tenant_b, "model-b", [3, 4, 5]) == ("b0", 3)
+    finally:
+        router.stop()
+
+
+def test_a_store_cn_relays_only_for_workers_attached_to_its_node(pki):
+    """Before, a --store-cn store was trusted for every worker of every tenant:
+    store node-a could plant or erase GPU blocks of a worker attached to node-b
+    and steer its routes. Now its relay counts only for workers whose card names
+    the node it publishes as; the others are dropped (relay_refused), the rest
+    of the batch applies, and its snapshot erases none of theirs. An admin
+    relays as before (the owner too: tests/router/test_relayed_events.py)."""
+    security = Security(pki.server, admins=(ADMIN,), stores=("node-a", "node-b"))
+    router = RouterThread(Router(RouterConfig()), security=security)
+    try:
+        node_a = RouterClient(router.address, tls=pki.issue("node-a"))
+        node_b = RouterClient(router.address, tls=pki.issue("node-b"))
+        tenant = RouterClient(router.address, tls=pki.issue("tenant-a"))
+        admin = RouterClient(router.address, tls=pki.issue(ADMIN))
+        tenant.register_worker("a0", card(display_name="model-a", node_id="node-a"))
+        tenant.register_worker("b0", card(display_name="model-b", node_id="node-b"))
+        gen_b = node_b.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
+        reply = node_b.publish([StoreEvent("stored", NS, [1, 2], "b0", tier="gpu")], "", gen_b)
+        assert (reply.applied, reply.dropped) == (1, 0)  # its own node's worker
+
+        gen_a = node_a.advertise_peer("node-a", "127.0.0.1:1", "", [NS])
+        before = router.router.stats()
+        events = [
+            StoreEvent("stored", NS, [7, 8], "a0", tier="gpu"),  # attached to node-a
+            StoreEvent("stored", NS, [9, 8, 7], "b0", tier="gpu"),
+            StoreEvent("removed", NS, [1, 2], "b0", tier="gpu"),
+        ]
+        reply = node_a.publish(events, "node-a", gen_a)
+        assert (reply.applied, reply.dropped) == (1, 2)
+        assert gpu_route(tenant, "model-a", [7, 8]) == ("a0", 2)
+        assert gpu_route(tenant, "model-b", [1, 2]) == ("b0", 2)  # not erased
+        assert gpu_route(tenant, "model-b", [9, 8, 7])[1] == 0  # not planted
+        stats = router.router.stats()
+        assert stats.dropped_by.relay_refused == before.dropped_by.relay_refused + 2
+        assert stats.events_dropped == before.events_dropped + 2
+
+        # an admin relays for b0 through any node, node-a included, as before
+        reply = admin.publish([StoreEvent("stored", NS, [5, 6], "b0", tier="gpu")], "node-a", gen_a)
+        assert (reply.applied, reply.dropped) == (1, 0)
+        assert gpu_route(tenant, "model-b", [5, 6]) == ("b0", 2)
+        # node-a's snapshot replaces a0's relayed blocks, and none of b0's: it
+        # could not relay their removal either
+        reply = node_a.publish([], "node-a", gen_a, seq=1, snapshot=True)
+        assert gpu_route(tenant, "model-a", [7, 8])[1] == 0
+        assert gpu_route(tenant, "model-b", [1, 2]) == ("b0", 2)
+        assert gpu_route(tenant, "model-b", [5, 6]) == ("b0", 2)
     finally:
         router.stop()
