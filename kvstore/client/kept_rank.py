@@ -12,9 +12,12 @@ RegisterLayers for the same rank would be ALREADY_EXISTS.
 
 A failure that another attempt can cure (the store down or restarting,
 unreachable, slow, this rank's previous session not yet reaped) is retried
-every ``retry_s`` and logged once an outage. A refusal (:data:`REFUSAL_CODES`:
-the store judged this registration and said no) is logged once at ERROR with
-what to fix, and :meth:`KeptRank.wait_ready` raises it instead of waiting
+every ``retry_s`` and logged once an outage. So is a store short of its own
+resources (:data:`STORE_SHORTAGE_CODES`: file descriptors, memory, GPU memory
+to map this rank's KV cache), logged as the store's problem for its operator to
+fix as the message says, never as this registration's. A refusal
+(:data:`REFUSAL_CODES`: the store judged this registration and said no) is
+logged once at ERROR with what to fix, and :meth:`KeptRank.wait_ready` raises it instead of waiting
 out its timeout; it is still retried every ``retry_s``, because some pass
 later without the engine changing anything: a check against the instance's
 other ranks while a previous engine's ranks under the same instance id are
@@ -38,12 +41,20 @@ log = logging.getLogger(__name__)
 # how they fit the instance's other ranks and this store, or who may use the
 # namespace. Logged as an ERROR saying what to fix and raised by wait_ready, but
 # retried like the rest: the other ranks or the store may change (see above).
-# The rest is an outage: UNAVAILABLE (the store down or restarting, or TLS
-# failing), DEADLINE_EXCEEDED, CANCELLED, RESOURCE_EXHAUSTED, ALREADY_EXISTS (this
-# rank's previous session, or another process's, is still registered: it goes once
-# its call ends), INTERNAL and UNKNOWN (a store fault a restart may cure).
+# The rest is an outage: UNAVAILABLE (the store down or restarting, TLS failing,
+# the node out of file descriptors), DEADLINE_EXCEEDED, CANCELLED, ALREADY_EXISTS
+# (this rank's previous session, or another process's, is still registered: it
+# goes once its call ends), INTERNAL and UNKNOWN (a store fault a restart may cure).
 REFUSAL_CODES = frozenset(
     {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED, Code.UNAUTHENTICATED}
+)
+# The store ran short of its own resources taking the registration (out of file
+# descriptors or memory mapping this rank's KV cache): an outage, retried, but
+# logged as the store's to fix, not this rank's.
+STORE_SHORTAGE_CODES = frozenset({Code.RESOURCE_EXHAUSTED})
+_SHORTAGE_NOTE = (
+    "; the store is short of its own resources, nothing is wrong with this rank's "
+    "registration: the store's operator must act as the store says"
 )
 
 # What to do about a refusal, by code (the message names the field, layer and rank).
@@ -282,12 +293,13 @@ class KeptRank:
             self._traced = self._traced or trace
         s = self.spec
         (log.warning if first or trace else log.debug)(
-            "kvstore: rank %d of %s could not register with %s (%s); serving without "
+            "kvstore: rank %d of %s could not register with %s (%s)%s; serving without "
             "the store and retrying every %.1f s",
             s.rank,
             s.instance_id,
             self.client.address,
             err,
+            _SHORTAGE_NOTE if err.code in STORE_SHORTAGE_CODES else "",
             self.retry_s,
             exc_info=exc if trace else None,
         )

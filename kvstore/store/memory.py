@@ -15,12 +15,17 @@ Host objects are opened through ``/dev/shm`` with plain ``mmap`` rather
 than ``multiprocessing.shared_memory``: attaching with the latter registers
 the object with Python's resource tracker, which unlinks the worker's memory
 when the server exits.
+
+A handle the store cannot open or map refuses the registration with the
+caller's code (INVALID_ARGUMENT, FAILED_PRECONDITION) unless the store itself
+ran short (out of file descriptors, address space, GPU memory): then
+RESOURCE_EXHAUSTED (UNAVAILABLE for the node's file table) names the field,
+what ran out and what the store's operator can raise.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import mmap
@@ -35,7 +40,7 @@ import torch
 
 from kvstore.copy.cuda_memory import allocation_range
 from kvstore.wire import names
-from kvstore.wire.errors import invalid, precondition
+from kvstore.wire.errors import KVError, exhausted, invalid, precondition, unavailable
 from kvstore.wire.limits import MAX_SHM_NAME_LEN
 
 SHM_DIR = "/dev/shm"
@@ -46,6 +51,43 @@ HUGETLBFS_MAGIC = 0x958458F6
 SHM_FS_TYPES = (TMPFS_MAGIC, HUGETLBFS_MAGIC)
 SHM_LINK_PREFIXES = ("/memfd:", SHM_DIR + "/")  # where /proc/<pid>/fd/<fd> may point
 SHM_NAME_RE = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_SHM_NAME_LEN}}}")
+
+# Failures that are the store's own shortage, not the request's: opening or
+# mapping a worker's memory ran out of something this server or its node holds.
+# By errno of open/mmap: (code, what ran out, what the store's operator can do).
+# ENFILE is the node's table, filled by every process on it: UNAVAILABLE, it
+# clears as they close files. Any other errno (a missing object, a permission)
+# is the caller's and keeps its own code.
+_OS_SHORTAGES = {
+    errno.EMFILE: (
+        exhausted,
+        "file descriptors (its RLIMIT_NOFILE)",
+        "raise the store server's open-file limit (`ulimit -n`, systemd LimitNOFILE=)",
+    ),
+    errno.ENFILE: (
+        unavailable,
+        "file descriptors of the whole node (fs.file-max)",
+        "close files elsewhere on the node or raise sysctl fs.file-max",
+    ),
+    errno.ENOMEM: (
+        exhausted,
+        "memory or address space (RLIMIT_AS, vm.max_map_count)",
+        "raise the store server's `ulimit -v` or sysctl vm.max_map_count, or free memory",
+    ),
+}
+# The same for opening a CUDA IPC handle, by cudaError_t.
+_CUDA_SHORTAGES = {
+    2: (  # cudaErrorMemoryAllocation
+        exhausted,
+        "memory on its GPU",
+        "leave the store room on the device (a smaller --pool-size, fewer processes on it)",
+    ),
+    711: (  # cudaErrorTooManyPeers
+        exhausted,
+        "CUDA peer mappings",
+        "register the ranks of fewer devices with this store",
+    ),
+}
 
 
 @dataclass
@@ -129,7 +171,8 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise invalid(f"{where}.name {name!r} is a symbolic link, not shared memory") from exc
-        raise precondition(f"{where}: cannot open shared memory {name!r}: {exc.strerror}") from exc
+        doing = f"{where}.name: cannot open shared memory {name!r}"
+        raise os_shortage(exc, doing) or precondition(f"{doing}: {exc.strerror}") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or _fs_type(fd) not in (*SHM_FS_TYPES, None):
@@ -139,7 +182,7 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
             raise invalid(
                 f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes"
             )
-        return _map_file(fd, size, info)
+        return _map_file(fd, size, info, f"{where}.name {name!r}")
     finally:
         os.close(fd)
 
@@ -172,9 +215,8 @@ def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
             "server must run as the same user as the worker"
         ) from exc
     except OSError as exc:
-        raise invalid(
-            f"{field_}.fd {fd} of process {pid} cannot be opened: {exc.strerror}"
-        ) from exc
+        doing = f"{field_}.fd {fd} of process {pid} cannot be opened"
+        raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
     try:
         info = os.fstat(handle)
         if not stat.S_ISREG(info.st_mode) or not target.startswith(SHM_LINK_PREFIXES):
@@ -193,14 +235,19 @@ def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
                 f"{field_}.size {size} does not fit fd {fd} of process {pid} "
                 f"({target!r}, {info.st_size} bytes)"
             )
-        return _map_file(handle, size, info)
+        return _map_file(handle, size, info, f"{field_}.fd {fd} of process {pid}")
     finally:
         os.close(handle)
 
 
-def _map_file(fd: int, size: int, info: os.stat_result) -> MappedRegion:
-    """Map the first ``size`` bytes of the open shared-memory file ``fd`` read-write."""
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+def _map_file(fd: int, size: int, info: os.stat_result, what: str) -> MappedRegion:
+    """Map the first ``size`` bytes of the open shared-memory file ``fd`` read-write;
+    ``what`` names the field and object in errors."""
+    try:  # mmap.mmap also dups ``fd``: a descriptor as well as address space
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        doing = f"{what}: cannot map {size} bytes"
+        raise os_shortage(exc, doing) or precondition(f"{doing}: {exc.strerror}") from exc
     view = np.frombuffer(mm, dtype=np.uint8)
     return MappedRegion(
         base=view.ctypes.data,
@@ -214,8 +261,11 @@ def _map_file(fd: int, size: int, info: os.stat_result) -> MappedRegion:
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library's symbols, from the process itself: dlopen(NULL) opens no
+    file (find_library runs ldconfig in a child, which a store short of file
+    descriptors cannot start, and a None cached then would stay for good)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
@@ -233,6 +283,27 @@ def _fs_type(fd: int) -> int | None:
     if libc.fstatfs(fd, buf) != 0:
         return None
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def os_shortage(exc: OSError, doing: str) -> KVError | None:
+    """The KVError of ``exc`` when it is the store's own shortage (``_OS_SHORTAGES``),
+    else None (the caller's fault, refused as such). ``doing`` names the field."""
+    return _shortage(_OS_SHORTAGES.get(exc.errno), doing, exc.strerror)
+
+
+def cuda_shortage(exc: Exception, doing: str) -> KVError | None:
+    """Like :func:`os_shortage` for a CUDA runtime error (cupy's, with ``status``)."""
+    return _shortage(_CUDA_SHORTAGES.get(getattr(exc, "status", None)), doing, str(exc))
+
+
+def _shortage(entry: tuple | None, doing: str, detail: str) -> KVError | None:
+    if entry is None:
+        return None
+    make, resource, fix = entry
+    return make(
+        f"{doing}: {detail}: the store server is out of {resource}; the request is "
+        f"not at fault: the store's operator can {fix}"
+    )
 
 
 def _close_mmap(mm: mmap.mmap) -> None:
@@ -255,9 +326,13 @@ def map_cuda_ipc(handle: bytes, device_uuid: str, size: int, where: str) -> Mapp
         try:
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
         except Exception as exc:
-            raise precondition(f"{where}: cannot open CUDA IPC handle: {exc}") from exc
-        # bounds come from the allocation itself, never from the size a client claims
-        base, actual = allocation_range(int(ptr))
+            doing = f"{where}.handle: cannot open CUDA IPC handle"
+            raise cuda_shortage(exc, doing) or precondition(f"{doing}: {exc}") from exc
+        try:  # bounds come from the allocation itself, never from the size a client claims
+            base, actual = allocation_range(int(ptr))
+        except BaseException:
+            _close_ipc(index, ptr)
+            raise
     if size == 0 or base != int(ptr) or size > actual:
         _close_ipc(index, ptr)
         raise invalid(f"{where}.size {size} does not fit the {actual}-byte CUDA allocation")

@@ -293,3 +293,33 @@ def test_an_unexpected_exception_is_retried_with_one_traceback_an_outage(server,
         assert not records(caplog, logging.ERROR)
     finally:
         rank.close()
+
+
+def test_a_store_out_of_file_descriptors_is_logged_as_the_stores_problem(shms, caplog):
+    """The store (its own process) cannot open the rank's shared memory for want
+    of descriptors: RESOURCE_EXHAUSTED. Before: the store said FAILED_PRECONDITION
+    and the rank logged an ERROR telling its operator to make the store able to
+    map this memory, and wait_ready raised it as the rank's refusal. Now one
+    warning saying the store is short and its operator must raise its limit; not
+    a refusal; retried, and sealed once the store's limit is raised."""
+    from tests.service.store_process import StoreProcess
+
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    store = StoreProcess()
+    rank = kept(store.address, [layer(shms())])
+    try:
+        rank.client.stats()  # connected before the store runs short
+        store.starve_files(free=0)
+        rank.start()  # its first attempt fails before start returns
+        assert rank.wait_ready(0) is False and rank.refused is None  # not a refusal
+        assert not records(caplog, logging.ERROR)
+        warned = [r.getMessage() for r in records(caplog, logging.WARNING)]
+        assert len(warned) == 1, warned
+        for words in ("RESOURCE_EXHAUSTED", "ulimit -n", "short of its own resources"):
+            assert words in warned[0], warned[0]
+        store.restore()
+        assert rank.wait_ready(10)
+        assert not records(caplog, logging.ERROR)
+    finally:
+        rank.close()
+        store.stop()
