@@ -1,5 +1,6 @@
 """The workload of bench/router.py: a many-worker index built through the vLLM
-decoder, steady-state churn payloads, and route requests that overlap it."""
+decoder, steady-state churn payloads, and route requests that overlap it; and
+bench/cluster.py's index built in one process (the route A/B)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import numpy as np
 
 from kvstore.router.admission import WorkerRef
 from kvstore.router.core import Router, RouterConfig
+from kvstore.router.scoring import ScoringConfig
 from kvstore.router.vllm_events import decode_batch
+from kvstore.testing.cluster_nodes import FINAL_NAMESPACE, ClusterShape
 from kvstore.testing.vllm_events import churn_batches, encode_batch, stored_event
 from kvstore.wire.card import WorkerCard
+from kvstore.wire.events import GPU_TIER, STORE_TIER, STORED, StoreEvent
 
 BLOCK = 16
 TOKENS = list(range(BLOCK))  # a block's token ids, carried by every BlockStored
@@ -81,3 +85,23 @@ def request(idx: BenchIndex, rng: random.Random, n_blocks: int) -> list[int]:
     return (
         sys_part + hist + [rng.getrandbits(63) for _ in range(n_blocks - len(sys_part) - hist_len)]
     )
+
+
+def build_cluster_index(shape: ClusterShape, clock=time.monotonic) -> Router:
+    """bench/cluster.py's index in one process, no etcd: every worker admitted
+    with its card (node, final namespace), every store advertised, each worker's
+    GPU part relayed and its history sealed in its node's store."""
+    router = Router(RouterConfig(scoring=ScoringConfig(seed=1)), clock=clock)
+    for j in range(shape.workers):
+        router.register_worker(shape.worker(j), shape.card(j))
+    for i in range(shape.stores):
+        node = shape.node(i)
+        peer = router.advertise_peer(node, shape.store_address(i), "", [FINAL_NAMESPACE])
+        events = []
+        for j in shape.workers_on(i):
+            history = shape.history(j)
+            gpu = history[: shape.gpu_blocks].tolist()
+            events.append(StoreEvent(STORED, FINAL_NAMESPACE, gpu, shape.worker(j), GPU_TIER))
+            events.append(StoreEvent(STORED, FINAL_NAMESPACE, history.tolist(), node, STORE_TIER))
+        router.apply_store_events(node, peer.generation, events)
+    return router

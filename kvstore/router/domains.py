@@ -76,19 +76,21 @@ class DomainIndexes:
             del self.indexes[worker.domain]
 
     def depths(self, workers: Sequence[Worker], hashes: Sequence[int]) -> dict[Holder, int]:
-        """Each worker's prefix of ``hashes`` per local tier; misses are left out.
+        """Each worker's prefix of ``hashes`` per local tier; misses are left out."""
+        mine = {(w.ref, tier) for w in workers for tier in LOCAL_TIERS}
+        hits = self.hits({w.domain for w in workers}, hashes)
+        return {holder: depth for holder, depth in hits.items() if holder in mine}
 
-        One prefix walk per domain answers for all of its workers at once.
-        """
-        by_domain: dict[Domain, list[Worker]] = {}
-        for w in workers:
-            by_domain.setdefault(w.domain, []).append(w)
+    def hits(self, domains: Iterable[Domain], hashes: Sequence[int]) -> dict[Holder, int]:
+        """The prefix of ``hashes`` of every holder in ``domains`` that has at
+        least its first block. One prefix walk per domain answers for all of its
+        holders at once, and costs nothing per holder that misses (a route's
+        many workers without the prefix)."""
         out: dict[Holder, int] = {}
-        for domain, members in by_domain.items():
+        for domain in domains:
             index = self.indexes.get(domain)
             if index is not None:
-                holders = [(w.ref, tier) for w in members for tier in LOCAL_TIERS]
-                out.update(index.holder_depths(hashes, holders))
+                out.update(index.holder_depths(hashes))
         return out
 
     def indexed_blocks(self) -> int:

@@ -47,6 +47,7 @@ class HolderIndex:
         self._held: list[dict[int, None]] = []
         self._single: list[int] = []  # bit -> the shared ``1 << bit`` int
         self._free: list[int] = []
+        self._assigned = 0  # the bits of every holder, OR-ed
 
     # -- holders -----------------------------------------------------------
 
@@ -66,6 +67,7 @@ class HolderIndex:
             self._single.append(1 << bit)
         self._bit_of[holder] = bit
         self._holder_of[bit] = holder
+        self._assigned |= self._single[bit]
         return bit
 
     def room(self) -> int:
@@ -90,6 +92,7 @@ class HolderIndex:
         cleared = self.clear(bit)
         del self._holder_of[bit]
         self._free.append(bit)
+        self._assigned &= ~self._single[bit]
         return cleared
 
     # -- events ------------------------------------------------------------
@@ -200,16 +203,17 @@ class HolderIndex:
     def holder_depths(
         self, hashes: Sequence[int], holders: Iterable[Hashable] | None = None
     ) -> dict[Hashable, int]:
-        """Leading ``hashes`` each of ``holders`` holds (default: every holder).
+        """Leading ``hashes`` each of ``holders`` holds (default: every holder,
+        at no cost per holder that misses).
 
         Holders without even the first block, and holders the index does not
         know, are left out of the answer.
         """
         if holders is None:
-            bits = list(self._holder_of)
+            active = self._assigned
         else:
-            bits = [b for b in map(self._bit_of.get, holders) if b is not None]
-        active = sum(map(self._single.__getitem__, set(bits)))  # distinct bits: sum is OR
+            bits = {b for b in map(self._bit_of.get, holders) if b is not None}
+            active = sum(map(self._single.__getitem__, bits))  # distinct bits: sum is OR
         if not active:
             return {}
         return {self._holder_of[b]: d for b, d in self.prefix_depths(hashes, active).items()}

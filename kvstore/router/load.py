@@ -25,6 +25,7 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstore.router.admission import WorkerRef
 from kvstore.wire import limits
@@ -40,14 +41,17 @@ class LoadReport:
     kv_usage: float = 0.0  # fraction of its KV blocks in use, 0..1
 
 
-@dataclass(frozen=True)
-class WorkerLoad:
-    """The load one route sees on one worker."""
+class WorkerLoad(NamedTuple):
+    """The load one route sees on one worker. (A NamedTuple: a route reads one
+    per member, and a tuple is made in C.)"""
 
     queued_tokens: int
     running_requests: int
     report_age_s: float | None  # None: no fresh report, the router's own accounting
     kv_usage: float = 0.0
+
+
+IDLE = WorkerLoad(0, 0, None)  # a worker the router has no accounting of
 
 
 @dataclass
@@ -97,7 +101,7 @@ class LoadTracker:
         """The worker's fresh report moved on by what happened since, else own counts."""
         acc = self.workers.get(ref)
         if acc is None:
-            return WorkerLoad(0, 0, None)
+            return IDLE
         age = now - acc.reported_at
         if acc.report is None or age > staleness_s:
             return WorkerLoad(acc.queued_tokens, acc.running, None)

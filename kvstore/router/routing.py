@@ -25,12 +25,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import eq
 
-from kvstore.router.admission import Worker, WorkerSet, WorkerSetKey
-from kvstore.router.domains import DomainIndexes
-from kvstore.router.peers import Peers, StoreDepths
+import numpy as np
+
+from kvstore.router.admission import Worker, WorkerRef, WorkerSet, WorkerSetKey
+from kvstore.router.domains import LOCAL_TIERS, DomainIndexes
+from kvstore.router.peers import Peers
 from kvstore.router.requests import check_token_blocks
-from kvstore.router.scoring import Candidate, ScoringConfig, TtftEstimate, explain
+from kvstore.router.scoring import Candidate, Candidates, ScoringConfig, TtftEstimate, explain
 from kvstore.wire.errors import KVError, precondition
 from kvstore.wire.events import GPU_TIER, STORE_TIER
 from kvstore.wire.hashing import HASH_FORMAT, block_hashes
@@ -96,48 +100,69 @@ def hash_tokens(wset: WorkerSet, token_ids: Sequence[int]) -> list[int]:
 
 def candidates(
     wset: WorkerSet, hashes: list[int], domains: DomainIndexes, peers: Peers
-) -> list[Candidate]:
-    """Per member: its gpu / local store / remote prefix lengths of ``hashes``."""
+) -> Candidates:
+    """Per member: its gpu / local store / remote prefix lengths of ``hashes``.
+
+    Every walk answers for all holders at once, and only the holders that have
+    the request's first block cost a Python step: the members without one
+    cost a few array entries, not a step each.
+    """
     members = list(wset.members.values())
-    cands = [Candidate(w.ref, 0, 0, 0) for w in members]
+    refs = [w.ref for w in members]
+    gpu, store, remote = (np.zeros(len(members), dtype=np.int64) for _ in range(3))
     if hashes:
-        _own_depths(members, cands, hashes, domains)
-        _store_depths(members, cands, hashes, peers)
-    return cands
+        _own_depths(members, refs, gpu, store, hashes, domains)
+        _store_depths(members, store, remote, hashes, peers)
+    return Candidates(refs, gpu, store, remote)
 
 
 def _own_depths(
-    members: list[Worker], cands: list[Candidate], hashes: list[int], domains: DomainIndexes
+    members: list[Worker],
+    refs: list[WorkerRef],
+    gpu: np.ndarray,
+    store: np.ndarray,
+    hashes: list[int],
+    domains: DomainIndexes,
 ) -> None:
     """GPU and own-offload depths, from the workers' own events in their domains."""
-    depths = domains.depths(members, hashes)
-    for w, c in zip(members, cands, strict=True):
-        c.gpu = depths.get((w.ref, GPU_TIER), 0)
-        c.store = depths.get((w.ref, STORE_TIER), 0)
+    hits = domains.hits({w.domain for w in members}, hashes)
+    if not hits:
+        return
+    at = dict(zip(refs, range(len(refs)), strict=True))
+    for (ref, tier), depth in hits.items():
+        i = at.get(ref)
+        if i is not None and tier in LOCAL_TIERS:
+            (gpu if tier == GPU_TIER else store)[i] = depth
 
 
 def _store_depths(
-    members: list[Worker], cands: list[Candidate], hashes: list[int], peers: Peers
+    members: list[Worker], store: np.ndarray, remote: np.ndarray, hashes: list[int], peers: Peers
 ) -> None:
     """Depths in the store peers of each member's final namespace: its own node's
     store (local) and the deepest other holder (remote)."""
-    by_ns: dict[str, StoreDepths] = {}
-    for w, c in zip(members, cands, strict=True):
-        ns = w.card.final_namespace
-        if not ns:
+    cards = [w.card for w in members]
+    namespaces = [card.final_namespace for card in cards]
+    nodes = [card.node_id for card in cards]
+    for ns in set(namespaces) - {""}:
+        deepest_first = peers.store_depths(ns, hashes).deepest_first
+        if not deepest_first:
             continue
-        depths = by_ns.get(ns)
-        if depths is None:
-            depths = by_ns[ns] = peers.store_depths(ns, hashes)
-        c.store = max(c.store, depths.own(w.card.node_id))
-        c.remote = depths.elsewhere(w.card.node_id)
+        here = np.array(list(map(eq, namespaces, repeat(ns))), dtype=bool)
+        own = {node: d for d, (node, tier) in reversed(deepest_first) if tier == STORE_TIER}
+        own_depths = np.array(list(map(own.get, nodes, repeat(0))), dtype=np.int64)
+        store[here] = np.maximum(store, own_depths)[here]
+        # Elsewhere: the deepest holder, or for a worker whose own store it is, the next.
+        deepest, top = deepest_first[0]
+        second = deepest_first[1][0] if len(deepest_first) > 1 else 0
+        on_top = list(map(eq, nodes, repeat(top[0] if top[1] == STORE_TIER else None)))
+        remote[here] = np.where(on_top, second, deepest)[here]
 
 
 def route_result(
     wset: WorkerSet,
     sets: list[WorkerSet],
     best: Candidate,
-    cands: list[Candidate],
+    cands: Candidates,
     request_id: str,
     total: int,
     cfg: ScoringConfig,

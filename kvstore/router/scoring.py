@@ -54,10 +54,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
 
 from kvstore.router.admission import WorkerRef
-from kvstore.router.load import WorkerLoad
+from kvstore.router.load import IDLE, WorkerLoad
 
 
 @dataclass
@@ -158,37 +162,116 @@ def estimate(prompt_tokens: int, cached: int, load: WorkerLoad, cfg: ScoringConf
     )
 
 
+class Candidates(Sequence[Candidate]):
+    """Every member of a WorkerSet as a candidate, in member order: its prefix
+    lengths as arrays and, once :func:`score_all` ran, every score.
+
+    A route scores all members with a few array operations, not an object
+    each; only the chosen one (:func:`choose`) becomes a :class:`Candidate`
+    with its :class:`TtftEstimate`. Indexing gives one candidate (with its
+    estimate once scored); iterating gives them all.
+    """
+
+    def __init__(
+        self, refs: list[WorkerRef], gpu: np.ndarray, store: np.ndarray, remote: np.ndarray
+    ):
+        self.refs = refs
+        self.gpu, self.store, self.remote = gpu, store, remote
+        self.scores: Scores | None = None
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int) -> Candidate:  # type: ignore[override]
+        c = Candidate(self.refs[i], int(self.gpu[i]), int(self.store[i]), int(self.remote[i]))
+        if self.scores is not None:
+            c.estimate = self.scores.estimate(i, c)
+        return c
+
+    def __iter__(self) -> Iterator[Candidate]:
+        if self.scores is not None:
+            return map(self.__getitem__, range(len(self)))
+        return map(
+            Candidate, self.refs, self.gpu.tolist(), self.store.tolist(), self.remote.tolist()
+        )
+
+
+@dataclass
+class Scores:
+    """One route's scores of every candidate, in candidate order."""
+
+    score_ms: np.ndarray  # float64: what the choice ranks
+    ttft_ms: np.ndarray  # float64
+    queued_tokens: np.ndarray  # int64: the tie-break
+    loads: list[WorkerLoad]
+    prompt_tokens: int
+    block_size: int
+    cfg: ScoringConfig
+
+    def estimate(self, i: int, c: Candidate) -> TtftEstimate:
+        """Candidate ``i``'s estimate: the numbers its entries of the arrays hold."""
+        cached = cached_tokens(c, self.block_size, self.cfg)
+        return estimate(self.prompt_tokens, cached, self.loads[i], self.cfg)
+
+    def rank(self, i: int) -> tuple[float, int]:
+        return (float(self.score_ms[i]), int(self.queued_tokens[i]))
+
+    def lowest(self, skip: int | None = None) -> list[int]:
+        """Indexes of the lowest (score, queued tokens), in candidate order,
+        candidate ``skip`` left out."""
+        keep = np.ones(len(self.score_ms), dtype=bool)
+        if skip is not None:
+            keep[skip] = False
+        if not keep.any():
+            return []
+        low = keep & (self.score_ms == self.score_ms[keep].min())
+        fewest = self.queued_tokens[low].min()
+        return np.flatnonzero(low & (self.queued_tokens == fewest)).tolist()
+
+
 def score_all(
-    cands: list[Candidate],
+    cands: Candidates,
     prompt_tokens: int,
     block_size: int,
     loads: dict[WorkerRef, WorkerLoad],
     cfg: ScoringConfig,
 ) -> None:
-    """Fill in every candidate's ``estimate``."""
-    idle = WorkerLoad(0, 0, None)
-    for c in cands:
-        cached = cached_tokens(c, block_size, cfg)
-        c.estimate = estimate(prompt_tokens, cached, loads.get(c.ref, idle), cfg)
+    """Score every candidate (``cands.scores``): :func:`cached_tokens` and
+    :func:`estimate` over arrays, the same operations in the same order, so
+    each score is exactly the one ``estimate`` gives that candidate."""
+    each = list(map(loads.get, cands.refs, repeat(IDLE)))
+    columns = list(zip(*each, strict=True)) or [(), ()]
+    queued, running = columns[0], columns[1]
+    local = np.maximum(cands.gpu, cands.store)
+    blocks = (
+        cfg.gpu_weight * cands.gpu
+        + cfg.store_weight * np.maximum(0, cands.store - cands.gpu)
+        + cfg.remote_weight * np.maximum(0, cands.remote - local)
+    )
+    cached = np.rint(blocks * block_size).astype(np.int64)  # round(): half to even
+    uncached = np.maximum(0, prompt_tokens - cached)
+    # int64 sums, floats only after, as in estimate() (loads are bounded far below 2**53).
+    queued = np.array(queued, dtype=np.int64)
+    ttft = (queued + uncached) * cfg.prefill_ms_per_token
+    ttft = ttft + np.array(running, dtype=np.float64) * cfg.decode_interference_ms
+    recompute = cfg.recompute_weight * uncached * cfg.prefill_ms_per_token
+    cands.scores = Scores(ttft + recompute, ttft, queued, each, prompt_tokens, block_size, cfg)
 
 
-def _rank(c: Candidate) -> tuple[float, int]:
-    return (c.score_ms, c.queued_tokens)
-
-
-def choose(cands: list[Candidate], cfg: ScoringConfig, rng: random.Random) -> Candidate:
+def choose(cands: Candidates, cfg: ScoringConfig, rng: random.Random) -> Candidate:
     """The lowest score (ties: fewest queued tokens, then random), or a softmax draw."""
+    scores = cands.scores
     if cfg.temperature > 0 and len(cands) > 1:
-        top = max(c.score_ms for c in cands) or 1.0
-        lo = min(c.score_ms for c in cands)
-        weights = [math.exp(-(c.score_ms - lo) / (cfg.temperature * top)) for c in cands]
-        return rng.choices(cands, weights=weights, k=1)[0]
-    best = min(_rank(c) for c in cands)
-    tied = [c for c in cands if _rank(c) == best]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+        top = float(scores.score_ms.max()) or 1.0
+        lo = float(scores.score_ms.min())
+        exponents = -(scores.score_ms - lo) / (cfg.temperature * top)
+        weights = list(map(math.exp, exponents.tolist()))
+        return cands[rng.choices(range(len(cands)), weights=weights, k=1)[0]]
+    tied = scores.lowest()
+    return cands[tied[0] if len(tied) == 1 else rng.choice(tied)]
 
 
-def explain(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringConfig) -> str:
+def explain(best: Candidate, cands: Candidates, total: int, cfg: ScoringConfig) -> str:
     """Why ``best`` won, in one line: its ttft formula, its tiers, and the runner-up."""
     est = best.estimate
     source = (
@@ -200,17 +283,19 @@ def explain(best: Candidate, cands: list[Candidate], total: int, cfg: ScoringCon
         f"{best.ref.name}: {est.formula()}; {best.overlap}/{total} blocks cached "
         f"(gpu {best.gpu}, store {best.store}, remote {best.remote}); {source}"
     )
-    others = [c for c in cands if c is not best]
+    scores = cands.scores
+    mine = cands.refs.index(best.ref)
+    others = scores.lowest(skip=mine)
     if not others:
         return text
-    runner = min(others, key=_rank)
+    runner = others[0]
     if cfg.temperature > 0:
         how = f"sampled at temperature {cfg.temperature:g}"
-    elif _rank(runner) == _rank(best):
+    elif scores.rank(runner) == scores.rank(mine):
         how = "tied on ttft and queue, drawn at random"
     else:
         how = "lowest score" if cfg.recompute_weight else "lowest ttft"
-    runner_up = f"next {runner.ref.name} ttft {runner.ttft_ms:.1f} ms"
+    runner_up = f"next {cands.refs[runner].name} ttft {float(scores.ttft_ms[runner]):.1f} ms"
     if cfg.recompute_weight:
-        runner_up += f" (score {runner.score_ms:.1f} ms)"
+        runner_up += f" (score {float(scores.score_ms[runner]):.1f} ms)"
     return f"{text}; {how} of {len(cands)} workers, {runner_up}"
