@@ -96,7 +96,10 @@ async def fetch(
     With ``rma`` the fetch reads one-sided when the peer hands out a card and
     grants the read (else two-sided, as without it); a failed one-sided read
     raises RmaFailed (a PeerUnavailable) with the reservation aborted, or kept
-    for good when a read might still land in it.
+    for good when a read might still land in it. The lease is RELEASEd after
+    the read, whether it committed, failed or was cancelled (on an endpoint
+    still usable: else the peer keeps it to its end); a RELEASE that cannot
+    go out never fails the fetch, and gives up when the lease ends.
 
     With ``ahead`` (the caller knows the peer holds every block of ``hashes``:
     the router said so) an :class:`~kvstore.transfer.slots.AheadSink` reserves
@@ -121,8 +124,8 @@ async def fetch(
         fetched = await _fetch_on(conn, namespace, hashes, sink, deadline, reads, ahead_sink)
         reusable = True
         return fetched
-    except RmaFailed as e:
-        reusable = e.released
+    except (RmaFailed, asyncio.CancelledError) as e:
+        reusable = getattr(e, "released", False)  # the lease RELEASEd: the exchange is over
         raise
     finally:
         pool.release(conn, reusable)
@@ -251,11 +254,13 @@ async def _read_one_sided(
 ) -> None:
     """Read the granted slots into the reservation (``asked``: when the REQUEST
     went out, from when the grant's expiry counts), commit, RELEASE the lease.
-    A read that failed (RmaFailed) commits nothing, so the lease is RELEASEd
-    too: the peer unpins at once and the endpoint serves the two-sided retry.
-    The reservation is aborted, or kept for good if a read may still land in
-    it. On any other failure (a cancellation) the endpoint is aborted, and the
-    peer keeps the lease to its end."""
+    A read that failed (RmaFailed) or was cancelled commits nothing; its
+    reservation is aborted, or kept for good if a read may still land in it,
+    and its lease is RELEASEd too: the peer unpins at once, and the endpoint
+    (nothing of this exchange left on it) serves the two-sided retry or the
+    next fetch; the exception says so (``released``). On an endpoint no longer
+    usable, or any other failure, the endpoint is aborted and the peer keeps
+    the lease to its end."""
     assert offer.grant is not None
     try:
         await reads.read(reservation.slots, offer.grant, offer.lanes, deadline, asked)
@@ -264,24 +269,41 @@ async def _read_one_sided(
             log.error("one-sided read from %s unsettled: its slots stay reserved", conn.peer)
         else:
             reservation.abort()
-        if isinstance(e, RmaFailed) and conn.usable:
-            _post_release(conn, offer.grant)
-            e.released = True
+        if isinstance(e, RmaFailed | asyncio.CancelledError) and conn.usable:
+            _post_release(conn, offer.grant, asked)
+            e.released = True  # read by fetch()
         else:
             conn.abort()
         raise
     reservation.commit()
-    _post_release(conn, offer.grant)
+    _post_release(conn, offer.grant, asked)
 
 
-def _post_release(conn: Conn, grant: Grant) -> None:
-    """RELEASE, one-way: the fetch is done once it is posted. Frames on an
-    endpoint arrive in order, so the peer sees it before the next REQUEST; a
-    send that fails aborts the endpoint (the peer then keeps the lease to its
-    end). No deadline: the endpoint goes back to the pool, and a late abort
-    under this fetch's deadline would fail the next fetch on it (a dead peer
-    fails the send)."""
-    post_frame(conn, Kind.RELEASE, encode_release(grant.lease_id), None)
+def _post_release(conn: Conn, grant: Grant, asked: float) -> None:
+    """RELEASE, one-way: the fetch is done once it is posted (its outcome stands
+    whatever becomes of the RELEASE). Frames on an endpoint arrive in order, so
+    the peer sees it before the next REQUEST. It has until the lease ends
+    (counted from ``asked``): the peer then unpins on its own and drops the
+    connection, so a RELEASE not out by then is moot and its endpoint stuck. A
+    send that fails or runs out aborts the endpoint (a fetch queued behind it
+    on a dead peer fails now) and is logged once."""
+    body = encode_release(grant.lease_id)
+    send = post_frame(conn, Kind.RELEASE, body, asked + grant.expiry_s)
+    if send is not None:
+        send.add_done_callback(functools.partial(_log_unsent_release, conn.peer, grant))
+
+
+def _log_unsent_release(peer: str, grant: Grant, send: asyncio.Task) -> None:
+    error = "cancelled" if send.cancelled() else send.exception()
+    if error is not None:
+        log.warning(
+            "RELEASE of one-sided lease %d to %s not sent (%s): the peer keeps its "
+            "blocks pinned until the lease ends (%g s after the request)",
+            grant.lease_id,
+            peer,
+            error,
+            grant.expiry_s,
+        )
 
 
 async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:

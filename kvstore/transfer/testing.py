@@ -198,10 +198,30 @@ class MemReservation:
         assert self.state == "reserved"
         self.state = "committed"
         self.sink.visible.update(zip(self.hashes, self.buffers, strict=True))
+        self.sink.committed()
 
     def abort(self) -> None:
         assert self.state == "reserved"
         self.state = "aborted"
+
+
+_SIGNALS = {"kill": (signal.SIGKILL, "ZX"), "stop": (signal.SIGSTOP, "T")}
+
+
+def _wait_for_state(pid: int, states: str, timeout_s: float = 10.0) -> None:
+    """Wait until process ``pid`` is in one of ``states`` (/proc's letters; a
+    process gone counts as dead)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            state = "X"
+        if state in states:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} not in state {states} after {timeout_s} s")
 
 
 @dataclass
@@ -214,6 +234,16 @@ class MemorySink:
     # "exhausted": refuse with RESOURCE_EXHAUSTED
     on_reserve: str = ""
     lanes: int = 1
+    # "kill:PID" / "stop:PID": once a reservation commits, SIGKILL / SIGSTOP process
+    # PID and wait (blocking this loop) until it is dead / stopped
+    on_commit: str = ""
+
+    def committed(self) -> None:
+        how, _, pid = self.on_commit.partition(":")
+        if how in _SIGNALS:
+            sig, states = _SIGNALS[how]
+            os.kill(int(pid), sig)
+            _wait_for_state(int(pid), states)
 
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]

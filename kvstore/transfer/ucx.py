@@ -592,17 +592,22 @@ def frame_sends(conn: Conn, kind: Kind, body: bytes) -> list[Awaitable]:
     ]
 
 
-def post_frame(conn: Conn, kind: Kind, body: bytes, deadline: float | None) -> None:
-    """Send a frame one-way, posted now (before any later frame on ``conn``). Until
-    it is out, the endpoint is not idle (``conn.unsettled``); a send that fails
-    aborts it."""
+def post_frame(conn: Conn, kind: Kind, body: bytes, deadline: float) -> asyncio.Task | None:
+    """Send a frame one-way, posted now (before any later frame on ``conn``): None
+    when it is out at once (the usual case), else the task that waits for it to
+    go out by ``deadline``, which fails (PeerUnavailable, PeerTimeout) if it
+    does not (the loop asleep meanwhile: a peer that does not take it may take
+    long). Until it is out, the endpoint is not idle (``conn.unsettled``); a
+    send that fails or runs out aborts it."""
     ops = started(frame_sends(conn, kind, body))
     if all_out(ops):
-        return  # out already: the usual case
-    send = asyncio.ensure_future(run_ops(conn, ops, deadline, f"sending {kind.name}"))
-    send.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by the abort
+        return None
+    what = f"sending {kind.name}"
+    send = asyncio.ensure_future(run_ops(conn, ops, deadline, what, asleep=True))
+    send.add_done_callback(lambda t: t.cancelled() or t.exception())  # the caller reports it
     conn.unsettled[:] = [t for t in conn.unsettled if not t.done()]
     conn.unsettled.append(send)
+    return send
 
 
 async def send_frame(conn: Conn, kind: Kind, deadline: float | None, *, body: bytes) -> None:

@@ -405,6 +405,7 @@ class NodeState:
         hashes: list[int],
         timeout_s: float = 10.0,
         on_reserve: str = "",
+        on_commit: str = "",
         repeat: int = 1,
         pool_bytes: int = 64 << 20,
         gap_every: int = 0,
@@ -417,7 +418,8 @@ class NodeState:
         cancel_after: float = 0.0,
         then: list[int] | None = None,
     ) -> dict:
-        """``fresh``: drop pooled endpoints first, so that the fetch connects;
+        """``on_reserve`` / ``on_commit``: the sink's faults (MemorySink);
+        ``fresh``: drop pooled endpoints first, so that the fetch connects;
         ``rma``: register the sink's pool with NIXL and read one-sided where granted;
         ``ahead``: the sink knows every block has these slot sizes and reserves
         before the offer (as the store's sink does); ``cancel_after``: cancel
@@ -434,6 +436,7 @@ class NodeState:
             sink = MemorySink(pool, on_reserve=on_reserve, lanes=lanes)
         else:
             sink = AheadMemorySink(pool, on_reserve=on_reserve, lanes=lanes, layout=ahead)
+        sink.on_commit = on_commit
         reader = RmaReader(rma_endpoint(sink.pool.mem)) if rma else None
         out: dict[str, Any] = {"n": [], "error": None}
         start = time.monotonic()

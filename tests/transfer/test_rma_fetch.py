@@ -9,6 +9,9 @@ slot straight into its reservation, commits, and RELEASEs the lease.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,6 +102,67 @@ def test_lease_released_when_the_fetcher_dies_before_release(nodes):
     assert wait_until(lambda: port(server)["rma_leases"] == 1)
     assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
     assert port(server)["rma_leases_expired"] == 1 and port(server)["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_a_release_that_cannot_go_out_ends_with_the_lease_and_is_logged_once(nodes, fault):
+    """The peer is stopped (SIGSTOP) or killed once the fetcher has committed its
+    one-sided read, before the RELEASE goes out; with UCX_RNDV_THRESH=0 the
+    RELEASE is a rendezvous send, which only a running peer completes. The
+    fetch returns its committed blocks all the same. Before, the RELEASE had
+    no deadline (it waited for ever on a stopped peer, its endpoint held) and
+    its failure went unsaid; now it gives up by the lease's end, aborts its
+    endpoint and says so once. The stopped peer, running again, has unpinned."""
+    server, client = nodes(), nodes(UCX_RNDV_THRESH="0")
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:3], [4 * KIB] * 2), rma=True, limits={"rma_lease_s": 2.0}
+    )
+    client.call("watch_logs")
+
+    def unsent() -> list[str]:
+        return [w for w in client.call("warnings") if w.startswith("RELEASE of one-sided lease")]
+
+    try:
+        hook = f"{fault}:{server.proc.pid}"
+        out = client.call("fetch", address=address, hashes=HASHES[:3], rma=True, on_commit=hook)
+        assert out["error"] is None and out["n"] == [3] and out["rma_reads"] == 1, out
+        assert out["visible"] == sorted(HASHES[:3]) and out["corrupt"] == []
+        assert wait_until(lambda: unsent() != [], timeout=10), client.call("warnings")
+    finally:
+        if fault == "stop":
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert len(unsent()) == 1 and address in unsent()[0], unsent()
+    if fault == "stop":
+        assert wait_until(lambda: server.call("leases")["active"] == 0)
+        assert port(server)["pinned_blocks"] == 0
+        again = client.call("fetch", address=address, hashes=HASHES[:3], rma=True)
+        assert again["error"] is None and again["n"] == [3] and again["corrupt"] == [], again
+
+
+def test_a_one_sided_read_cancelled_releases_its_lease_at_once(nodes):
+    """The peer's NIXL agent never progresses (wedged): over tcp the read hangs,
+    and the fetch is cancelled. Nothing commits, the reservation is aborted (or
+    kept, had a request not let go), and the lease is RELEASEd: the peer unpins
+    at once, and the endpoint stays open for the next fetch. Before, the
+    cancelled fetch aborted its endpoint without a RELEASE and the peer kept
+    the blocks pinned to the lease's end (30 s here)."""
+    env = {"UCX_TLS": "tcp,self"}
+    server, client = nodes(**env), nodes(**env)
+    address = server.call(
+        "serve",
+        blocks=blocks_of(HASHES[:3], [4 * KIB] * 2),
+        rma=True,
+        behaviour="wedged_rma",
+        limits={"rma_lease_s": 30.0},
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:3], rma=True, cancel_after=1.5)
+    assert out["error"] in ("Cancelled", "RmaFailed"), out  # RmaFailed: a request not let go
+    assert port(server)["rma_leases"] == 1 and out["rma_reads"] == 0
+    assert out["visible"] == [] and out["states"] in (["aborted"], ["reserved"]), out
+    assert wait_until(lambda: server.call("leases")["active"] == 0, timeout=10)
+    stats = port(server)
+    assert stats["rma_leases_expired"] == 0 and stats["pinned_blocks"] == 0
+    assert stats["connections"] == 1  # the endpoint, its exchange over, kept for the next fetch
 
 
 def test_a_cut_connection_does_not_unpin_a_read_still_landing(nodes):
