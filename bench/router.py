@@ -248,11 +248,10 @@ def _describe(tree: str) -> str:
     return run.stdout.strip() or tree
 
 
-def route_ab(base_tree: str, rounds: int, out_path: Path) -> None:
+def route_ab(base_tree: str, rounds: int, out_path: Path, label: str) -> None:
     """Routes timed on this tree and on ``base_tree``, rounds interleaved (order
-    shuffled each round), two long-lived processes holding the same index."""
-    import subprocess
-
+    shuffled each round), two long-lived processes holding the same index; the
+    result is ``runs[label]`` of ``out_path`` (other labels kept)."""
     sides = {"new": None, "base": base_tree}
     procs = {}
     for name, tree in sides.items():
@@ -314,7 +313,10 @@ def route_ab(base_tree: str, rounds: int, out_path: Path) -> None:
         "load_average_at_end": os.getloadavg(),
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    old = json.loads(out_path.read_text()) if out_path.exists() else {}
+    runs = {**old.get("runs", {}), label: result}
+    doc = {"benchmark": "Router.route p50/p90: this tree against a base tree, A/B", "runs": runs}
+    out_path.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(result["route_ms"], indent=1))
     print(f"identical answers: {same}; wrote {out_path}")
 
@@ -390,12 +392,15 @@ def main() -> None:
         "bench/cluster.py's index; writes bench/results/router_route.json",
     )
     ap.add_argument("--rounds", type=int, default=6, help="--route: interleaved rounds")
+    ap.add_argument(
+        "--label", default="route", help="--route: the run's name in the JSON (others kept)"
+    )
     ap.add_argument("--route-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.route_worker:
         return route_worker()
     if args.route:
-        return route_ab(args.route, args.rounds, RESULTS / "router_route.json")
+        return route_ab(args.route, args.rounds, RESULTS / "router_route.json", args.label)
     quick, t_start, load_before = args.quick, time.perf_counter(), os.getloadavg()
     workers, per_worker = 256, (4096 if args.quick else 16384)
     print(f"building index: {workers} workers x {per_worker} blocks + shared system prompts ...")
@@ -473,8 +478,9 @@ NOTES = [
     "namespace, memory-bound dict lookups, ~1 us a hash on this host): members are scored "
     "as arrays and only holders with the request's first block cost a Python step "
     "(--route: bench/cluster.py's index, p50 2.9 -> 1.2 ms against HEAD 81d25cf in the same "
-    "run, bench/results/router_route.json); the per-member load read in Router._choose is "
-    "the largest per-member Python step left.",
+    "run, bench/results/router_route.json runs.array_scoring); reading loads only for the "
+    "workers with accounting then took it to 0.91 ms (runs.load_reads, against 529e838: "
+    "1.01 ms). The walks are most of what is left.",
     "Worst route calls under churn (route_8k_ms max) are CPython gen-2 collections of the "
     "process's other objects (modules, the bench's payloads), not the index: with "
     "gc.freeze() after start-up the worst 8k route in the same churn fell from 8.4 to 2.3 ms.",

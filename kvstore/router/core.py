@@ -50,7 +50,7 @@ from kvstore.router.routing import (
     route_result,
     token_takers,
 )
-from kvstore.router.scoring import Candidate, ScoringConfig, choose, score_all
+from kvstore.router.scoring import Candidate, Candidates, ScoringConfig, choose, score_all
 from kvstore.router.vllm_events import BlockEvent, EventRun, VllmBatch, fold_events
 from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, validate_card
@@ -588,10 +588,10 @@ class Router:
         return rid
 
     def _choose(
-        self, cands: list[Candidate], prompt_tokens: int, block_size: int, now: float
+        self, cands: Candidates, prompt_tokens: int, block_size: int, now: float
     ) -> Candidate:
         cfg = self.config.scoring
-        loads = {c.ref: self.loads.load(c.ref, now, cfg.load_staleness_s) for c in cands}
+        loads = self.loads.loads_of(cands.refs, now, cfg.load_staleness_s)
         score_all(cands, prompt_tokens, block_size, loads, cfg)
         return choose(cands, cfg, self.rng)
 

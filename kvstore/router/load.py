@@ -110,6 +110,14 @@ class LoadTracker:
         running = max(0, rep.running_requests + acc.running_since_report)
         return WorkerLoad(queued, running, max(0.0, age), rep.kv_usage)
 
+    def loads_of(
+        self, refs: list[WorkerRef], now: float, staleness_s: float
+    ) -> dict[WorkerRef, WorkerLoad]:
+        """:meth:`load` of those of ``refs`` with any accounting here; the others
+        are :data:`IDLE` (left out: a route of hundreds of idle workers reads none)."""
+        known = self.workers
+        return {ref: self.load(ref, now, staleness_s) for ref in refs if ref in known}
+
     def report(self, ref: WorkerRef, report: LoadReport, now: float) -> None:
         """A worker's report replaces its previous one; what happened before it
         arrived is counted in it."""
