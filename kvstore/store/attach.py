@@ -19,6 +19,11 @@ from kvstore.wire.errors import invalid
 def attach(reg: Registration) -> None:
     """Fill ``reg.regions``, ``reg.mapped`` and ``reg.device`` or raise KVError."""
     opened: dict[tuple, MappedRegion] = {}
+    reach: dict[tuple, int] = {}  # handle -> the bytes its layers use, from its start
+    for layer in reg.layers:
+        if layer.memory is not None:
+            key, end = layer.memory.key(), layer.memory.offset + layer.extent()
+            reach[key] = max(reach.get(key, 0), end)
     try:
         for layer in reg.layers:
             where = f"layer {layer.geometry.name!r} of {reg.where()} memory"
@@ -27,7 +32,7 @@ def attach(reg: Registration) -> None:
                 raise invalid(f"{where} is missing")
             mapped = opened.get(ref.key())
             if mapped is None:
-                mapped = opened[ref.key()] = ref.open(where)
+                mapped = opened[ref.key()] = ref.open(where, reach[ref.key()])
             reg.regions[layer.geometry.name] = _layer_region(layer, mapped, where)
         devices = {r.device for r in opened.values()}
         if len(devices) != 1:

@@ -125,8 +125,8 @@ class HostShmRef:
     def key(self) -> tuple:
         return ("shm", self.name)
 
-    def open(self, where: str) -> MappedRegion:
-        return map_host_shm(self.name, self.size, where)
+    def open(self, where: str, reach: int) -> MappedRegion:
+        return map_host_shm(self.name, self.size, where, reach)
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ class HostFdRef:
     def key(self) -> tuple:
         return ("fd", self.pid, self.fd)
 
-    def open(self, where: str) -> MappedRegion:
-        return map_host_fd(self.pid, self.fd, self.size, where)
+    def open(self, where: str, reach: int) -> MappedRegion:
+        return map_host_fd(self.pid, self.fd, self.size, where, reach)
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,14 @@ class CudaIpcRef:
     def key(self) -> tuple:
         return ("cuda", self.handle)
 
-    def open(self, where: str) -> MappedRegion:
+    def open(self, where: str, reach: int) -> MappedRegion:
+        del reach  # IPC maps the whole allocation, whatever its layers use
         return map_cuda_ipc(self.handle, self.device_uuid, self.size, where)
 
 
-def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
-    """Map ``/dev/shm/<name>`` read-write; ``where`` names the field in errors."""
+def map_host_shm(name: str, size: int, where: str, reach: int | None = None) -> MappedRegion:
+    """Map ``/dev/shm/<name>`` read-write, its first ``size`` bytes or only the
+    first ``reach`` of them (what the layers use); ``where`` names the field in errors."""
     if not SHM_NAME_RE.fullmatch(name) or name.startswith("."):
         raise invalid(f"{where}.name {name[:64]!r} is not a valid shared-memory name")
     path = os.path.join(SHM_DIR, name)
@@ -182,12 +184,12 @@ def map_host_shm(name: str, size: int, where: str) -> MappedRegion:
             raise invalid(
                 f"{where}.size {size} does not fit shared memory {name!r} of {actual} bytes"
             )
-        return _map_file(fd, size, info, f"{where}.name {name!r}")
+        return _map_file(fd, _mapped_bytes(size, reach), info, f"{where}.name {name!r}")
     finally:
         os.close(fd)
 
 
-def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
+def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = None) -> MappedRegion:
     """Map the shared-memory file open as ``fd`` in process ``pid`` read-write.
 
     Opened through ``/proc/<pid>/fd/<fd>`` (the caller's descriptor stays its
@@ -235,9 +237,17 @@ def map_host_fd(pid: int, fd: int, size: int, where: str) -> MappedRegion:
                 f"{field_}.size {size} does not fit fd {fd} of process {pid} "
                 f"({target!r}, {info.st_size} bytes)"
             )
-        return _map_file(handle, size, info, f"{field_}.fd {fd} of process {pid}")
+        what = f"{field_}.fd {fd} of process {pid}"
+        return _map_file(handle, _mapped_bytes(size, reach), info, what)
     finally:
         os.close(handle)
+
+
+def _mapped_bytes(size: int, reach: int | None) -> int:
+    """What to map of a ``size``-byte handle whose layers reach ``reach`` bytes: no
+    more (a handle far larger than its layers, a sparse file, maps what is used;
+    a layer past ``size`` is refused by the caller, against the mapping)."""
+    return size if reach is None else max(1, min(size, reach))
 
 
 def _map_file(fd: int, size: int, info: os.stat_result, what: str) -> MappedRegion:

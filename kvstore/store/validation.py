@@ -18,6 +18,7 @@ from kvstore.wire.limits import (
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_BLOCK,
     MAX_LAYERS,
+    MAX_MAPPING_BYTES,
     MAX_NAME_LEN,
     MAX_NUM_BLOCKS,
     MAX_TP_SIZE,
@@ -131,6 +132,14 @@ def _check_extent(layer: LayerReg, at: str) -> None:
             f"block_stride {layer.block_stride} is smaller than a block's "
             f"{layer.segment_bytes} bytes per segment ({at})"
         )
+    bounded = [("block_stride", layer.block_stride), ("segment_stride", layer.segment_stride)]
+    if layer.memory is not None:
+        bounded += [("memory.size", layer.memory.size), ("memory.offset", layer.memory.offset)]
+    for name, value in bounded:  # a stride enters every address, even with one block
+        if value > MAX_MAPPING_BYTES:
+            raise invalid(
+                f"{name} {value} is beyond {MAX_MAPPING_BYTES}, the largest mapping ({at})"
+            )
     if min(layer.block_stride, layer.segment_stride) < 0:
         raise invalid(
             f"block_stride {layer.block_stride} and segment_stride {layer.segment_stride} "

@@ -32,6 +32,9 @@ MAX_WORLD_SIZE = 1024
 MAX_NUM_BLOCKS = 1 << 24  # blocks in one rank's paged cache
 MAX_BYTES_PER_BLOCK = 64 << 20  # one rank's bytes of one block of one layer
 MAX_BLOCKS_PER_REQUEST = 8192  # (hash, block_id) pairs in one Save/Load/Query
+# One registered allocation (64 TiB): bounds a memory handle's size and offset and
+# a layer's strides, so no address a registration implies overflows 64 bits.
+MAX_MAPPING_BYTES = 1 << 46
 
 # ---- the router's cards, routes and events
 MAX_ALIASES = 64

@@ -201,6 +201,13 @@ def _long_id_and_huge_slots(r) -> None:
     r.layers[0].bytes_per_block = 16 << 20
 
 
+def _one_block_of_huge_stride(r) -> None:
+    """A one-block layer's stride reaches no byte, but enters every address: 2**63
+    registered, and the first copy's address arrays overflowed (OverflowError)."""
+    r.layers[0].num_blocks = 1
+    r.layers[0].block_stride = 1 << 63
+
+
 @pytest.mark.parametrize(
     "mutate,words",
     [
@@ -215,6 +222,8 @@ def _long_id_and_huge_slots(r) -> None:
         (lambda r: setattr(r.layers[0], "segments", 3), ["segments 3"]),
         (lambda r: setattr(r.layers[0], "kv_layout", "XYZ"), ["kv_layout"]),
         (lambda r: setattr(r.layers[1], "name", "layer.0"), ["appears twice"]),
+        (_one_block_of_huge_stride, ["block_stride 9223372036854775808 is beyond"]),
+        (lambda r: setattr(r.layers[0].memory.host, "offset", 1 << 60), ["memory.offset"]),
     ],
 )
 def test_out_of_bounds_fields(kit, mutate, words):

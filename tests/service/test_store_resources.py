@@ -10,6 +10,7 @@ KV cache in real shared memory (a /dev/shm object, a memfd).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from kvstore.client import KVLayer, StoreClient, kv_cache_shm
-from kvstore.client.shared_memory import host_fd_of
+from kvstore.client.shared_memory import ShmTensor, host_fd_of
 from kvstore.integrations.sglang.layers import MemfdKVLayer
 from kvstore.wire.errors import Code, KVError
 from tests.conftest import wait_for
@@ -143,3 +144,46 @@ def test_no_address_space_to_map_a_layer_is_the_stores_shortage(store, client, s
     exhausted_then_sealed(
         store, client, [layer(big)], "model.layers.0.self_attn", "cannot map", "address space"
     )
+
+
+def test_a_handle_larger_than_its_layers_maps_only_what_they_use(store, client, shms):
+    """A 1 GiB shared-memory object (sparse) whose one layer uses its first 256 KiB,
+    and a store allowed 256 MiB more address space: the store maps what the layer
+    reaches, so it registers. Before: the whole handle was mapped, and a handle
+    far larger than its layers (2**50 bytes of a sparse file) came back as the
+    store's shortage of address space, though only the request was at fault."""
+    big = shms(num_blocks=65536)
+    small = big.tensor.view(-1)[: 2 * NB * BS * HEADS * HD].view(2, NB, BS, HEADS, HD)
+    store.limit_memory(256 << 20)
+    session = client.register("engine", "llama", [layer_of(small, big)], block_size=BS)
+    try:
+        assert session.wait_sealed(10).final_namespace.startswith("llama.")
+    finally:
+        session.close()
+
+
+def test_a_handle_beyond_the_largest_mapping_is_the_callers_fault(client, shms):
+    """memory.size past MAX_MAPPING_BYTES (here 2**50) is INVALID_ARGUMENT naming
+    the field, before anything is opened."""
+    shm = shms()
+    claimed = ClaimedSize(shm.tensor, shm.shm, 1 << 50)
+    with pytest.raises(KVError) as info:
+        client.register("engine", "llama", [layer_of(shm.tensor, claimed)], block_size=BS)
+    assert info.value.code is Code.INVALID_ARGUMENT, info.value
+    assert "memory.size 1125899906842624 is beyond" in info.value.message
+    assert client.stats().instances == 0
+
+
+@dataclasses.dataclass
+class ClaimedSize(ShmTensor):
+    """A shared-memory tensor whose object this worker claims is ``claimed`` bytes."""
+
+    claimed: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.claimed
+
+
+def layer_of(tensor, shm):
+    return KVLayer("model.layers.0.self_attn", tensor, "kv_first", "NHD", shm)
