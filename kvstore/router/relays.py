@@ -15,18 +15,36 @@ from __future__ import annotations
 
 from kvstore.router.admission import WorkerRef
 
+# Node ids remembered per worker: a worker is attached to one store, so more is
+# churn (a node id advertised anew each time); past it the longest-remembered
+# goes, and what it relayed stays until the worker leaves. Bounds the ledger by
+# the admitted workers, whatever node ids come and go.
+MAX_RELAYERS_PER_WORKER = 16
+
 
 class RelayLedger:
     """node id <-> the worker generations it relayed for since its last snapshot."""
 
     def __init__(self):
         self._workers: dict[str, set[WorkerRef]] = {}  # node id -> workers it relayed for
-        self._nodes: dict[WorkerRef, set[str]] = {}  # worker -> nodes that relayed for it
+        # worker -> nodes that relayed for it, in the order first recorded (a dict as set)
+        self._nodes: dict[WorkerRef, dict[str, None]] = {}
 
     def record(self, node_id: str, ref: WorkerRef) -> None:
         """``node_id`` relayed an event that applied for worker ``ref``."""
+        nodes = self._nodes.setdefault(ref, {})
+        if node_id not in nodes and len(nodes) >= MAX_RELAYERS_PER_WORKER:
+            self._unlink(next(iter(nodes)), ref)
         self._workers.setdefault(node_id, set()).add(ref)
-        self._nodes.setdefault(ref, set()).add(node_id)
+        nodes[node_id] = None
+
+    def _unlink(self, node_id: str, ref: WorkerRef) -> None:
+        """Forget that ``node_id`` relayed for ``ref``."""
+        del self._nodes[ref][node_id]
+        refs = self._workers[node_id]
+        refs.discard(ref)
+        if not refs:
+            del self._workers[node_id]
 
     def take(self, node_id: str) -> set[WorkerRef]:
         """The workers ``node_id`` relayed for, forgotten here (its snapshot
@@ -34,15 +52,17 @@ class RelayLedger:
         refs = self._workers.pop(node_id, set())
         for ref in refs:
             nodes = self._nodes[ref]
-            nodes.discard(node_id)
+            del nodes[node_id]
             if not nodes:
                 del self._nodes[ref]
         return refs
 
     def forget_worker(self, ref: WorkerRef) -> None:
         """Worker ``ref`` left (its blocks went with it)."""
-        for node_id in self._nodes.pop(ref, set()):
-            refs = self._workers[node_id]
-            refs.discard(ref)
-            if not refs:
-                del self._workers[node_id]
+        for node_id in list(self._nodes.get(ref, ())):
+            self._unlink(node_id, ref)
+        self._nodes.pop(ref, None)
+
+    def nodes_of(self, ref: WorkerRef) -> list[str]:
+        """The node ids recorded as relaying for ``ref``, longest-remembered first."""
+        return list(self._nodes.get(ref, ()))

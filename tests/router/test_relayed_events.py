@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.router.core import EventsApplied, Router, RouterConfig
+from kvstore.router.relays import MAX_RELAYERS_PER_WORKER
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -247,3 +248,24 @@ def test_a_trusted_stores_snapshot_leaves_workers_attached_to_another_node(tenan
     gen = router.advertise_peer(SHARED, "127.0.0.1:9", "", [NS], caller=TENANT_B).generation
     router.apply_store_events(SHARED, gen, [], TENANT_B, seq=1, snapshot=True)
     assert gpu_depth(router, "b1") == 0
+
+
+def test_node_ids_churning_through_one_worker_keep_the_ledger_bounded(tenants):
+    """A tenant advertising a new node id, relaying one event for its own worker
+    and removing the peer, over and over, added a ledger entry a round for good
+    (a review: 3,000 rounds, 3,000 entries). A worker keeps the last
+    MAX_RELAYERS_PER_WORKER node ids; the blocks relayed stay indexed."""
+    router = tenants
+    for i in range(3 * MAX_RELAYERS_PER_WORKER):
+        node = f"churn-{i}"
+        router.advertise_peer(node, "127.0.0.1:3", "", [NS], caller=TENANT_A)
+        assert publish(router, TENANT_A, [relay("a0")], node=node) == EventsApplied(1, 0)
+        router.remove_peer(node)
+    ref = router.admission.workers["a0"].ref
+    last = [f"churn-{i}" for i in range(2 * MAX_RELAYERS_PER_WORKER, 3 * MAX_RELAYERS_PER_WORKER)]
+    assert router.relays.nodes_of(ref) == last
+    assert gpu_depth(router, "a0") == 4
+    # the node ids remembered still replace what they relayed with their snapshot
+    gen = router.advertise_peer(last[-1], "127.0.0.1:3", "", [NS], caller=TENANT_A).generation
+    router.apply_store_events(last[-1], gen, [], TENANT_A, seq=1, snapshot=True)
+    assert gpu_depth(router, "a0") == 0
