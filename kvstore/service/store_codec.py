@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from kvstore._proto import store_pb2 as pb
 from kvstore.store.fetch import FetchResult
 from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
@@ -79,9 +81,22 @@ def caller_id(req: pb.SaveRequest | pb.LoadRequest) -> CallerId:
     return CallerId(req.instance_id, req.rank, req.session)
 
 
+RETIRED_BLOCKS_FIELD = 4  # SaveRequest/LoadRequest.blocks, reserved in store.proto
+
+
+def _has_field(msg: pb.SaveRequest | pb.LoadRequest, number: int) -> bool:
+    """Whether ``msg`` arrived with field ``number``, which this schema does not know."""
+    return any(f.field_number == number for f in UnknownFieldSet(msg))
+
+
 def refs(req: pb.SaveRequest | pb.LoadRequest) -> list[tuple[int, int]]:
     """The request's (block_hash, block_id) pairs: its two arrays side by side."""
     hashes, block_ids = req.block_hashes, req.block_ids
+    if not hashes and not block_ids and _has_field(req, RETIRED_BLOCKS_FIELD):
+        raise invalid(
+            "blocks (field 4, a message a block) is retired: send block_hashes and "
+            "block_ids (a client older than this store: upgrade it)"
+        )
     if len(hashes) != len(block_ids):
         raise invalid(
             f"block_ids has {len(block_ids)} entries and block_hashes {len(hashes)}: "

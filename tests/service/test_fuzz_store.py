@@ -14,6 +14,7 @@ derandomized for CI; KV_FUZZ_EXAMPLES=N and KV_FUZZ_RANDOM=1 hunt further.
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -350,6 +351,20 @@ def test_block_arrays_of_two_lengths_are_refused(env, kind):
         assert f"block_ids has {len(block_ids)} entries and block_hashes {len(hashes)}" in (
             err.message
         )
+
+
+@pytest.mark.parametrize("kind", ["Save", "Load"])
+def test_an_old_clients_blocks_field_is_refused_by_name(env, kind):
+    """A client older than the packed arrays sends field 4 (a BlockRef a block):
+    it parsed as no block at all ("block_hashes is empty"), though it sent some.
+    Now the retired field is named, and nothing changes."""
+    cls = pb.SaveRequest if kind == "Save" else pb.LoadRequest
+    old_ref = b"\x09" + struct.pack("<Q", 0xA000) + b"\x10\x00"  # block_hash, block_id
+    caller = cls(instance_id="fz", rank=0, session=env.session.session).SerializeToString()
+    body = caller + b"\x22" + bytes([len(old_ref)]) + old_ref
+    err = env.check(getattr(env.stub, kind), cls.FromString(body))
+    assert err.code == Code.INVALID_ARGUMENT
+    assert "blocks (field 4, a message a block) is retired" in err.message
 
 
 def test_requests_from_an_unsealed_instance_are_precondition(env):
