@@ -241,7 +241,11 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         (["serve", "--pool-size", "99999999T"], "argument --pool-size: '99999999T' is more than"),
         (["serve", "--pool-size", "9" * 400], "is more than 1 PiB"),
         (["router", "--gpu-weight", "1.5"], "--gpu-weight is a fraction of a block's prefill"),
-        (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a finite"),
+        (["router", "--prefill-ms-per-token", "inf"], "--prefill-ms-per-token must be a number"),
+        (
+            ["router", "--recompute-weight", "1e308"],
+            "--recompute-weight must be a number in 0..1e+06",
+        ),
         (["router", "--store-cn", "node-a"], "--store-cn names certificate CNs"),
         (["serve", "--store-cn", "node-a", "--no-transfer"], "--store-cn names certificate CNs"),
         (["router", "--admin", "ops"], "--admin names certificate CNs"),

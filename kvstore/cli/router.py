@@ -42,6 +42,9 @@ ZMQ_ENDPOINT = re.compile(r"tcp://\S+:\d{1,5}|ipc://\S+")  # what a vLLM publish
 # (flag, ScoringConfig field, help): the defaults are ScoringConfig's own; every
 # one must be finite and >= 0, the FRACTIONS at most 1. The cost they feed is in
 # kvstore/router/scoring.py.
+# Past this a score's product of flags, tokens (<= 2**40 queued) and weights could
+# overflow to inf, and inf x 0 is NaN: no route would rank (a review).
+MAX_SCORING_VALUE = 1e6
 _SCORING_FLAGS = (
     (
         "--prefill-ms-per-token",
@@ -178,8 +181,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     values = {}
     for flag, name, _ in _SCORING_FLAGS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+        if not (math.isfinite(value) and 0 <= value <= MAX_SCORING_VALUE):
+            raise ValueError(f"{flag} must be a number in 0..{MAX_SCORING_VALUE:g}, got {value}")
         if flag in FRACTIONS and value > 1:
             raise ValueError(f"{flag} is a fraction of a block's prefill: 0..1, got {value}")
         values[name] = value
