@@ -45,7 +45,7 @@ view spanning its slots, whose length is the sum of their offered sizes. In a
 store, a block's slots of one rank sit consecutively in one slab, so a fetch
 collapses to a few large messages instead of one per slot.
 
-One-sided reads (since protocol 5; :mod:`kvstore.transfer.onesided`): after the
+One-sided reads (protocol 5, :mod:`kvstore.transfer.onesided`): after the
 handshake the fetcher asks once per peer for its card (CARD_REQUEST / CARD);
 a REQUEST with the rma flag may be answered with a grant (lease id, expiry,
 every slot's address) and no data: the fetcher reads every run with NIXL,

@@ -28,9 +28,9 @@ from kvstore.transfer.ucx import (
     Conn,
     abort_and_settle,
     all_posted,
-    defer_frame,
     endpoint_pool,
     frame_sends,
+    post_frame,
     pump,
     recv_exact,
     recv_frame,
@@ -38,7 +38,6 @@ from kvstore.transfer.ucx import (
     segment_views,
     send_frame,
     started,
-    take_deferred,
     when_settled,
 )
 from kvstore.transfer.wire import (
@@ -57,10 +56,6 @@ from kvstore.wire.errors import Code, KVError, invalid
 from kvstore.wire.names import is_u64
 
 log = logging.getLogger(__name__)
-
-# How long a one-sided fetch's RELEASE waits for the next REQUEST on its endpoint
-# to carry it: fetches in a row save a message each; the peer unpins this much later.
-RELEASE_DELAY_S = 0.002
 
 
 def _check_fetch_args(namespace: str, hashes: Sequence[int], timeout_s: float) -> list[int]:
@@ -153,8 +148,7 @@ async def _fetch_on(
 ) -> int:
     """One fetch on ``conn``: one-sided with ``reads``, reserving ahead into
     ``ahead_sink`` (both None: two-sided, reserving after the offer)."""
-    # the RELEASE of this connection's fetch before, if still held back, rides along
-    body = encode_request(namespace, hashes, reads is not None, take_deferred(conn))
+    body = encode_request(namespace, hashes, rma=reads is not None)
     asked = asyncio.get_running_loop().time()  # a granted lease runs from before this
     request = started(frame_sends(conn, Kind.REQUEST, body))
     ahead = await _reserve_ahead(conn, ahead_sink, namespace, hashes, request)
@@ -286,29 +280,30 @@ async def _read_one_sided(
 
 
 def _post_release(conn: Conn, grant: Grant, asked: float) -> None:
-    """RELEASE, one-way: the fetch is done once it is handed over (its outcome
-    stands whatever becomes of the RELEASE). It is held back RELEASE_DELAY_S so
-    that the next REQUEST on the endpoint carries it (fetches that follow each
-    other send one message fewer each), else posted on its own; frames on an
-    endpoint arrive in order, so the peer sees it before any later frame. It
-    has until the lease ends (counted from ``asked``): the peer then unpins on
-    its own and drops the connection, so a RELEASE not out by then is moot and
-    its endpoint stuck. A send that fails or runs out aborts the endpoint (a
-    fetch queued behind it on a dead peer fails now) and is logged once."""
+    """RELEASE, one-way: the fetch is done once it is posted (its outcome stands
+    whatever becomes of the RELEASE). Frames on an endpoint arrive in order, so
+    the peer sees it before the next REQUEST. It has until the lease ends
+    (counted from ``asked``): the peer then unpins on its own and drops the
+    connection, so a RELEASE not out by then is moot and its endpoint stuck. A
+    send that fails or runs out aborts the endpoint (a fetch queued behind it
+    on a dead peer fails now) and is logged once."""
     body = encode_release(grant.lease_id)
-    logged = functools.partial(_log_unsent_release, conn.peer, grant)
-    defer_frame(conn, Kind.RELEASE, body, asked + grant.expiry_s, RELEASE_DELAY_S, logged)
+    send = post_frame(conn, Kind.RELEASE, body, asked + grant.expiry_s)
+    if send is not None:
+        send.add_done_callback(functools.partial(_log_unsent_release, conn.peer, grant))
 
 
-def _log_unsent_release(peer: str, grant: Grant, error: object) -> None:
-    log.warning(
-        "RELEASE of one-sided lease %d to %s not sent (%s): the peer keeps its "
-        "blocks pinned until the lease ends (%g s after the request)",
-        grant.lease_id,
-        peer,
-        error,
-        grant.expiry_s,
-    )
+def _log_unsent_release(peer: str, grant: Grant, send: asyncio.Task) -> None:
+    error = "cancelled" if send.cancelled() else send.exception()
+    if error is not None:
+        log.warning(
+            "RELEASE of one-sided lease %d to %s not sent (%s): the peer keeps its "
+            "blocks pinned until the lease ends (%g s after the request)",
+            grant.lease_id,
+            peer,
+            error,
+            grant.expiry_s,
+        )
 
 
 async def _release_grant(conn: Conn, offer: Offer, deadline: float) -> None:

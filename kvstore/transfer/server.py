@@ -99,7 +99,6 @@ class PortStats:
     auth_failures: int  # connections closed for a failed or missing handshake
     rma_leases: int = 0  # one-sided leases granted
     rma_leases_expired: int = 0  # of those, released by expiry or close, not RELEASE
-    rma_releases_carried: int = 0  # of those, RELEASEd by the next REQUEST on the connection
 
 
 class PeerServer:
@@ -146,7 +145,6 @@ class PeerServer:
         self._lease_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
         self._rma_held = 0  # one-sided leases held now: the progress loop runs while > 0
         self._rma_granted = 0
-        self._rma_carried = 0
         self._rma_expired = 0
         self._progress: asyncio.Task | None = None
         # leases kept past their connection's close, until their end: by a key of each
@@ -170,7 +168,6 @@ class PeerServer:
             self._auth_failures,
             self._rma_granted,
             self._rma_expired,
-            self._rma_carried,
         )
 
     async def start(self) -> None:
@@ -267,9 +264,7 @@ class PeerServer:
             if kind is Kind.CARD_REQUEST:  # only here: after the handshake, to this connection
                 await send_frame(conn, Kind.CARD, deadline, body=encode_card(self._card))
             else:
-                following = await self._serve(conn, body)
-                while following is not None:  # it carried the RELEASE of the one before
-                    following = await self._serve_request(conn, following)
+                await self._serve(conn, body)
             wait_s = self.limits.idle_s
 
     async def _authenticate(self, conn: Conn) -> bool:
@@ -295,37 +290,29 @@ class PeerServer:
                 )
             return False
 
-    async def _serve(self, conn: Conn, body: bytes) -> FetchRequest | None:
-        """One REQUEST: refused if it does not decode, else :meth:`_serve_request`."""
+    async def _serve(self, conn: Conn, body: bytes) -> None:
+        """One fetch: refuse, or lease, offer, await GO, send, release (or, one-sided:
+        lease, grant, await RELEASE)."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
             request = decode_request(body)
+            namespace, hashes = request.namespace, request.hashes
         except ProtocolError as e:
-            deadline = asyncio.get_running_loop().time() + self.timeout_s
             await self._refuse(conn, Code.INVALID_ARGUMENT, str(e), deadline)
-            return None
-        if request.release is not None:  # no lease of this connection is held
-            raise ProtocolError(f"REQUEST releases lease {request.release}, which is not held")
-        return await self._serve_request(conn, request)
-
-    async def _serve_request(self, conn: Conn, request: FetchRequest) -> FetchRequest | None:
-        """One fetch: refuse, or lease, offer, await GO, send, release (or, one-sided:
-        lease, grant, await RELEASE). Returns the fetcher's next REQUEST when it
-        came carrying this fetch's RELEASE (it is served next), else None."""
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        namespace, hashes = request.namespace, request.hashes
+            return
         room = self.limits.max_pinned_blocks - self._pinned
         if room <= 0:
             self._busy_refusals += 1
             await self._refuse(conn, Code.RESOURCE_EXHAUSTED, "peer busy: try another", deadline)
-            return None
+            return
         lease = await self._lease(conn, namespace, hashes[:room], deadline)
         if lease is None:
-            return None
+            return
         held = len(lease.hashes)
         self._pinned += held
         granted = _Granted()
         try:
-            return await self._send_lease(conn, lease, request, deadline, granted)
+            await self._send_lease(conn, lease, request, deadline, granted)
         finally:
             when_settled(conn, functools.partial(self._release, lease, held, granted))
 
@@ -378,26 +365,26 @@ class PeerServer:
 
     async def _send_lease(
         self, conn: Conn, lease: Lease, request: FetchRequest, deadline: float, granted: _Granted
-    ) -> FetchRequest | None:
-        """Offer the lease (the next REQUEST if the one-sided grant's RELEASE came in it)."""
+    ) -> None:
         try:
             table = _offerable(lease, request.hashes)
         except (KVError, ValueError) as e:
             log.error("SlotSource returned a bad lease: %s", e)
             await self._refuse(conn, Code.INTERNAL, f"bad lease: {e}", deadline)
-            return None
+            return
         layouts, block_layout = table.layouts()
         lanes = choose_lanes(table)
         if request.rma and table.num_blocks and self._readable(table):
             offer = functools.partial(encode_layouts, layouts, block_layout, (), lanes)
-            return await self._grant(conn, table, offer, granted)
+            await self._grant(conn, table, offer, granted)
+            return
         order = transfer_order(table.counts.tolist(), lanes)
         ptr, size, memory = table.take(order)
         mine = run_starts(ptr, size, memory)
         offer = encode_layouts(layouts, block_layout, mine, lanes)
         if not table.num_blocks:
             await send_frame(conn, Kind.REPLY, deadline, body=offer)
-            return None
+            return
         go_deadline = min(deadline, asyncio.get_running_loop().time() + self.limits.go_timeout_s)
         _, _, body = await recv_frame(
             conn, [Kind.GO], go_deadline, after=frame_sends(conn, Kind.REPLY, offer)
@@ -408,23 +395,18 @@ class PeerServer:
             bounds = segment_bounds(len(order), mine, theirs)
             views = segment_views(ptr, size, memory, bounds, writable=False, owner=table.owner)
             await self._send_slots(conn, views, deadline)
-        return None
 
     def _readable(self, table: SlotTable) -> bool:
         """Whether every slot lies in the registered region (else: two-sided)."""
         return self.rma is not None and readable(table, self.rma.region)
 
-    async def _grant(
-        self, conn: Conn, table: SlotTable, offer: Any, granted: _Granted
-    ) -> FetchRequest | None:
+    async def _grant(self, conn: Conn, table: SlotTable, offer: Any, granted: _Granted) -> None:
         """A one-sided read: REPLY with the grant, then wait for the fetcher's
-        RELEASE, on its own (returns None) or carried by its next REQUEST (returns
-        that request, to serve next), its connection's close or ``rma_lease_s``
-        (raises). ``granted.until`` says until when a read may land: the lease's
-        end, from before the grant goes out until its RELEASE comes (then 0), so
-        a caller that hears of no RELEASE keeps the lease that long. A RELEASE
-        naming another lease, or a REQUEST carrying none, closes the connection.
-        ``offer(grant=...)`` encodes the REPLY."""
+        RELEASE (returns), its connection's close or ``rma_lease_s`` (raises).
+        ``granted.until`` says until when a read may land: the lease's end, from
+        before the grant goes out until its RELEASE comes (then 0), so a caller
+        that hears of no RELEASE keeps the lease that long. A RELEASE naming
+        another lease closes the connection. ``offer(grant=...)`` encodes the REPLY."""
         lease_s = self.limits.rma_lease_s
         grant = Grant(next(self._lease_ids) & ((1 << 64) - 1), lease_s, table.ptr)
         expiry = granted.until = asyncio.get_running_loop().time() + lease_s
@@ -433,23 +415,16 @@ class PeerServer:
         reply = started(frame_sends(conn, Kind.REPLY, body))
         self._rma_granted += 1
         self._hold_rma()
-        released, following = False, None
+        released = False
         try:
-            kinds = [Kind.RELEASE, Kind.REQUEST]
-            kind, _, body = await recv_frame(conn, kinds, expiry, after=reply)
-            if kind is Kind.RELEASE:
-                released = decode_release(body) == grant.lease_id
-            else:
-                following = decode_request(body)
-                released = following.release == grant.lease_id
-                self._rma_carried += released
+            _, _, body = await recv_frame(conn, [Kind.RELEASE], expiry, after=reply)
+            released = decode_release(body) == grant.lease_id
         finally:
             self._rma_held -= 1
             self._rma_expired += not released
         if not released:
-            raise ProtocolError(f"no RELEASE of lease {grant.lease_id} before the next frame")
+            raise ProtocolError(f"RELEASE names another lease than {grant.lease_id}")
         granted.until = 0.0
-        return following
 
     async def _progress_rma(self) -> None:
         """Progress the NIXL endpoint every millisecond while a one-sided lease is

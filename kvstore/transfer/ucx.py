@@ -220,8 +220,6 @@ class Conn:
     authenticated: bool = False
     # The peer's card was asked for on it (kvstore.transfer.onesided).
     card_asked: bool = False
-    # A one-way frame held back for the next frame on it to carry (defer_frame).
-    deferred: Deferred | None = None
 
     def __post_init__(self) -> None:
         worker_health().track(self)
@@ -587,74 +585,11 @@ def when_settled(conn: Conn, fn: Callable[[], None]) -> None:
 
 
 def frame_sends(conn: Conn, kind: Kind, body: bytes) -> list[Awaitable]:
-    """Send operations of one frame, to be awaited together with what comes next
-    (a frame held back on ``conn`` is posted first, in order)."""
-    if conn.deferred is not None:
-        flush_deferred(conn)
+    """Send operations of one frame, to be awaited together with what comes next."""
     return [
         post_send(conn.ep, np.frombuffer(m, dtype=np.uint8), CONTROL_TAG)
         for m in encode_frame(kind, body)
     ]
-
-
-@dataclass
-class Deferred:
-    """A one-way frame held back so that the next frame on its connection may carry
-    it (:func:`take_deferred`); else posted when its delay is up, or before any
-    other frame (:func:`frame_sends`): frames still leave in order."""
-
-    kind: Kind
-    body: bytes
-    deadline: float  # for the send, once posted
-    timer: asyncio.TimerHandle
-    on_unsent: Callable[[object], None]  # told why, if it never went out
-
-
-def defer_frame(
-    conn: Conn,
-    kind: Kind,
-    body: bytes,
-    deadline: float,
-    delay_s: float,
-    on_unsent: Callable[[object], None],
-) -> None:
-    """Hold a one-way frame on ``conn`` for up to ``delay_s`` (one at a time: one
-    held before is posted now). ``on_unsent(why)`` is called if it is posted and
-    fails, or is dropped with its endpoint; a frame a caller took is its own."""
-    flush_deferred(conn)
-    timer = asyncio.get_running_loop().call_later(delay_s, flush_deferred, conn)
-    conn.deferred = Deferred(kind, body, deadline, timer, on_unsent)
-
-
-def take_deferred(conn: Conn) -> bytes | None:
-    """The body of the frame held on ``conn``, now the caller's to carry; None if none."""
-    held, conn.deferred = conn.deferred, None
-    if held is None:
-        return None
-    held.timer.cancel()
-    return held.body
-
-
-def flush_deferred(conn: Conn) -> None:
-    """Post the frame held on ``conn``, if any (dropped on an endpoint no longer usable)."""
-    held, conn.deferred = conn.deferred, None
-    if held is None:
-        return
-    held.timer.cancel()
-    tell = held.on_unsent
-    if not conn.usable:
-        tell("its connection closed")
-        return
-    send = post_frame(conn, held.kind, held.body, held.deadline)
-    if send is not None:
-        send.add_done_callback(lambda t: _tell_failure(t, tell))
-
-
-def _tell_failure(send: asyncio.Task, tell: Callable[[object], None]) -> None:
-    """``tell`` why ``send`` did not go out, if it did not."""
-    why = "cancelled" if send.cancelled() else send.exception()
-    if why is not None:
-        tell(why)
 
 
 def post_frame(conn: Conn, kind: Kind, body: bytes, deadline: float) -> asyncio.Task | None:

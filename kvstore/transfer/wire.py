@@ -28,9 +28,8 @@ log = logging.getLogger(__name__)
 # Raised whenever a frame's layout or the exchange changes: peers of another
 # version are refused. 4: the optional HELLO / CHALLENGE / PROOF handshake.
 # 5: one-sided reads (CARD_REQUEST / CARD, REQUEST's rma flag, a grant in REPLY,
-# RELEASE). 6: a REQUEST may carry the RELEASE of the fetch before it on its
-# connection (one message fewer a fetch when fetches follow each other).
-PROTOCOL_VERSION = 6
+# RELEASE).
+PROTOCOL_VERSION = 5
 MAX_BLOCKS_PER_FETCH = limits.MAX_BLOCKS_PER_REQUEST
 MAX_SLOTS_PER_BLOCK = limits.MAX_LAYERS * limits.MAX_TP_SIZE
 MAX_SLOTS_PER_FETCH = 1 << 20  # a peer trims its prefix to stay under this
@@ -67,7 +66,7 @@ class Kind(enum.IntEnum):
     PROOF = 7  # fetcher: [fetcher's MAC]
     CARD_REQUEST = 8  # fetcher: [version]; after the handshake, once per connection
     CARD = 9  # peer: [card] (b"" when it serves no one-sided reads)
-    RELEASE = 10  # fetcher: [lease id]; one-way, after a one-sided read (or in a REQUEST)
+    RELEASE = 10  # fetcher: [lease id]; one-way, after a one-sided read
 
 
 class Preamble(NamedTuple):
@@ -79,7 +78,6 @@ class FetchRequest(NamedTuple):
     namespace: str  # final namespace
     hashes: list[int]
     rma: bool = False  # the fetcher reads one-sided if the peer grants it
-    release: int | None = None  # the lease id of the connection's one-sided fetch before
 
 
 class Grant(NamedTuple):
@@ -158,28 +156,20 @@ def _unpack(body: bytes, max_len: int) -> Any:
         raise ProtocolError(f"malformed msgpack body: {e}") from None
 
 
-def encode_request(
-    namespace: str, hashes: Sequence[int], rma: bool = False, release: bytes | None = None
-) -> bytes:
-    """A REQUEST; ``release``: a RELEASE body it carries (of the fetch before on the
-    connection, :func:`encode_release`), None for none."""
+def encode_request(namespace: str, hashes: Sequence[int], rma: bool = False) -> bytes:
     packed = np.asarray(hashes, dtype="<u8").tobytes()
-    return msgpack.packb([PROTOCOL_VERSION, namespace, packed, rma, release], use_bin_type=True)
+    return msgpack.packb([PROTOCOL_VERSION, namespace, packed, rma], use_bin_type=True)
 
 
 def decode_request(body: bytes) -> FetchRequest:
     req = _unpack(body, MAX_REQUEST_BYTES)
-    if not (isinstance(req, list) and len(req) == 5):
-        raise ProtocolError("request is not [version, namespace, hashes, rma, release]")
-    version, namespace, packed, rma, release = req
+    if not (isinstance(req, list) and len(req) == 4):
+        raise ProtocolError("request is not [version, namespace, hashes, rma]")
+    version, namespace, packed, rma = req
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"request version {version!r}")
     if not isinstance(rma, bool):
         raise ProtocolError(f"request rma flag {rma!r}, need true or false")
-    if release is not None:
-        if not isinstance(release, bytes):
-            raise ProtocolError("request release must be a RELEASE body or nil")
-        release = decode_release(release)
     check_namespace(namespace, ProtocolError)
     if not isinstance(packed, bytes) or len(packed) % 8:
         raise ProtocolError("hashes must be packed little-endian u64")
@@ -189,7 +179,7 @@ def decode_request(body: bytes) -> FetchRequest:
     hashes = np.frombuffer(packed, dtype="<u8").tolist()
     if len(set(hashes)) != count:  # a set of ints: faster than np.unique at every count
         raise ProtocolError("hashes must be distinct")
-    return FetchRequest(namespace, hashes, rma, release)
+    return FetchRequest(namespace, hashes, rma)
 
 
 @dataclass(frozen=True)
