@@ -18,7 +18,7 @@ import pytest
 
 from kvstore.client.router_client import RouterClient
 from kvstore.demo import free_port, free_ports
-from kvstore.wire.errors import KVError
+from kvstore.wire.errors import Code, KVError
 from tests.conftest import wait_for
 from tests.membership.conftest import (
     TTL_S,
@@ -261,13 +261,19 @@ def test_etcd_killed_and_restarted_empty_everything_registers_again(own_etcd, tm
             assert wait_for(registered, timeout=15), [p.tail() for p in cluster.procs]
             print(f"everything registered again {time.monotonic() - back:.2f} s after etcd")
 
-            def routed_generations() -> list[int]:
-                generations = []
+            def routed_generations() -> list[int | None]:
+                """Each replica's routed generation; None while it admits no worker: the
+                empty etcd's state reaches a replica before the worker's new key may."""
+                generations: list[int | None] = []
                 for r in routers:
                     with RouterClient(r, timeout_s=2) as client:
-                        generations.append(
-                            client.route("llama-8b", hashes=HASHES, track=False).generation
-                        )
+                        try:
+                            routed = client.route("llama-8b", hashes=HASHES, track=False)
+                        except KVError as e:
+                            if e.code is not Code.NOT_FOUND:
+                                raise
+                            routed = None
+                        generations.append(routed.generation if routed else None)
                 return generations
 
             def member_generation() -> int:
@@ -291,7 +297,6 @@ def test_etcd_killed_and_restarted_empty_everything_registers_again(own_etcd, tm
 
 def test_router_client_moves_past_a_dead_router_and_stays_on_the_live_one():
     from kvstore.router.core import Router, RouterConfig
-    from kvstore.wire.errors import Code
     from tests.router.conftest import ServerThread
 
     live = ServerThread(Router(RouterConfig()))
