@@ -41,6 +41,7 @@ import torch
 
 from bench.e2e_store import interleaved
 from bench.rma import quantiles
+from kvstore.store.block import SlotSet
 from kvstore.store.blocks import BlockIndex, Writer
 from kvstore.store.fetch import StoreSource, slot_table
 from kvstore.store.pool import SlotPool
@@ -63,7 +64,7 @@ class Churn:
     def __init__(self, slot: int):
         self.index = BlockIndex({"cpu": SlotPool(HELD * BLOCKS * LAYERS * slot, "cpu")})
         self.shape = Shape(np.full(LAYERS, slot, dtype=np.int64))
-        self.slots = np.arange(LAYERS)
+        self.slots = SlotSet.of(np.arange(LAYERS), self.shape.slot_bytes)
         self.writer = Writer("bench", 0, "cpu")
         self.source = StoreSource(self.index)
         self.next = 0
@@ -78,7 +79,7 @@ class Churn:
 
     def save(self) -> None:
         claim = self.index.claim("bench", self._new(), self.shape, self.slots, self.writer)
-        self.index.addresses(claim.blocks, self.slots, "cpu")
+        self.index.addresses(claim.blocks, self.slots.slots, "cpu")
         done = self.index.finish(claim)
         assert done.sealed == BLOCKS
 

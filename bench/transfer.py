@@ -367,7 +367,7 @@ class StoreServing:
                 count = min(cache, shape.blocks - first)
                 refs = [(h, i) for i, h in enumerate(hashes[first : first + count])]
                 for rank in ranks:
-                    self._fill(rank, seal.slots_of(rank.reg).tolist(), shape, k, first, count)
+                    self._fill(rank, seal.slots_of(rank.reg).slots.tolist(), shape, k, first, count)
                     await self.node.save(rank.reg.caller_id, refs)
             offsets = block_offsets(self.node, namespace, hashes)
             check_slots(self.buffer, shape, offsets, k, f"serving pool, set {k} after save")

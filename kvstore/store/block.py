@@ -152,3 +152,49 @@ def slot_mask(slots: np.ndarray) -> int:
     for s in slots.tolist():
         mask |= 1 << s
     return mask
+
+
+class SlotRun(NamedTuple):
+    """The slots of one size in a :class:`SlotSet`, ascending."""
+
+    size: int  # bytes of each
+    cells: np.ndarray  # their slot indices, ascending
+    where: slice | np.ndarray  # the same as a slice when evenly spaced (cheaper to index by)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotSet:
+    """Slots of one block layout that one writer claims or one copy moves, in the
+    forms the index reads them in, worked out once (a rank's are, at its seal).
+
+    Pool order is ascending slot index (layer id major): a block's slots of one
+    size are allocated in ``runs`` order, so a peer reads them in one run."""
+
+    slots: np.ndarray  # slot indices, in the caller's order (its registration's); read-only
+    mask: int  # their bit set (Block.claimed)
+    runs: tuple[SlotRun, ...]  # by slot size, ascending
+    nbytes: int  # bytes of these slots of one block
+
+    @classmethod
+    def of(cls, slots: np.ndarray | list[int], slot_bytes: np.ndarray) -> SlotSet:
+        """``slots`` of a layout whose slot s has ``slot_bytes[s]`` bytes."""
+        slots = np.array(slots, dtype=np.int64)
+        slots.flags.writeable = False
+        ordered = np.sort(slots)
+        sizes = slot_bytes[ordered]
+        runs = tuple(
+            SlotRun(int(size), cells, _as_slice(cells))
+            for size in np.unique(sizes).tolist()
+            for cells in [ordered[sizes == size]]
+        )
+        return cls(slots, slot_mask(slots), runs, int(slot_bytes[slots].sum()))
+
+
+def _as_slice(cells: np.ndarray) -> slice | np.ndarray:
+    """Ascending ``cells`` as a slice when evenly spaced, else themselves."""
+    if len(cells) == 0:
+        return cells
+    step = int(cells[1] - cells[0]) if len(cells) > 1 else 1
+    if step > 0 and bool((np.diff(cells) == step).all()):
+        return slice(int(cells[0]), int(cells[-1]) + 1, step)
+    return cells

@@ -35,10 +35,10 @@ from kvstore.store.block import (
     BlockShape,
     Key,
     NewBlocks,
+    SlotSet,
     new_blocks,
     offset_rows,
     placed,
-    slot_mask,
     unallocated,
 )
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
@@ -88,15 +88,11 @@ class Claim:
     """The slots one save took: the blocks it writes and where in its request they are."""
 
     writer: Writer
-    slots: np.ndarray  # slot index of each of the writer's layers
+    slots: SlotSet  # the writer's slots (one a layer it registered)
     blocks: list[Block]
     picked: list[int]  # request position of each claimed block
     skipped: int  # requested blocks already sealed or claimed by another writer
     offsets: np.ndarray | None = None  # (blocks, slots): row i is blocks[i].offsets, if one array
-
-    @property
-    def mask(self) -> int:
-        return slot_mask(self.slots)
 
 
 @dataclass(frozen=True)
@@ -115,36 +111,25 @@ class IndexStats:
     events_refused: int = 0  # events a listener raised on (the change stood; logged)
 
 
-def _check_fits(pool: SlotPool, sizes: np.ndarray, num_blocks: int) -> None:
+def _check_fits(pool: SlotPool, slots: SlotSet, num_blocks: int) -> None:
     """A request the pool could not hold even empty is refused before anything
     is evicted for it."""
-    wanted = {size: int(np.count_nonzero(sizes == size)) * num_blocks for size in _distinct(sizes)}
+    wanted = {run.size: len(run.cells) * num_blocks for run in slots.runs}
     if not pool.holds_when_empty(wanted):
-        nbytes = sum(size * count for size, count in wanted.items())
         raise exhausted(
-            f"{num_blocks} blocks of {len(sizes)} slots ({format_size(nbytes)}) are more "
+            f"{num_blocks} blocks of {len(slots.slots)} slots "
+            f"({format_size(slots.nbytes * num_blocks)}) are more "
             f"than the pool on {pool.device} holds even empty ({format_size(pool.pool_bytes)} "
             "in slabs of one slot size each): save fewer blocks at a time or grow --pool-size"
         )
 
 
-def _distinct(sizes: np.ndarray) -> list[int]:
-    """The distinct slot sizes, ascending (one, as a rule: no sort then)."""
-    if bool((sizes == sizes[0]).all()):
-        return [int(sizes[0])]
-    return np.unique(sizes).tolist()
-
-
 def _place(
-    blocks: list[Block], cells: np.ndarray, grid: np.ndarray, rows: np.ndarray | None
+    blocks: list[Block], where: slice | np.ndarray, grid: np.ndarray, rows: np.ndarray | None
 ) -> None:
-    """Write row i of ``grid`` into ``cells`` of block i's offsets: in one call
-    when ``rows`` holds the blocks' offsets, else per block, through a slice (per
-    block cheaper than a fancy index) when the cells are evenly spaced."""
-    step = int(cells[1] - cells[0]) if len(cells) > 1 else 1
-    where: slice | np.ndarray = cells
-    if step > 0 and (len(cells) < 3 or bool((cells[1:] - cells[:-1] == step).all())):
-        where = slice(int(cells[0]), int(cells[-1]) + 1, step)
+    """Write row i of ``grid`` into cells ``where`` of block i's offsets: in one
+    call when ``rows`` holds the blocks' offsets, else per block (a slice, when
+    the cells are evenly spaced, is per block cheaper than a fancy index)."""
     if rows is not None:
         rows[:, where] = grid
         return
@@ -229,7 +214,7 @@ class BlockIndex:
     # ------------------------------------------------------------------- save
 
     def claim(
-        self, namespace: str, hashes: list[int], shape: BlockShape, slots: np.ndarray, by: Writer
+        self, namespace: str, hashes: list[int], shape: BlockShape, slots: SlotSet, by: Writer
     ) -> Claim:
         """Claim ``slots`` of every block of distinct ``hashes`` that is neither sealed
         nor already claimed there, allocating them (evicting as needed). All or
@@ -240,7 +225,7 @@ class BlockIndex:
         on its stale blocks). An inflight block another instance began in a step
         it counts is left to it (skipped): steps of two schedulers say nothing
         of each other. Writers that count no steps (0) join any, as ever."""
-        mask = slot_mask(slots)
+        mask = slots.mask
         picked, fresh, found, stale = self._sort(namespace, hashes, mask, by)
         if not picked:
             return Claim(by, slots, [], picked, skipped=len(hashes))
@@ -336,7 +321,7 @@ class BlockIndex:
         """The claim's bytes are in: mark its slots written, seal complete blocks.
         Every claim ends in finish or :meth:`abandon`, once its copy ended."""
         alive = claim.writer.session in self._writers
-        mask = claim.mask
+        mask = claim.slots.mask
         written, sealed = 0, []
         known = self.blocks.get
         full = claim.blocks[0].all_slots if claim.blocks else 0  # one layout a claim
@@ -447,7 +432,9 @@ class BlockIndex:
         try:
             for tp_rank, device in enumerate(devices):
                 ranks = np.arange(tp_rank, len(shape.slot_bytes), shape.tp_size)
-                self._allocate(made.blocks, ranks, device, made.offsets)
+                self._allocate(
+                    made.blocks, SlotSet.of(ranks, shape.slot_bytes), device, made.offsets
+                )
         except BaseException:
             self.discard(made.blocks)
             raise
@@ -522,7 +509,7 @@ class BlockIndex:
             self._emit(STORED, namespace, hashes)
 
     def _allocate(
-        self, blocks: list[Block], slots: np.ndarray, device: str, rows: np.ndarray | None = None
+        self, blocks: list[Block], slots: SlotSet, device: str, rows: np.ndarray | None = None
     ) -> None:
         """Give ``slots`` of every block an offset in ``device``'s pool, evicting LRU
         blocks as needed. All or nothing: on failure every offset taken is returned.
@@ -534,28 +521,25 @@ class BlockIndex:
         order a peer reads them (kvstore.transfer: transfer order with lanes =
         tp_size), so a served block's slots of one size lie in one run."""
         pool = self._pools[device]
-        slots = np.sort(slots)
-        sizes = blocks[0].slot_bytes[slots]
         taken: list[tuple[int, np.ndarray]] = []
         checked = False
         try:
-            for size in _distinct(sizes):
-                cells = slots[sizes == size]
-                count = len(cells) * len(blocks)
-                if not checked and not pool.can_alloc(size, count):
-                    _check_fits(pool, sizes, len(blocks))  # else it would evict for nothing
+            for run in slots.runs:
+                count = len(run.cells) * len(blocks)
+                if not checked and not pool.can_alloc(run.size, count):
+                    _check_fits(pool, slots, len(blocks))  # else it would evict for nothing
                     checked = True
-                offsets = self._alloc_or_evict(pool, size, count)
-                taken.append((size, offsets))
-                _place(blocks, cells, offsets.reshape(len(blocks), len(cells)), rows)
+                offsets = self._alloc_or_evict(pool, run.size, count)
+                taken.append((run.size, offsets))
+                _place(blocks, run.where, offsets.reshape(len(blocks), len(run.cells)), rows)
         except BaseException:
             for size, offsets in taken:
                 pool.free(size, offsets)
             if rows is not None:
-                rows[:, slots] = -1
+                rows[:, slots.slots] = -1
             else:
                 for block in blocks:
-                    block.offsets[slots] = -1
+                    block.offsets[slots.slots] = -1
             raise
 
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Moving one request's bytes between a worker's paged cache and the pool.
 
 A :class:`CopyJob` is planned on the event loop (which slots, which block
-ids) and run in a worker thread by :func:`copy_in_thread`. By blocks (always on
+ids) and run by :func:`run_job`: in a worker thread (:func:`copy_in_thread`),
+or on the loop itself when it is a host copy of at most ``INLINE_MAX_BYTES``. By blocks (always on
 the host; on a GPU with ``kvstore serve --gpu-copy blocks``) it goes through the
 registration's :class:`~kvstore.copy.RegionTable`: descriptors built once, per
 request only block ids and slot addresses, on the copier's own stream. By
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 
 SAVE = "save"  # paged cache -> slots
 LOAD = "load"  # slots -> paged cache
+# A host copy this small runs on the event loop: it holds the loop ~50 us at
+# 10 GB/s, where a hop to a worker thread and back costs ~120 us on a 2-core host
+# (a 1-block Save, 128 KiB, in process: 535 -> 195 us p50).
+INLINE_MAX_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class CopyJob:
             return
         pieces = plan(list(self.table.regions), self.block_ids, self.addresses)
         run_copy(copier, self.device, self.op, pieces)
+
+
+async def run_job(job: CopyJob, copier: Any) -> None:
+    """Run ``job`` with ``copier``: a small host copy at once, on the loop (no
+    other request runs meanwhile, so none sees it half done); any other in a
+    worker thread."""
+    if job.device == "cpu" and job.nbytes <= INLINE_MAX_BYTES:
+        job.run(copier)
+        return
+    await copy_in_thread(job.run, copier)
 
 
 async def copy_in_thread(fn: Callable[..., None], *args: Any) -> None:

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.copy import MemoryFault
-from kvstore.store.block import Block
+from kvstore.store.block import Block, SlotSet
 from kvstore.store.blocks import BlockIndex, IndexStats, Writer
-from kvstore.store.copying import LOAD, SAVE, CopyJob, copy_in_thread
+from kvstore.store.copying import LOAD, SAVE, CopyJob, run_job
 from kvstore.store.fetch import Fetcher, FetcherStats, FetchResult, SourceStats, StoreSource
 from kvstore.store.pool import PoolStats, round_size
 from kvstore.store.registry import (
@@ -234,7 +234,7 @@ class StoreNode:
         caller: Caller,
         blocks: list[Block],
         block_ids: list[int],
-        slots: np.ndarray,
+        slots: SlotSet,
         rows: np.ndarray | None = None,
     ) -> CopyJob:
         """``rows``: the blocks' offsets as one array, when they have it (a claim's)."""
@@ -245,14 +245,14 @@ class StoreNode:
             device == "cpu" or self.gpu_blocks,
             caller.reg.copy_table,
             np.array(block_ids, dtype=np.int64),
-            self.index.addresses(blocks, slots, device, rows),
-            len(blocks) * int(caller.seal.slot_bytes[slots].sum()),
+            self.index.addresses(blocks, slots.slots, device, rows),
+            len(blocks) * slots.nbytes,
         )
 
     async def _copy(self, job: CopyJob, reg: Registration) -> None:
         reg.hold()  # the rank's memory stays mapped until the copy is done
         try:
-            await copy_in_thread(job.run, self.copiers[job.device])
+            await run_job(job, self.copiers[job.device])
         except MemoryFault as err:
             raise precondition(
                 f"{job.op}: the registered KV memory of rank {reg.rank} of instance "
@@ -399,7 +399,7 @@ def check_refs(reg: Registration, refs: list[BlockRef]) -> None:
     if not refs:
         raise invalid("block_hashes is empty")
     check_count("block_hashes", len(refs))
-    limit = min(layer.num_blocks for layer in reg.layers)
+    limit = reg.num_blocks
     hashes, block_ids = zip(*refs, strict=True)
     if max(block_ids) < limit and len(set(hashes)) == len(hashes):  # the rule: no loop
         return

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.copy import RegionTable
+from kvstore.store.block import SlotSet
 from kvstore.store.memory import MappedRegion
 from kvstore.store.validation import (
     check_against,
@@ -111,6 +112,11 @@ class Registration:
         return [self.regions[layer.geometry.name] for layer in self.layers]
 
     @functools.cached_property
+    def num_blocks(self) -> int:
+        """Blocks of its cache that every layer holds: a block id must be below it."""
+        return min(layer.num_blocks for layer in self.layers)
+
+    @functools.cached_property
     def copy_table(self) -> RegionTable:
         """The copy descriptors of this rank's layers, built once after they are mapped
         (docs/design.md §3): a request then carries only block ids and slot addresses."""
@@ -149,6 +155,8 @@ class Seal:
     layer_ids: dict[str, int]
     layers: tuple[LayerGeometry, ...]  # by layer id
     tp_size: int
+    # session -> its rank's SlotSet: worked out at its first Save or Load, not per call
+    _slot_sets: dict[str, SlotSet] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def slots_per_block(self) -> int:
@@ -157,12 +165,16 @@ class Seal:
     def slot_index(self, layer_id: int, tp_rank: int) -> int:
         return layer_id * self.tp_size + tp_rank
 
-    def slots_of(self, reg: Registration) -> np.ndarray:
-        """Slot index of each of ``reg``'s layers, in its registration order."""
-        return np.array(
-            [self.slot_index(self.layer_ids[la.geometry.name], reg.tp_rank) for la in reg.layers],
-            dtype=np.int64,
-        )
+    def slots_of(self, reg: Registration) -> SlotSet:
+        """The slots of ``reg``'s layers (in its registration order), once a rank:
+        its layers and this seal never change while it is one of its ranks."""
+        slots = self._slot_sets.get(reg.session)
+        if slots is None:
+            ids = [
+                self.slot_index(self.layer_ids[la.geometry.name], reg.tp_rank) for la in reg.layers
+            ]
+            slots = self._slot_sets[reg.session] = SlotSet.of(ids, self.slot_bytes)
+        return slots
 
     @functools.cached_property
     def slot_bytes(self) -> np.ndarray:

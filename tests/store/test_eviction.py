@@ -81,6 +81,7 @@ def test_a_slab_that_a_peer_fetch_also_holds_is_not_emptied_for_nothing():
     Now such a slab is passed over: one slab's blocks go, as for any other."""
     import numpy as np
 
+    from kvstore.store.block import SlotSet
     from kvstore.store.blocks import BlockIndex, Writer
     from kvstore.store.pool import SlotPool
 
@@ -94,11 +95,13 @@ def test_a_slab_that_a_peer_fetch_also_holds_is_not_emptied_for_nothing():
     index = BlockIndex({"cpu": SlotPool(128 << 10, "cpu", 64 << 10)})  # 2 slabs of 4 small slots
     w = Writer("w", 0, "cpu")
     for h in range(3):  # slab 0: three sealed blocks, the oldest ...
-        index.finish(index.claim("a", [h], small, np.array([0]), w))
+        index.finish(index.claim("a", [h], small, SlotSet.of([0], small.slot_bytes), w))
     fetching = index.reserve("a", [99], small, ["cpu"])  # ... and a fetch's reserved slot
     for h in range(3, 7):  # slab 1: four newer sealed blocks
-        index.finish(index.claim("a", [h], small, np.array([0]), w))
-    index.claim("b", [1], big, np.array([0]), w)  # a 32 KiB slot: one whole slab must empty
+        index.finish(index.claim("a", [h], small, SlotSet.of([0], small.slot_bytes), w))
+    index.claim(
+        "b", [1], big, SlotSet.of([0], big.slot_bytes), w
+    )  # a 32 KiB slot: one whole slab must empty
     assert index.stats().evictions == 4  # slab 1's blocks, not slab 0's three as well
     assert index.snapshot() == [("a", 0), ("a", 1), ("a", 2)]
     index.discard(fetching.blocks)

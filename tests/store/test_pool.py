@@ -113,10 +113,11 @@ def test_what_an_empty_pool_holds_counts_slabs_per_rounded_size():
     """Slots of 1,000 and 1,010 bytes round to one 1,024-byte class and share its
     slabs: four blocks of one of each fit one 8 KiB slab (as alloc agrees), and
     are not refused as more than the pool holds."""
+    from kvstore.store.block import SlotSet
     from kvstore.store.blocks import _check_fits
 
     pool = SlotPool(8 << 10, "cpu", 8 << 10)
-    _check_fits(pool, np.array([1000, 1010]), 4)  # 8 slots of 1 KiB: one slab
+    _check_fits(pool, SlotSet.of([0, 1], np.array([1000, 1010])), 4)  # 8 slots of 1 KiB: one slab
     assert pool.holds_when_empty({1024: 8}) and not pool.holds_when_empty({1024: 9})
     assert not pool.holds_when_empty({16 << 10: 1})  # larger than a slab
     assert pool.alloc(1000, 4) is not None and pool.alloc(1010, 4) is not None

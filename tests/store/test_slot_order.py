@@ -96,3 +96,37 @@ def test_save_load_byte_exact_for_tp2_registered_out_of_sorted_order(order):
     for rank, before in zip(ranks, saved, strict=True):
         for i, (t, want) in enumerate(zip(rank.tensors, before, strict=True)):
             assert torch.equal(t[:, 16:26], want), f"rank {rank.reg.tp_rank} l{i} differs"
+
+
+def test_slot_set_groups_slots_by_size_ascending_with_slices_where_evenly_spaced():
+    from kvstore.store.block import SlotSet
+
+    sizes = np.array([512, 256, 512, 256, 512, 1024, 512, 256])
+    one = SlotSet.of([6, 0, 4, 2, 5, 7], sizes)  # a rank's layers in its own order
+    assert one.slots.tolist() == [6, 0, 4, 2, 5, 7] and not one.slots.flags.writeable
+    assert one.mask == sum(1 << s for s in (0, 2, 4, 5, 6, 7))
+    assert one.nbytes == 4 * 512 + 1024 + 256
+    assert [(r.size, r.cells.tolist()) for r in one.runs] == [
+        (256, [7]),
+        (512, [0, 2, 4, 6]),
+        (1024, [5]),
+    ]
+    assert one.runs[0].where == slice(7, 8, 1) and one.runs[1].where == slice(0, 7, 2)
+    uneven = SlotSet.of([0, 2, 6], sizes)  # 0, 2, 6: not evenly spaced, kept as indices
+    assert isinstance(uneven.runs[0].where, np.ndarray)
+    row = np.zeros(8, dtype=np.int64)
+    for run_ in uneven.runs + one.runs:  # either form picks the same cells
+        assert row[run_.where].shape == run_.cells.shape
+
+
+def test_a_ranks_slots_are_worked_out_once_a_seal():
+    node = make_store()
+    ranks, seal = register(node, 2, "reversed")
+    reg = ranks[1].reg
+    first = seal.slots_of(reg)
+    assert seal.slots_of(reg) is first  # the cached one: not worked out per Save or Load
+    names = [layer.geometry.name for layer in reg.layers]  # its own order: l11, l10, ... l0
+    assert first.slots.tolist() == [seal.slot_index(seal.layer_ids[n], 1) for n in names]
+    assert seal.slots_of(ranks[0].reg).mask == sum(
+        1 << seal.slot_index(i, 0) for i in range(LAYERS)
+    )

@@ -131,7 +131,29 @@ def test_writer_death_drops_its_inflight_blocks():
     assert node.index.stats().inflight_blocks == 0 and used_bytes(node) == 0
 
 
-def test_writer_dying_during_copy_never_seals():
+@pytest.fixture
+def threaded_copies(monkeypatch):
+    """Every copy in a worker thread, however small (else a small host copy runs
+    on the loop, and nothing can happen while it runs)."""
+    monkeypatch.setattr("kvstore.store.copying.INLINE_MAX_BYTES", 0)
+
+
+def test_small_host_copy_runs_on_the_loop_and_seals_before_anything_else_runs():
+    node = make_store()
+    ranks = make_instance(node.registry, "a", tp_size=1)
+    seal = node.registry.instances["a"].seal
+
+    async def save_then_look():
+        task = asyncio.create_task(node.save(ranks[0].reg.caller_id, [(1, 0), (2, 1)]))
+        await asyncio.sleep(0)  # one step of the task: no thread hop, so it is done
+        assert task.done()
+        assert node.query(seal.final_namespace, [1, 2]) == QueryResult(2)
+        return task.result()
+
+    assert run(save_then_look()).sealed == 2
+
+
+def test_writer_dying_during_copy_never_seals(threaded_copies):
     node = make_store()
     ranks = make_instance(node.registry, "a")
     seal = node.registry.instances["a"].seal
@@ -370,7 +392,7 @@ def test_lru_invariants(ops):
         )
 
 
-def test_cancelled_save_waits_for_its_copy_then_frees_everything():
+def test_cancelled_save_waits_for_its_copy_then_frees_everything(threaded_copies):
     node = make_store()
     ranks = make_instance(node.registry, "a")
 
@@ -463,6 +485,7 @@ def test_a_dropped_block_keeps_the_slots_a_copy_still_writes_until_it_ends():
     dropped block's slots wait for the copies into it (finish or abandon)."""
     import numpy as np
 
+    from kvstore.store.block import SlotSet
     from kvstore.store.blocks import BlockIndex, Writer
     from kvstore.store.pool import SlotPool
 
@@ -473,11 +496,17 @@ def test_a_dropped_block_keeps_the_slots_a_copy_still_writes_until_it_ends():
     for end in ("finish", "abandon"):
         index = BlockIndex({"cpu": SlotPool(1 << 20, "cpu", 64 << 10)})
         a, b = Writer("A", 0, "cpu"), Writer("B", 1, "cpu")
-        index.finish(index.claim("ns", [1], Shape, np.array([0]), a))  # rank 0's bytes are in
-        running = index.claim("ns", [1], Shape, np.array([1]), b)  # rank 1's copy runs ...
+        index.finish(
+            index.claim("ns", [1], Shape, SlotSet.of([0], Shape.slot_bytes), a)
+        )  # rank 0's bytes are in
+        running = index.claim(
+            "ns", [1], Shape, SlotSet.of([1], Shape.slot_bytes), b
+        )  # rank 1's copy runs ...
         in_flight = int(running.blocks[0].offsets[1])
         assert index.drop_writer("A") == 1  # ... when rank 0's session ends
-        other = index.claim("ns", [2], Shape, np.array([0, 1]), Writer("C", 0, "cpu"))
+        other = index.claim(
+            "ns", [2], Shape, SlotSet.of([0, 1], Shape.slot_bytes), Writer("C", 0, "cpu")
+        )
         assert in_flight not in other.blocks[0].offsets.tolist()
         assert index.pool_stats().used_bytes == 4 * 4096  # block 1's two slots still held
         getattr(index, end)(running)  # the copy ended: now they are free
