@@ -39,8 +39,11 @@ class RelayLedger:
         nodes[node_id] = None
 
     def _unlink(self, node_id: str, ref: WorkerRef) -> None:
-        """Forget that ``node_id`` relayed for ``ref``."""
-        del self._nodes[ref][node_id]
+        """Forget that ``node_id`` relayed for ``ref`` (and either side left empty)."""
+        nodes = self._nodes[ref]
+        del nodes[node_id]
+        if not nodes:
+            del self._nodes[ref]
         refs = self._workers[node_id]
         refs.discard(ref)
         if not refs:
@@ -49,19 +52,15 @@ class RelayLedger:
     def take(self, node_id: str) -> set[WorkerRef]:
         """The workers ``node_id`` relayed for, forgotten here (its snapshot
         records them anew)."""
-        refs = self._workers.pop(node_id, set())
+        refs = set(self._workers.get(node_id, ()))
         for ref in refs:
-            nodes = self._nodes[ref]
-            del nodes[node_id]
-            if not nodes:
-                del self._nodes[ref]
+            self._unlink(node_id, ref)
         return refs
 
     def forget_worker(self, ref: WorkerRef) -> None:
         """Worker ``ref`` left (its blocks went with it)."""
         for node_id in list(self._nodes.get(ref, ())):
             self._unlink(node_id, ref)
-        self._nodes.pop(ref, None)
 
     def nodes_of(self, ref: WorkerRef) -> list[str]:
         """The node ids recorded as relaying for ``ref``, longest-remembered first."""

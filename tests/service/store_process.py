@@ -20,6 +20,16 @@ import traceback
 CONFIG = {"pool_size": 64 << 20, "device": "cpu", "slab_bytes": 4 << 20, "transfer": False}
 
 
+def reply(conn, timeout_s: float, who: str):
+    """The value a helper process sent back as ("ok", value); its traceback
+    (anything else) raised as RuntimeError."""
+    assert conn.poll(timeout_s), f"{who} did not answer"
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
 class _Limits:
     """The child's side: descriptors held open and the limits to put back."""
 
@@ -83,11 +93,7 @@ class StoreProcess:
         self.address = self._reply()
 
     def _reply(self):
-        assert self.conn.poll(120), "store process did not answer"
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
+        return reply(self.conn, 120, "store process")
 
     def _do(self, op: str, *args):
         self.conn.send((op, args))

@@ -23,6 +23,7 @@ from kvstore.client.store_client import StoreClient
 from kvstore.integrations.sglang.layers import MemfdKVLayer
 from kvstore.testing.raw_client import register_raw
 from kvstore.wire.errors import Code, KVError
+from tests.service.store_process import reply
 
 BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 6, 4, 2, 16
 SHAPE = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)  # kv_first, float16
@@ -131,11 +132,7 @@ class Worker:
         self._reply()
 
     def _reply(self):
-        assert self.conn.poll(60), "worker did not answer"
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
+        return reply(self.conn, 60, "worker")
 
     def __getattr__(self, op):
         def call(*args):
