@@ -248,6 +248,15 @@ def test_serve_on_etcd_registers_its_store_and_router_and_leaves_on_sigterm():
         ),
         (["router", "--store-cn", "node-a"], "--store-cn names certificate CNs"),
         (["serve", "--store-cn", "node-a", "--no-transfer"], "--store-cn names certificate CNs"),
+        (["router", "--store-cn", "=node-a"], "argument --store-cn: expected CN or CN=NODE_ID"),
+        (
+            ["router", "--store-cn", "a=n1", "--store-cn", "b=n1"],
+            "node id 'n1' is bound to two certificates",
+        ),
+        (
+            ["serve", "--store-cn", "a=n1", "--store-cn", "b=n1", "--no-transfer"],
+            "node id 'n1' is bound to two certificates",
+        ),
         (["router", "--admin", "ops"], "--admin names certificate CNs"),
         (["serve", "--admin", "ops", "--no-transfer"], "--admin names certificate CNs"),
         (["serve", "--admin", "ops", "--no-router"], "--admin names certificate CNs"),

@@ -463,6 +463,9 @@ async def _serve(args) -> None:
     try:
         if args.etcd and args.router:
             raise ValueError("--router with --etcd: the routers are found in etcd; drop --router")
+        from kvstore.cli.router import store_cns
+
+        stores = store_cns(args.store_cn)
         config = ServerConfig(
             host=args.host,
             port=args.port,
@@ -480,7 +483,8 @@ async def _serve(args) -> None:
             metrics_port=args.metrics_port,
             tls=tls_files(args),
             admins=tuple(args.admin),
-            stores=tuple(args.store_cn),
+            stores=stores.cns,
+            store_nodes=stores.bound,
             insecure=args.insecure,
             peer_secret=_peer_secret(args),
         )

@@ -16,6 +16,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvstore.cli import (
     add_etcd,
@@ -33,6 +34,7 @@ from kvstore.router.scoring import ScoringConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter, serve_router
 from kvstore.service.tls import Security, host_port
 from kvstore.wire.limits import MAX_NAME_LEN
+from kvstore.wire.principal import NodeBinding, node_owners
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
@@ -123,13 +125,18 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         "--store-cn",
         action="append",
         default=[],
-        metavar="CN",
+        type=store_cn,
+        metavar="CN[=NODE_ID]",
         help="a client certificate CN of a store node: only these (and admins) may "
         "advertise store nodes, publish their events and ask which peers hold a "
         "prefix, and relay GPU-tier events for other tenants' workers attached to "
         "the node they publish as (a worker card's node_id; a shared store needs "
         "it; repeatable; with TLS; default: any certificate of the CA, each "
-        "relaying only for workers it admitted itself)",
+        "relaying only for workers it admitted itself). CN=NODE_ID binds the "
+        "certificate to that node id: it may act only as its bound node ids, and "
+        "no other certificate as them (without it, the first to advertise a node "
+        "id holds it, so a store certificate could take an unused node id and "
+        "relay for the workers attached to it)",
     )
     parser.add_argument(
         "--identity",
@@ -235,10 +242,34 @@ def security(args: argparse.Namespace) -> Security:
     """TLS, admins and store nodes of --tls-*/--admin/--store-cn; ValueError
     when a TLS flag is missing, --store-cn comes without TLS, or a non-loopback
     --host has no TLS and no --insecure."""
-    result = Security(tls_files(args), tuple(args.admin), tuple(args.store_cn))
+    stores = store_cns(args.store_cn)
+    result = Security(tls_files(args), tuple(args.admin), stores.cns, stores.bound)
     result.check_exposure(args.host, args.insecure)
     check_cn_flags(result)
     return result
+
+
+def store_cn(value: str) -> NodeBinding:
+    """One --store-cn value (argparse type): CN or CN=NODE_ID."""
+    try:
+        return NodeBinding.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class StoreCNs(NamedTuple):
+    """What the --store-cn flags say."""
+
+    cns: tuple[str, ...]  # every store CN, once
+    bound: tuple[NodeBinding, ...]  # the CN=NODE_ID ones
+
+
+def store_cns(values: list[NodeBinding]) -> StoreCNs:
+    """The --store-cn flags; ValueError when a node id is bound to two CNs."""
+    node_owners(values)
+    return StoreCNs(
+        tuple(dict.fromkeys(b.cn for b in values)), tuple(b for b in values if b.node_id)
+    )
 
 
 def check_cn_flags(served: Security) -> None:

@@ -74,6 +74,10 @@ class RouterConfig:
     # it publishes as (the card's node_id). Any other publisher relays only for
     # workers it admitted itself (docs/design.md §8).
     store_cns: frozenset[str] = frozenset()
+    # node id -> the store CN bound to it (--store-cn CN=NODE_ID): only that
+    # certificate (or an admin) may advertise or publish as it, and a CN bound
+    # to some node ids as no other.
+    node_owners: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -367,6 +371,7 @@ class Router:
         relays are then what its snapshot says.
         """
         check_store("PublishEvents", caller)
+        self.check_bound("PublishEvents", node_id, caller)
         with self._lock:
             known = self.peers.get(node_id)
             peer = self.peers.current(node_id, generation)
@@ -452,6 +457,7 @@ class Router:
         final_namespaces = list(final_namespaces)
         check_peer(node_id, store_address, ucx_address, final_namespaces, lease_ms)
         check_store("AdvertisePeer", caller)
+        self.check_bound("AdvertisePeer", node_id, caller)
         with self._lock:
             now = self.clock()
             self.peers.expire(now)
@@ -464,6 +470,27 @@ class Router:
                 lease_ms,
                 now,
                 caller,
+            )
+
+    def check_bound(self, call: str, node_id: str, caller: Principal) -> None:
+        """PERMISSION_DENIED when ``node_id`` is bound to another certificate, or
+        ``caller``'s certificate to other node ids (``RouterConfig.node_owners``):
+        then a store's certificate, not whoever advertises first, decides which
+        node it is, and so which attached workers it may relay for."""
+        if caller.admin:
+            return
+        owners = self.config.node_owners
+        owner = owners.get(node_id)
+        if owner is not None and owner != caller.name:
+            raise denied(
+                f"{call}: node_id {node_id!r} is bound to certificate {owner!r} "
+                f"(--store-cn {owner}={node_id}), not to {caller}"
+            )
+        if owner is None and caller.name in owners.values():
+            mine = sorted(n for n, cn in owners.items() if cn == caller.name)
+            raise denied(
+                f"{call}: {caller} is bound by --store-cn to node ids {mine}, not to "
+                f"node_id {node_id[:64]!r}"
             )
 
     def join_peer(

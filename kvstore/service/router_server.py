@@ -52,6 +52,7 @@ from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
 from kvstore.wire.names import check_name
+from kvstore.wire.principal import node_owners
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -95,6 +96,7 @@ class ServedRouter:
         """
         config = self.router.config
         config.store_cns = config.store_cns | frozenset(security.stores)
+        config.node_owners = config.node_owners | node_owners(security.store_nodes)
         if self.etcd_config is None:
             service = RouterService(self.router, security)
         else:
@@ -229,6 +231,8 @@ class ClusterRouterService(RouterService):
             # decoded and bounded first: a refused batch claims no node in etcd
             events = decode_store_events(request.node_id, list(request.events))
             caller = self.security.principal(context)
+            # a node id bound to another certificate is refused before it is claimed
+            self.router.check_bound("PublishEvents", request.node_id, caller)
             await self.replica.check_publisher(request.node_id, request.generation, caller)
         except KVError as exc:
             await status.abort(context, exc)

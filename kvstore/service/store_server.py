@@ -42,6 +42,7 @@ from kvstore.wire.devices import Device
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
+from kvstore.wire.principal import NodeBinding
 from kvstore.wire.sizes import format_size
 from kvstore.wire.tls import TlsFiles
 
@@ -86,13 +87,14 @@ class ServerConfig:
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # the embedded router's store CNs; () = any caller
+    store_nodes: tuple[NodeBinding, ...] = ()  # of them, those bound to node ids
     insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
     # The cluster secret every UCX peer proves (docs/design.md §8); None = no handshake.
     peer_secret: PeerSecret | None = None
 
     @property
     def security(self) -> Security:
-        return Security(self.tls, self.admins, self.stores)
+        return Security(self.tls, self.admins, self.stores, self.store_nodes)
 
     def check_peer_exposure(self) -> None:
         """The UCX peer port without a secret is for loopback-only, plaintext use:

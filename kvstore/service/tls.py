@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.wire.errors import Code, KVError
-from kvstore.wire.principal import LOCAL, Principal
+from kvstore.wire.principal import LOCAL, NodeBinding, Principal
 from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class Security:
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # CNs that may act as store nodes; () = every caller
+    # On a router: store CNs bound to the node ids they publish as (--store-cn CN=NODE)
+    store_nodes: tuple[NodeBinding, ...] = ()
 
     def check_exposure(self, host: str, insecure: bool) -> None:
         """Plaintext on a non-loopback address: ValueError unless ``insecure``,

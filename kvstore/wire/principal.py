@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstore.wire.errors import Code, KVError, exhausted
 
@@ -52,6 +53,34 @@ def check_owner(what: str, owner: str, caller: Principal) -> None:
     """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
     if not caller.may_act_for(owner):
         raise denied(f"{what} belongs to {Principal(owner)}, not to {caller}")
+
+
+class NodeBinding(NamedTuple):
+    """A store certificate bound to the node id it publishes as (``--store-cn
+    CN=NODE_ID``): that certificate may act only as the node ids bound to it, and
+    no other certificate but an admin's as them."""
+
+    cn: str
+    node_id: str = ""  # "": not bound (it may act as any node id it claims first)
+
+    @classmethod
+    def parse(cls, value: str) -> NodeBinding:
+        """``CN`` or ``CN=NODE_ID``; ValueError naming what is missing."""
+        cn, sep, node_id = value.partition("=")
+        if not cn or (sep and not node_id):
+            raise ValueError(f"expected CN or CN=NODE_ID, got {value!r}")
+        return cls(cn, node_id)
+
+
+def node_owners(bindings: Iterable[NodeBinding]) -> dict[str, str]:
+    """node id -> the CN bound to it; ValueError when one is bound to two CNs."""
+    owners: dict[str, str] = {}
+    for cn, node_id in bindings:
+        if node_id and owners.setdefault(node_id, cn) != cn:
+            raise ValueError(
+                f"node id {node_id!r} is bound to two certificates: {owners[node_id]!r} and {cn!r}"
+            )
+    return owners
 
 
 def check_store(call: str, caller: Principal) -> None:

@@ -21,6 +21,7 @@ from kvstore.service.tls import Security
 from kvstore.testing.pki import Pki
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
+from kvstore.wire.principal import NodeBinding
 from tests.membership.conftest import RouterThread, etcd_keys, etcd_read
 from tests.router.conftest import card
 from tests.security.conftest import ADMIN
@@ -127,6 +128,13 @@ def register_store(config, node_id: str) -> int:
     return etcd_read(config, go)
 
 
+def store_seen(config, node_id: str, *replicas) -> int:
+    """register_store, and its generation once every one of ``replicas`` has it."""
+    gen = register_store(config, node_id)
+    wait_until(lambda: all(r.call(r.router.peer_generations) == {node_id: gen} for r in replicas))
+    return gen
+
+
 def store_owner(config, node_id: str) -> str | None:
     return StoreRecord.decode(etcd_keys(config)[f"stores/{node_id}"].value).owner
 
@@ -138,8 +146,7 @@ def test_a_store_node_id_belongs_to_its_first_publisher_on_every_replica(
     replica*, so a rogue could take it on a replica the store had not reached yet.
     Now the first publisher is written into the store's etcd value."""
     node, rogue, admin = clients["node-a"], clients["rogue"], clients[ADMIN]
-    gen = register_store(etcd_config, "node-a")
-    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    gen = store_seen(etcd_config, "node-a", *replicas)
     assert store_owner(etcd_config, "node-a") is None
     stored = [StoreEvent("stored", NS, [1, 2], "node-a")]
     assert node[0].publish(stored, "node-a", gen).applied == 1
@@ -154,8 +161,7 @@ def test_a_store_node_id_belongs_to_its_first_publisher_on_every_replica(
         assert [p.prefix_blocks for p in node[i].query_prefix(NS, [1, 2, 3, 4])] == [2]
     assert admin[1].publish([], "node-a", gen).applied == 0  # an admin may
     # the store registers again: a new generation starts unclaimed
-    gen2 = register_store(etcd_config, "node-a")
-    wait_until(lambda: replicas[1].call(replicas[1].router.peer_generations) == {"node-a": gen2})
+    gen2 = store_seen(etcd_config, "node-a", replicas[1])
     assert store_owner(etcd_config, "node-a") is None
 
 
@@ -164,8 +170,7 @@ def test_a_batch_refused_as_invalid_claims_no_node_id(etcd_config, replicas, cli
     batch was decoded: a batch refused as INVALID_ARGUMENT had taken the node id."""
     from kvstore.wire import limits
 
-    gen = register_store(etcd_config, "node-a")
-    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    gen = store_seen(etcd_config, "node-a", *replicas)
     too_many = [StoreEvent("stored", NS, [1], "node-a")] * (limits.MAX_EVENTS_PER_PUBLISH + 1)
     err = refused(clients["rogue"][0].publish, too_many, "node-a", gen)
     assert err.code is Code.INVALID_ARGUMENT and "events" in err.message
@@ -175,8 +180,7 @@ def test_a_batch_refused_as_invalid_claims_no_node_id(etcd_config, replicas, cli
 
 
 def test_two_publishers_racing_through_two_replicas_have_one_winner(etcd_config, replicas, clients):
-    gen = register_store(etcd_config, "node-a")
-    wait_until(lambda: all(r.call(r.router.peer_generations) == {"node-a": gen} for r in replicas))
+    gen = store_seen(etcd_config, "node-a", *replicas)
     outcomes: dict[str, str] = {}
 
     def publish(cn: str, i: int) -> None:
@@ -244,8 +248,7 @@ def test_a_replica_told_its_store_cns_lets_no_other_certificate_claim_a_node(etc
     rogue = RouterClient(replica.address, tls=pki.issue("rogue"))
     node = RouterClient(replica.address, tls=pki.issue("node-a"))
     try:
-        gen = register_store(etcd_config, "node-a")
-        wait_until(lambda: replica.call(replica.router.peer_generations) == {"node-a": gen})
+        gen = store_seen(etcd_config, "node-a", replica)
         stored = [StoreEvent("stored", NS, [1, 2], "node-a")]
         err = refused(rogue.publish, stored, "node-a", gen)
         assert err.code is Code.PERMISSION_DENIED and "--store-cn" in err.message
@@ -257,4 +260,31 @@ def test_a_replica_told_its_store_cns_lets_no_other_certificate_claim_a_node(etc
     finally:
         rogue.close()
         node.close()
+        replica.stop()
+
+
+def test_a_store_cn_bound_to_its_node_claims_no_other_node_in_etcd(etcd_config, pki):
+    """--store-cn CN=NODE_ID on etcd: a bound store certificate publishing first
+    as another node (registered in etcd, its own store not yet publishing) would
+    have claimed it in etcd, and the real store been refused on every replica.
+    The binding is checked before the claim: nothing is claimed, and the node's
+    own certificate claims it."""
+    bound = (NodeBinding("store-a", "node-a"), NodeBinding("store-b", "node-b"))
+    security = Security(pki.server, (ADMIN,), ("store-a", "store-b"), bound)
+    replica = RouterThread(etcd_config, security=security)
+    store_a = RouterClient(replica.address, tls=pki.issue("store-a"))
+    store_b = RouterClient(replica.address, tls=pki.issue("store-b"))
+    try:
+        gen = store_seen(etcd_config, "node-b", replica)
+        stored = [StoreEvent("stored", NS, [1, 2], "node-b")]
+        err = refused(store_a.publish, stored, "node-b", gen)
+        assert (
+            err.code is Code.PERMISSION_DENIED and "bound to certificate 'store-b'" in err.message
+        )
+        assert store_owner(etcd_config, "node-b") is None  # nothing claimed
+        assert store_b.publish(stored, "node-b", gen).applied == 1
+        assert store_owner(etcd_config, "node-b") == "store-b"
+    finally:
+        store_a.close()
+        store_b.close()
         replica.stop()

@@ -12,6 +12,7 @@ from kvstore.router.core import Router, RouterConfig
 from kvstore.service.tls import Security
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
+from kvstore.wire.principal import NodeBinding
 from tests.router.conftest import ServerThread as RouterThread
 from tests.router.conftest import card
 from tests.security.conftest import ADMIN
@@ -352,5 +353,32 @@ def test_a_store_cn_relays_only_for_workers_attached_to_its_node(pki):
         assert gpu_route(tenant, "model-a", [7, 8])[1] == 0
         assert gpu_route(tenant, "model-b", [1, 2]) == ("b0", 2)
         assert gpu_route(tenant, "model-b", [5, 6]) == ("b0", 2)
+    finally:
+        router.stop()
+
+
+def test_a_store_cn_bound_to_its_node_cannot_take_another_nodes_id(pki):
+    """With --store-cn CN=NODE_ID the certificate, not the first advertiser,
+    decides which node a store is: store-a cannot advertise node-b before node-b's
+    own store does (and so relay for the workers attached to it), nor anything
+    but node-a; store-b publishes as node-b as before (ServedRouter.start takes the
+    bindings from the server's Security)."""
+    bound = (NodeBinding("store-a", "node-a"), NodeBinding("store-b", "node-b"))
+    security = Security(pki.server, (ADMIN,), ("store-a", "store-b"), bound)
+    router = RouterThread(Router(RouterConfig()), security=security)
+    try:
+        store_a = RouterClient(router.address, tls=pki.issue("store-a"))
+        store_b = RouterClient(router.address, tls=pki.issue("store-b"))
+        tenant = RouterClient(router.address, tls=pki.issue("tenant-b"))
+        tenant.register_worker("b0", card(display_name="model-b", node_id="node-b"))
+        for node in ("node-b", "node-z"):
+            err = refused(store_a.advertise_peer, node, "127.0.0.1:1", "", [NS])
+            assert err.code == Code.PERMISSION_DENIED and "--store-cn" in str(err)
+        relay = [StoreEvent("stored", NS, [1, 2], "b0", tier="gpu")]
+        assert refused(store_a.publish, relay, "node-b", 1).code == Code.PERMISSION_DENIED
+        gen_b = store_b.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
+        reply = store_b.publish(relay, "node-b", gen_b)
+        assert (reply.applied, reply.dropped) == (1, 0)
+        assert store_a.advertise_peer("node-a", "127.0.0.1:1", "", [NS]) >= 1
     finally:
         router.stop()
