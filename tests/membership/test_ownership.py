@@ -161,7 +161,7 @@ def test_a_store_node_id_belongs_to_its_first_publisher_on_every_replica(
         assert [p.prefix_blocks for p in node[i].query_prefix(NS, [1, 2, 3, 4])] == [2]
     assert admin[1].publish([], "node-a", gen).applied == 0  # an admin may
     # the store registers again: a new generation starts unclaimed
-    gen2 = store_seen(etcd_config, "node-a", replicas[1])
+    store_seen(etcd_config, "node-a", replicas[1])
     assert store_owner(etcd_config, "node-a") is None
 
 
