@@ -258,6 +258,11 @@ def _map_file(fd: int, size: int, info: os.stat_result, what: str) -> MappedRegi
     except OSError as exc:
         doing = f"{what}: cannot map {size} bytes"
         raise os_shortage(exc, doing) or precondition(f"{doing}: {exc.strerror}") from exc
+    except ValueError:  # mmap checks the size again: the file shrank since it was checked
+        raise precondition(
+            f"{what}: shrank below {size} bytes while it was being mapped; the worker "
+            "must keep its KV-cache memory while registered (re-register it)"
+        ) from None
     view = np.frombuffer(mm, dtype=np.uint8)
     return MappedRegion(
         base=view.ctypes.data,

@@ -54,3 +54,24 @@ def test_cuda_out_of_memory_is_the_stores_shortage_and_a_bad_handle_is_not():
         assert word in err.message, err.message
     assert cuda_shortage(runtime.CUDARuntimeError(400), DOING) is None  # invalid handle
     assert cuda_shortage(RuntimeError("no status"), DOING) is None
+
+
+def test_a_file_that_shrank_after_its_size_was_checked_is_a_precondition_not_unknown():
+    """The size is checked (fstat) before the map; a worker truncating its memfd
+    between the two made mmap raise ValueError, answered UNKNOWN. Now it is
+    FAILED_PRECONDITION naming the field, as a shrink under a copy is."""
+    from kvstore.store.memory import _map_file
+    from kvstore.wire.errors import KVError
+
+    fd = os.memfd_create("kv")
+    try:
+        os.ftruncate(fd, 1 << 16)
+        checked = os.fstat(fd)  # what the size check saw
+        os.ftruncate(fd, 1 << 12)  # ... then the worker shrank it
+        with pytest.raises(KVError) as err:
+            _map_file(fd, 1 << 16, checked, DOING)
+        assert err.value.code is Code.FAILED_PRECONDITION
+        assert DOING in err.value.message and "shrank below 65536 bytes" in err.value.message
+        _map_file(fd, 1 << 12, os.fstat(fd), DOING).release()  # what it holds still maps
+    finally:
+        os.close(fd)
