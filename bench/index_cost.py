@@ -89,9 +89,9 @@ class Churn:
         lease.release()
 
     def fetch(self) -> None:
-        blocks = self.index.reserve("bench", self._new(), self.shape, ["cpu"])
-        assert len(slot_table(self.index, blocks).ptr) == BLOCKS * LAYERS
-        assert self.index.adopt(blocks) == BLOCKS
+        made = self.index.reserve("bench", self._new(), self.shape, ["cpu"])
+        assert len(slot_table(self.index, made.blocks, made.offsets).ptr) == BLOCKS * LAYERS
+        assert self.index.adopt(made.blocks) == BLOCKS
 
 
 def measure(slot: int, repeats: int, seed: int) -> dict:

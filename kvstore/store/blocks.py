@@ -137,6 +137,19 @@ def _place(
         block.offsets[where] = row
 
 
+def _by_namespace(keys: list[Key]) -> dict[str, list[int]]:
+    """The hashes of ``keys``, by namespace, in order (one namespace object a run
+    of keys, as a rule: a lookup per run, not per key)."""
+    out: dict[str, list[int]] = {}
+    namespace, hashes = None, []
+    for ns, block_hash in keys:
+        if ns is not namespace:
+            namespace = ns
+            hashes = out.setdefault(ns, [])
+        hashes.append(block_hash)
+    return out
+
+
 class BlockIndex:
     """All blocks of one node, over one slot pool per device."""
 
@@ -489,23 +502,20 @@ class BlockIndex:
 
     def _seal(self, blocks: list[Block]) -> None:
         """Make blocks visible; one STORED event per namespace for the lot."""
-        stored: dict[str, list[int]] = {}
-        writers, lru = self._writers, self._lru
-        namespace, hashes = None, []
+        if not blocks:
+            return
+        keys = [block.key for block in blocks]
+        # a writer's inflight set loses every key at once (the blocks of a claim, as
+        # a rule, have one or two writers between them)
+        for session in set().union(*[block.writers for block in blocks]):
+            mine = self._writers.get(session)
+            if mine is not None:
+                mine.difference_update(keys)
         for block in blocks:
             block.sealed = True
-            key = block.key
-            for session in block.writers:
-                mine = writers.get(session)
-                if mine is not None:
-                    mine.discard(key)
             block.writers = ()
-            lru[key] = block
-            if key[0] is not namespace:  # one namespace object a run, as a rule
-                namespace = key[0]
-                hashes = stored.setdefault(namespace, [])
-            hashes.append(key[1])
-        for namespace, hashes in stored.items():
+        self._lru.update(zip(keys, blocks))
+        for namespace, hashes in _by_namespace(keys).items():
             self._emit(STORED, namespace, hashes)
 
     def _allocate(
@@ -576,23 +586,23 @@ class BlockIndex:
     def _remove_sealed(self, blocks: list[Block]) -> dict[str, list[int]]:
         """Forget sealed blocks (they have no writers) and free their slots in one
         batch; the hashes removed, by namespace."""
-        removed: dict[str, list[int]] = {}
+        if not blocks:
+            return {}
+        keys = [block.key for block in blocks]
         index, lru = self.blocks, self._lru
-        namespace, hashes = None, []
-        for block in blocks:
-            key = block.key
+        for key in keys:
             del index[key]
             del lru[key]
-            if key[0] is not namespace:  # one namespace object a run, as a rule
-                namespace = key[0]
-                hashes = removed.setdefault(namespace, [])
-            hashes.append(key[1])
         frees = SlotFrees()
         frees.add(blocks)
         frees.apply(self._pools)
-        for block in blocks:  # read-only: a stale use of a removed block fails loudly
-            block.offsets = unallocated(len(block.offsets))
-        return removed
+        width = len(blocks[0].offsets)
+        blank = unallocated(width)  # read-only: a stale use of a removed block fails loudly
+        for block in blocks:
+            block.offsets = (
+                blank if len(block.offsets) == width else unallocated(len(block.offsets))
+            )
+        return _by_namespace(keys)
 
     def _drop(self, block: Block) -> None:
         """Forget a block and free every slot it holds (detached ones too), or, while
