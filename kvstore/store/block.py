@@ -178,12 +178,27 @@ class SlotSet:
         slots.flags.writeable = False
         ordered = np.sort(slots)
         sizes = slot_bytes[ordered]
-        runs = tuple(
-            SlotRun(int(size), cells, _as_slice(cells))
-            for size in np.unique(sizes).tolist()
-            for cells in [ordered[sizes == size]]
-        )
-        return cls(slots, slot_mask(slots), runs, int(slot_bytes[slots].sum()))
+        if len(sizes) and bool((sizes == sizes[0]).all()):  # one size, as a rule
+            runs: tuple[SlotRun, ...] = (SlotRun(int(sizes[0]), ordered, _as_slice(ordered)),)
+        else:
+            runs = tuple(
+                SlotRun(int(size), cells, _as_slice(cells))
+                for size in np.unique(sizes).tolist()
+                for cells in [ordered[sizes == size]]
+            )
+        return cls(slots, slot_mask(slots), runs, int(sizes.sum()))
+
+
+def rank_slots(slot_bytes: np.ndarray, tp_size: int, tp_rank: int) -> SlotSet:
+    """Every slot of ``tp_rank`` in a layout of ``slot_bytes`` (layer major, ``tp_size``
+    ranks), worked out once a layout: a fetch reserves them per rank each time."""
+    return _rank_slots(slot_bytes.tobytes(), slot_bytes.dtype.str, tp_size, tp_rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_slots(raw: bytes, dtype: str, tp_size: int, tp_rank: int) -> SlotSet:
+    sizes = np.frombuffer(raw, dtype=dtype)
+    return SlotSet.of(np.arange(tp_rank, len(sizes), tp_size), sizes)
 
 
 def _as_slice(cells: np.ndarray) -> slice | np.ndarray:

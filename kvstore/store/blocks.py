@@ -39,6 +39,7 @@ from kvstore.store.block import (
     new_blocks,
     offset_rows,
     placed,
+    rank_slots,
     unallocated,
 )
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
@@ -444,10 +445,8 @@ class BlockIndex:
         made = new_blocks(namespace, hashes, shape, time.monotonic(), devices=tuple(devices))
         try:
             for tp_rank, device in enumerate(devices):
-                ranks = np.arange(tp_rank, len(shape.slot_bytes), shape.tp_size)
-                self._allocate(
-                    made.blocks, SlotSet.of(ranks, shape.slot_bytes), device, made.offsets
-                )
+                slots = rank_slots(shape.slot_bytes, shape.tp_size, tp_rank)
+                self._allocate(made.blocks, slots, device, made.offsets)
         except BaseException:
             self.discard(made.blocks)
             raise
