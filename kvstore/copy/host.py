@@ -348,9 +348,12 @@ class HostCopier:
             return job.nbytes
         futures = []
         try:
-            pool = self._executor()
-            for share in job.shares[1:]:  # a submit that raises still waits for those before
-                futures.append(pool.submit(share))
+            # one share (a small job, or num_threads 1) needs no pool: with one
+            # thread there is none (a pool of 0 workers cannot be made)
+            if len(job.shares) > 1:
+                pool = self._executor()
+                for share in job.shares[1:]:  # a submit that raises still waits for those before
+                    futures.append(pool.submit(share))
             job.shares[0]()  # the calling thread takes the first share
         finally:
             wait(futures)  # no thread may still touch these bytes once this returns or raises

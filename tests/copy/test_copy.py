@@ -534,3 +534,19 @@ def test_cuda_matches_host_and_large_pieces():
         )
     )
     assert torch.equal(gpu_pool.cpu(), host_pool)
+
+
+def test_one_thread_copies_without_a_pool():
+    """With num_threads 1 (a one-CPU host: min(4, os.cpu_count())) run() made a
+    ThreadPoolExecutor of 0 workers, which raises: every host Save and Load failed."""
+    src = torch.arange(1 << 20, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    pieces = Pieces(
+        np.array([src.data_ptr()], dtype=np.uint64),
+        np.array([dst.data_ptr()], dtype=np.uint64),
+        np.array([src.numel()], dtype=np.uint64),
+    )
+    copier = HostCopier(num_threads=1, parallel_min_bytes=1)  # 1 MiB: "parallel", one thread
+    assert copier.save(pieces) == src.numel()
+    assert torch.equal(src, dst)
+    copier.close()
