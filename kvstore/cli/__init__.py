@@ -465,7 +465,7 @@ async def _serve(args) -> None:
             raise ValueError("--router with --etcd: the routers are found in etcd; drop --router")
         from kvstore.cli.router import store_cns
 
-        stores = store_cns(args.store_cn)
+        stores = store_cns(args.store_cn, args.store_node)
         config = ServerConfig(
             host=args.host,
             port=args.port,

@@ -125,18 +125,26 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         "--store-cn",
         action="append",
         default=[],
-        type=store_cn,
-        metavar="CN[=NODE_ID]",
+        metavar="CN",
         help="a client certificate CN of a store node: only these (and admins) may "
         "advertise store nodes, publish their events and ask which peers hold a "
         "prefix, and relay GPU-tier events for other tenants' workers attached to "
         "the node they publish as (a worker card's node_id; a shared store needs "
         "it; repeatable; with TLS; default: any certificate of the CA, each "
-        "relaying only for workers it admitted itself). CN=NODE_ID binds the "
-        "certificate to that node id: it may act only as its bound node ids, and "
-        "no other certificate as them (without it, the first to advertise a node "
-        "id holds it, so a store certificate could take an unused node id and "
-        "relay for the workers attached to it)",
+        "relaying only for workers it admitted itself). Such a certificate may "
+        "act as any node id it advertises first: bind it with --store-node",
+    )
+    parser.add_argument(
+        "--store-node",
+        action="append",
+        default=[],
+        type=store_node,
+        metavar="CN=NODE_ID",
+        help="a store certificate CN bound to the node id it serves as (its "
+        "--node-id; a store CN too, as --store-cn): it may act only as the node ids "
+        "bound to it, and no other certificate but an admin's as them, so it cannot "
+        "take a node id no store holds yet and relay for the workers attached to "
+        "it (repeatable; split at the last '='; with TLS)",
     )
     parser.add_argument(
         "--identity",
@@ -242,15 +250,15 @@ def security(args: argparse.Namespace) -> Security:
     """TLS, admins and store nodes of --tls-*/--admin/--store-cn; ValueError
     when a TLS flag is missing, --store-cn comes without TLS, or a non-loopback
     --host has no TLS and no --insecure."""
-    stores = store_cns(args.store_cn)
+    stores = store_cns(args.store_cn, args.store_node)
     result = Security(tls_files(args), tuple(args.admin), stores.cns, stores.bound)
     result.check_exposure(args.host, args.insecure)
     check_cn_flags(result)
     return result
 
 
-def store_cn(value: str) -> NodeBinding:
-    """One --store-cn value (argparse type): CN or CN=NODE_ID."""
+def store_node(value: str) -> NodeBinding:
+    """One --store-node value (argparse type): CN=NODE_ID."""
     try:
         return NodeBinding.parse(value)
     except ValueError as exc:
@@ -258,18 +266,17 @@ def store_cn(value: str) -> NodeBinding:
 
 
 class StoreCNs(NamedTuple):
-    """What the --store-cn flags say."""
+    """What the --store-cn and --store-node flags say."""
 
     cns: tuple[str, ...]  # every store CN, once
-    bound: tuple[NodeBinding, ...]  # the CN=NODE_ID ones
+    bound: tuple[NodeBinding, ...]  # the --store-node ones
 
 
-def store_cns(values: list[NodeBinding]) -> StoreCNs:
-    """The --store-cn flags; ValueError when a node id is bound to two CNs."""
-    node_owners(values)
-    return StoreCNs(
-        tuple(dict.fromkeys(b.cn for b in values)), tuple(b for b in values if b.node_id)
-    )
+def store_cns(cns: list[str], bound: list[NodeBinding]) -> StoreCNs:
+    """The --store-cn and --store-node flags; ValueError when a node id is bound
+    to two CNs."""
+    node_owners(bound)
+    return StoreCNs(tuple(dict.fromkeys([*cns, *(b.cn for b in bound)])), tuple(bound))
 
 
 def check_cn_flags(served: Security) -> None:
@@ -277,7 +284,10 @@ def check_cn_flags(served: Security) -> None:
     no CNs); a warning under TLS without --store-cn (any certificate may act as a
     store)."""
     if served.stores and served.tls is None:
-        raise ValueError("--store-cn names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key")
+        raise ValueError(
+            "--store-cn and --store-node name certificate CNs: they need "
+            "--tls-ca/--tls-cert/--tls-key"
+        )
     check_admins(served)
     if served.tls is not None and not served.stores:
         log.warning(

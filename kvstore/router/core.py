@@ -74,7 +74,7 @@ class RouterConfig:
     # it publishes as (the card's node_id). Any other publisher relays only for
     # workers it admitted itself (docs/design.md §8).
     store_cns: frozenset[str] = frozenset()
-    # node id -> the store CN bound to it (--store-cn CN=NODE_ID): only that
+    # node id -> the store CN bound to it (--store-node CN=NODE_ID): only that
     # certificate (or an admin) may advertise or publish as it, and a CN bound
     # to some node ids as no other.
     node_owners: dict[str, str] = field(default_factory=dict)
@@ -484,12 +484,12 @@ class Router:
         if owner is not None and owner != caller.name:
             raise denied(
                 f"{call}: node_id {node_id!r} is bound to certificate {owner!r} "
-                f"(--store-cn {owner}={node_id}), not to {caller}"
+                f"(--store-node {owner}={node_id}), not to {caller}"
             )
         if owner is None and caller.name in owners.values():
             mine = sorted(n for n, cn in owners.items() if cn == caller.name)
             raise denied(
-                f"{call}: {caller} is bound by --store-cn to node ids {mine}, not to "
+                f"{call}: {caller} is bound by --store-node to node ids {mine}, not to "
                 f"node_id {node_id[:64]!r}"
             )
 

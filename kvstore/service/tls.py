@@ -68,7 +68,7 @@ class Security:
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # CNs that may act as store nodes; () = every caller
-    # On a router: store CNs bound to the node ids they publish as (--store-cn CN=NODE)
+    # On a router: store CNs bound to the node ids they publish as (--store-node CN=NODE_ID)
     store_nodes: tuple[NodeBinding, ...] = ()
 
     def check_exposure(self, host: str, insecure: bool) -> None:

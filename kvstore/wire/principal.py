@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError, exhausted
 
 
@@ -56,19 +57,24 @@ def check_owner(what: str, owner: str, caller: Principal) -> None:
 
 
 class NodeBinding(NamedTuple):
-    """A store certificate bound to the node id it publishes as (``--store-cn
+    """A store certificate bound to the node id it publishes as (``--store-node
     CN=NODE_ID``): that certificate may act only as the node ids bound to it, and
     no other certificate but an admin's as them."""
 
     cn: str
-    node_id: str = ""  # "": not bound (it may act as any node id it claims first)
+    node_id: str
 
     @classmethod
     def parse(cls, value: str) -> NodeBinding:
-        """``CN`` or ``CN=NODE_ID``; ValueError naming what is missing."""
-        cn, sep, node_id = value.partition("=")
-        if not cn or (sep and not node_id):
-            raise ValueError(f"expected CN or CN=NODE_ID, got {value!r}")
+        """``CN=NODE_ID``, split at the last ``=`` (a CN may hold one, a node id
+        not); ValueError naming what is wrong."""
+        cn, sep, node_id = value.rpartition("=")
+        if not sep or not cn or not node_id:
+            raise ValueError(f"expected CN=NODE_ID, got {value!r}")
+        if len(node_id) > limits.MAX_NAME_LEN or not node_id.isprintable():
+            raise ValueError(
+                f"node id {node_id[:64]!r}: must be 1-{limits.MAX_NAME_LEN} printable characters"
+            )
         return cls(cn, node_id)
 
 
@@ -76,7 +82,7 @@ def node_owners(bindings: Iterable[NodeBinding]) -> dict[str, str]:
     """node id -> the CN bound to it; ValueError when one is bound to two CNs."""
     owners: dict[str, str] = {}
     for cn, node_id in bindings:
-        if node_id and owners.setdefault(node_id, cn) != cn:
+        if owners.setdefault(node_id, cn) != cn:
             raise ValueError(
                 f"node id {node_id!r} is bound to two certificates: {owners[node_id]!r} and {cn!r}"
             )

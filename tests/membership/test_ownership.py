@@ -264,7 +264,7 @@ def test_a_replica_told_its_store_cns_lets_no_other_certificate_claim_a_node(etc
 
 
 def test_a_store_cn_bound_to_its_node_claims_no_other_node_in_etcd(etcd_config, pki):
-    """--store-cn CN=NODE_ID on etcd: a bound store certificate publishing first
+    """--store-node CN=NODE_ID on etcd: a bound store certificate publishing first
     as another node (registered in etcd, its own store not yet publishing) would
     have claimed it in etcd, and the real store been refused on every replica.
     The binding is checked before the claim: nothing is claimed, and the node's

@@ -1,4 +1,4 @@
-"""Store certificates bound to node ids (``--store-cn CN=NODE_ID``).
+"""Store certificates bound to node ids (``--store-node CN=NODE_ID``).
 
 A trusted store relays GPU-tier events for every worker attached to the node it
 publishes as (tests/router/test_relayed_events.py). Which node that is was
@@ -72,7 +72,7 @@ def test_an_unbound_store_cannot_take_a_bound_node_id(router):
 
 def test_a_bound_store_acts_as_its_own_node_ids_only(router):
     msg = refused(router.advertise_peer, "node-x", "127.0.0.1:9", "", [NS], caller=STORE_A)
-    assert "bound by --store-cn to node ids ['node-a']" in msg
+    assert "bound by --store-node to node ids ['node-a']" in msg
     gen = router.advertise_peer("node-b", "127.0.0.1:2", "", [NS], caller=STORE_B).generation
     relay = [StoreEvent("stored", NS, [1, 2], "b0", tier="gpu")]
     applied = router.apply_store_events("node-b", gen, relay, STORE_B)
@@ -85,15 +85,15 @@ def test_an_admin_acts_as_any_node(router):
 
 
 def test_bindings_parse_and_a_node_id_bound_to_two_certificates_is_refused():
-    from kvstore.cli.router import store_cn, store_cns
+    from kvstore.cli.router import store_cns, store_node
 
-    assert NodeBinding.parse("store-a") == NodeBinding("store-a", "")
-    assert NodeBinding.parse("store-a=node:1=x") == NodeBinding("store-a", "node:1=x")
-    for bad in ("", "=node-a", "store-a="):
-        with pytest.raises(argparse.ArgumentTypeError, match="CN or CN=NODE_ID"):
-            store_cn(bad)
-    stores = store_cns([store_cn("a=n1"), store_cn("b"), store_cn("a=n2")])
-    assert stores.cns == ("a", "b")
+    # split at the last '=': an X.509 CN may hold one, a node id not
+    assert NodeBinding.parse("CN=store,O=x=node-1") == NodeBinding("CN=store,O=x", "node-1")
+    for bad in ("store-a", "=node-a", "store-a=", "a=" + "n" * 300, "a=n\n1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            store_node(bad)
+    stores = store_cns(["b", "a", "ops=x"], [store_node("a=n1"), store_node("a=n2")])
+    assert stores.cns == ("b", "a", "ops=x")  # a bare --store-cn is taken verbatim
     assert stores.bound == (NodeBinding("a", "n1"), NodeBinding("a", "n2"))
     with pytest.raises(ValueError, match="node id 'n1' is bound to two certificates"):
-        store_cns([store_cn("a=n1"), store_cn("b=n1")])
+        store_cns([], [store_node("a=n1"), store_node("b=n1")])

@@ -358,7 +358,7 @@ def test_a_store_cn_relays_only_for_workers_attached_to_its_node(pki):
 
 
 def test_a_store_cn_bound_to_its_node_cannot_take_another_nodes_id(pki):
-    """With --store-cn CN=NODE_ID the certificate, not the first advertiser,
+    """With --store-node CN=NODE_ID the certificate, not the first advertiser,
     decides which node a store is: store-a cannot advertise node-b before node-b's
     own store does (and so relay for the workers attached to it), nor anything
     but node-a; store-b publishes as node-b as before (ServedRouter.start takes the
@@ -373,7 +373,7 @@ def test_a_store_cn_bound_to_its_node_cannot_take_another_nodes_id(pki):
         tenant.register_worker("b0", card(display_name="model-b", node_id="node-b"))
         for node in ("node-b", "node-z"):
             err = refused(store_a.advertise_peer, node, "127.0.0.1:1", "", [NS])
-            assert err.code == Code.PERMISSION_DENIED and "--store-cn" in str(err)
+            assert err.code == Code.PERMISSION_DENIED and "--store-node" in str(err)
         relay = [StoreEvent("stored", NS, [1, 2], "b0", tier="gpu")]
         assert refused(store_a.publish, relay, "node-b", 1).code == Code.PERMISSION_DENIED
         gen_b = store_b.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
