@@ -346,14 +346,14 @@ class HostCopier:
         """Copy a planned job on the calling thread and the pool; returns its bytes."""
         if not job.shares:
             return job.nbytes
+        if len(job.shares) == 1:  # a small job, or one thread: no pool, nothing to wait for
+            job.shares[0]()
+            return job.nbytes
         futures = []
         try:
-            # one share (a small job, or num_threads 1) needs no pool: with one
-            # thread there is none (a pool of 0 workers cannot be made)
-            if len(job.shares) > 1:
-                pool = self._executor()
-                for share in job.shares[1:]:  # a submit that raises still waits for those before
-                    futures.append(pool.submit(share))
+            pool = self._executor()
+            for share in job.shares[1:]:  # a submit that raises still waits for those before
+                futures.append(pool.submit(share))
             job.shares[0]()  # the calling thread takes the first share
         finally:
             wait(futures)  # no thread may still touch these bytes once this returns or raises
@@ -410,6 +410,8 @@ def _balanced_bounds(nbytes: np.ndarray, parts: int) -> list[int]:
 
 def _byte_bounds(total: int, parts: int) -> list[int]:
     """Request offsets cutting `total` bytes into `parts` about equal, aligned ranges."""
+    if parts == 1:
+        return [0, total]
     cuts = {total * k // parts // SPLIT_ALIGN * SPLIT_ALIGN for k in range(1, parts)}
     return [0, *sorted(c for c in cuts if 0 < c < total), total]
 
