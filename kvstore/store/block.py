@@ -189,14 +189,14 @@ class SlotSet:
         return cls(slots, slot_mask(slots), runs, int(sizes.sum()))
 
 
-def rank_slots(slot_bytes: np.ndarray, tp_size: int, tp_rank: int) -> SlotSet:
+def tp_rank_slots(slot_bytes: np.ndarray, tp_size: int, tp_rank: int) -> SlotSet:
     """Every slot of ``tp_rank`` in a layout of ``slot_bytes`` (layer major, ``tp_size``
     ranks), worked out once a layout: a fetch reserves them per rank each time."""
-    return _rank_slots(slot_bytes.tobytes(), slot_bytes.dtype.str, tp_size, tp_rank)
+    return _tp_rank_slots(slot_bytes.tobytes(), slot_bytes.dtype.str, tp_size, tp_rank)
 
 
 @functools.lru_cache(maxsize=256)
-def _rank_slots(raw: bytes, dtype: str, tp_size: int, tp_rank: int) -> SlotSet:
+def _tp_rank_slots(raw: bytes, dtype: str, tp_size: int, tp_rank: int) -> SlotSet:
     sizes = np.frombuffer(raw, dtype=dtype)
     return SlotSet.of(np.arange(tp_rank, len(sizes), tp_size), sizes)
 

@@ -39,7 +39,7 @@ from kvstore.store.block import (
     new_blocks,
     offset_rows,
     placed,
-    rank_slots,
+    tp_rank_slots,
     unallocated,
 )
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
@@ -445,7 +445,7 @@ class BlockIndex:
         made = new_blocks(namespace, hashes, shape, time.monotonic(), devices=tuple(devices))
         try:
             for tp_rank, device in enumerate(devices):
-                slots = rank_slots(shape.slot_bytes, shape.tp_size, tp_rank)
+                slots = tp_rank_slots(shape.slot_bytes, shape.tp_size, tp_rank)
                 self._allocate(made.blocks, slots, device, made.offsets)
         except BaseException:
             self.discard(made.blocks)

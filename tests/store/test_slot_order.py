@@ -133,13 +133,13 @@ def test_a_ranks_slots_are_worked_out_once_a_seal():
 
 
 def test_a_ranks_slots_in_a_layout_are_worked_out_once_for_every_fetch():
-    from kvstore.store.block import rank_slots
+    from kvstore.store.block import tp_rank_slots
 
     sizes = np.array([512, 512, 256, 256, 512, 512])  # 3 layers x tp 2
     sizes.flags.writeable = False
-    one = rank_slots(sizes, 2, 1)
+    one = tp_rank_slots(sizes, 2, 1)
     assert one.slots.tolist() == [1, 3, 5] and one.nbytes == 512 + 256 + 512
     assert [(r.size, r.cells.tolist()) for r in one.runs] == [(256, [3]), (512, [1, 5])]
-    assert rank_slots(sizes.copy(), 2, 1) is one  # the same layout: the same set
-    assert rank_slots(sizes, 2, 0).slots.tolist() == [0, 2, 4]
-    assert rank_slots(sizes, 3, 1).slots.tolist() == [1, 4]  # another tp: another set
+    assert tp_rank_slots(sizes.copy(), 2, 1) is one  # the same layout: the same set
+    assert tp_rank_slots(sizes, 2, 0).slots.tolist() == [0, 2, 4]
+    assert tp_rank_slots(sizes, 3, 1).slots.tolist() == [1, 4]  # another tp: another set
