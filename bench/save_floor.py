@@ -35,18 +35,23 @@ other tree's root with its PYTHONPATH).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.save_full_empty import CACHE_BLOCKS, LAYERS, SLOT, Keys, copier_op, start
+from bench.save_full_empty import (
+    CACHE_BLOCKS,
+    LAYERS,
+    SLOT,
+    Keys,
+    copier_op,
+    spread,
+    start,
+    write_run,
+)
 
 COUNTS = (1, 2, 4, 8)
 FIRST = {n: sum(COUNTS[:i]) for i, n in enumerate(COUNTS)}  # each size's source blocks
@@ -98,8 +103,9 @@ class Ops:
         self.verified += 1
 
 
-def spread(xs: list[float], scale: float = 1e6, digits: int = 1) -> list[float]:
-    return [round(float(x) * scale, digits) for x in np.quantile(xs, [0.1, 0.5, 0.9])]
+def us(xs: list[float]) -> list[float]:
+    """p10/p50/p90 of seconds ``xs`` in microseconds."""
+    return spread(xs, 1e6, 1)
 
 
 def run(rounds: int, ops_per_round: int, seed: int = 0) -> tuple[list[dict], dict]:
@@ -131,13 +137,13 @@ def run(rounds: int, ops_per_round: int, seed: int = 0) -> tuple[list[dict], dic
         save, load, cop = p50s[f"save_{n}"], p50s[f"load_{n}"], p50s[f"copier_{n}"]
         rows.append({
             "blocks": n, "request_bytes": n * LAYERS * SLOT,
-            "rtt_us_p10_p50_p90": spread(rtt),
-            "save_us_p10_p50_p90": spread(save),
-            "load_us_p10_p50_p90": spread(load),
-            "copier_us_p10_p50_p90": spread(cop),
-            "save_over_floor_us_p10_p50_p90": spread(
+            "rtt_us_p10_p50_p90": us(rtt),
+            "save_us_p10_p50_p90": us(save),
+            "load_us_p10_p50_p90": us(load),
+            "copier_us_p10_p50_p90": us(cop),
+            "save_over_floor_us_p10_p50_p90": us(
                 [s - r - c for s, r, c in zip(save, rtt, cop, strict=True)]),
-            "load_over_floor_us_p10_p50_p90": spread(
+            "load_over_floor_us_p10_p50_p90": us(
                 [x - r - c for x, r, c in zip(load, rtt, cop, strict=True)]),
         })  # fmt: skip
     return rows, {"verified_round_trips": ops.verified, "evictions": evictions}
@@ -161,24 +167,17 @@ def main() -> None:
             f"{r['save_over_floor_us_p10_p50_p90']} load {r['load_over_floor_us_p10_p50_p90']}"
         )
     print(meta)
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {}
-    doc.update({
-        "benchmark": "small Save and Load RPCs against one gRPC round trip plus their copy",
-        "note": "us = wall time of one RPC seen by the client; per round the p50 of --ops "
+    write_run(
+        Path(args.out),
+        "small Save and Load RPCs against one gRPC round trip plus their copy",
+        "us = wall time of one RPC seen by the client; per round the p50 of --ops "
         "calls in a row, ops in a fresh random order per round; spread over rounds; "
         "over_floor = op - (rtt + copier) per round; copier = the host copier's RegionTable "
         "blocks path on the same blocks in-process; every round's last Save of each size "
         "loaded back and compared",
-    })  # fmt: skip
-    doc.setdefault("runs", {})[args.label] = {
-        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
-        "rounds": rounds, "ops_per_round": args.ops, "rows": rows, **meta,
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                 "load_avg": [round(x, 2) for x in os.getloadavg()]},
-    }  # fmt: skip
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+        args.label,
+        {"rounds": rounds, "ops_per_round": args.ops, "rows": rows, **meta},
+    )
 
 
 if __name__ == "__main__":

@@ -264,19 +264,26 @@ def main() -> None:
             f"python us/block {r['python_us_per_block_p10_p50_p90']}"
         )
     print(f"slope {slope:.2f} us/block, intercept {intercept:.2f} ms; {meta}")
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {}
-    doc.update({
-        "benchmark": "Save RPC into a full (evicting) pool vs an empty one; Python cost per block",
-        "note": "ms = wall time of one Save RPC seen by the client; copier = the host copier's "
+    write_run(
+        Path(args.out),
+        "Save RPC into a full (evicting) pool vs an empty one; Python cost per block",
+        "ms = wall time of one Save RPC seen by the client; copier = the host copier's "
         "RegionTable blocks path on the same blocks in-process; python_us_per_block = "
         "(save_empty - copier) / blocks per repeat; full_over_empty per repeat; all ops "
         "interleaved in random order; every Save's bytes loaded back and compared (untimed)",
-    })  # fmt: skip
-    doc.setdefault("runs", {})[args.label] = {
-        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
-        "repeats": repeats, "rows": table, "slope_us_per_block": round(slope, 2),
-        "intercept_ms": round(intercept, 3), **meta,
+        args.label,
+        {"repeats": repeats, "rows": table, "slope_us_per_block": round(slope, 2),
+         "intercept_ms": round(intercept, 3), **meta},
+    )  # fmt: skip
+
+
+def write_run(out: Path, benchmark: str, note: str, label: str, run: dict) -> None:
+    """Merge one run into the JSON at ``out`` as ``runs[label]`` (other labels kept),
+    stamped with the time and the host."""
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc.update({"benchmark": benchmark, "note": note})
+    doc.setdefault("runs", {})[label] = {
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"), **run,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                  "load_avg": [round(x, 2) for x in os.getloadavg()]},
     }  # fmt: skip
