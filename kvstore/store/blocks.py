@@ -51,6 +51,8 @@ from kvstore.wire.sizes import format_size
 log = logging.getLogger(__name__)
 
 INFLIGHT_TIMEOUT_S = 120.0
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+_NO_SLOTS.flags.writeable = False
 
 
 @dataclass(eq=False)
@@ -552,39 +554,53 @@ class BlockIndex:
             raise
 
     def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
-        """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction)."""
+        """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction).
+        The same-size victims' slots are handed over as they are (a full pool in
+        steady state frees and takes nothing); the rest come from the pool."""
+        handed = _NO_SLOTS
         if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
+            frees = SlotFrees()
             need = pool.shortfall(size, count)
-            self._evict(same_size_victims(self._lru.values(), pool, size, need))
+            self._evict(same_size_victims(self._lru.values(), pool, size, need), frees)
+            handed = frees.take(pool.device, size, count)
+            frees.apply(self._pools)
             tried: set[int] = set()
-            while not pool.can_alloc(size, count):
+            while not pool.can_alloc(size, count - len(handed)):
                 others = (b for b in self.blocks.values() if not b.sealed)
                 found = slab_victims(pool, list(self._lru.values()), others, tried)
                 if found is None:
                     break
                 tried.add(found[0])
                 self._evict(found[1])
-        offsets = pool.alloc(size, count)
+        if len(handed) == count:
+            return handed
+        offsets = pool.alloc(size, count - len(handed))
         if offsets is None:
+            if len(handed):
+                pool.free(size, handed)  # all or nothing: the victims stay evicted
             raise exhausted(
                 f"pool on {pool.device} cannot hold {count} slots of {size} bytes: "
                 f"{pool.used_bytes} of {pool.pool_bytes} bytes used, by blocks held by "
                 "a load, a lease or a save in flight"
             )
-        return offsets
+        return np.concatenate((handed, offsets)) if len(handed) else offsets
 
-    def _evict(self, blocks: list[Block]) -> None:
-        """Drop unpinned sealed blocks: one free per slot size, one event per namespace."""
+    def _evict(self, blocks: list[Block], frees: SlotFrees | None = None) -> None:
+        """Drop unpinned sealed blocks: one free per slot size, one event per
+        namespace. With ``frees``, their slots are gathered there, for the caller
+        to reuse and free."""
         if not blocks:
             return
-        removed = self._remove_sealed(blocks)
+        removed = self._remove_sealed(blocks, frees)
         self._evictions += len(blocks)
         for namespace, hashes in removed.items():
             self._emit(REMOVED, namespace, hashes)
 
-    def _remove_sealed(self, blocks: list[Block]) -> dict[str, list[int]]:
+    def _remove_sealed(
+        self, blocks: list[Block], frees: SlotFrees | None = None
+    ) -> dict[str, list[int]]:
         """Forget sealed blocks (they have no writers) and free their slots in one
-        batch; the hashes removed, by namespace."""
+        batch, or gather them in ``frees``; the hashes removed, by namespace."""
         if not blocks:
             return {}
         keys = [block.key for block in blocks]
@@ -592,9 +608,10 @@ class BlockIndex:
         for key in keys:
             del index[key]
             del lru[key]
-        frees = SlotFrees()
-        frees.add(blocks)
-        frees.apply(self._pools)
+        if frees is None:
+            SlotFrees.free(blocks, self._pools)
+        else:
+            frees.add(blocks)
         width = len(blocks[0].offsets)
         blank = unallocated(width)  # read-only: a stale use of a removed block fails loudly
         for block in blocks:
@@ -619,9 +636,7 @@ class BlockIndex:
         block, and the late bytes would land in it (its claim frees them then)."""
         if block.copying:
             return
-        frees = SlotFrees()
-        frees.add([block])
-        frees.apply(self._pools)
+        SlotFrees.free([block], self._pools)
         block.offsets[:] = -1
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:

@@ -120,6 +120,13 @@ class SlotFrees:
     def __init__(self) -> None:
         self._offsets: dict[tuple[str, int], list[np.ndarray]] = {}
 
+    @classmethod
+    def free(cls, blocks: list[Block], pools: dict[str, SlotPool]) -> None:
+        """Free every allocated slot of ``blocks`` now."""
+        frees = cls()
+        frees.add(blocks)
+        frees.apply(pools)
+
     def add(self, blocks: list[Block]) -> None:
         """Take note of every allocated slot of ``blocks`` (read before they are reset)."""
         groups: dict[tuple, list[Block]] = {}  # blocks alike: same slot sizes and devices
@@ -143,6 +150,28 @@ class SlotFrees:
             for size in [int(sizes[0])] if uniform else np.unique(sizes).tolist():
                 cells = offsets[:, idx if uniform else idx[sizes == size]].ravel()
                 self._offsets.setdefault((device, size), []).append(cells[cells >= 0])
+
+    def take(self, device: str, nbytes: int, count: int) -> np.ndarray:
+        """Up to ``count`` of the gathered slots on ``device`` whose size rounds as
+        ``nbytes`` does, kept out of :meth:`apply`: a save reuses the slots of
+        the blocks it evicted as they are, one for one, without freeing them to
+        the pool and taking them back (``SlotPool.alloc`` would). In the order
+        gathered: block after block, each block's in slot order, so a block
+        made of a same-layout victim's slots lies in the runs it did."""
+        size, out, got = round_size(nbytes), [], 0
+        for key, parts in self._offsets.items():
+            if got == count:
+                break
+            if key[0] != device or round_size(key[1]) != size:
+                continue
+            cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            n = min(count - got, len(cells))
+            out.append(cells[:n])
+            parts[:] = [cells[n:]]
+            got += n
+        if not out:
+            return np.empty(0, dtype=np.int64)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def apply(self, pools: dict[str, SlotPool]) -> None:
         for (device, size), offsets in self._offsets.items():

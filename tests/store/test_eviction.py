@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvstore.testing.store import make_instance, make_store, run
+from kvstore.wire.errors import Code, KVError
 
 SLAB = 8 << 20
 POOL = 32 << 20
@@ -106,3 +109,61 @@ def test_a_slab_that_a_peer_fetch_also_holds_is_not_emptied_for_nothing():
     assert index.snapshot() == [("a", 0), ("a", 1), ("a", 2)]
     index.discard(fetching.blocks)
     index.pool("cpu").check()
+
+
+def offsets_of(node, ns, block_hash):
+    return node.index.blocks[(ns, block_hash)].offsets.tolist()
+
+
+def test_a_save_into_a_full_pool_takes_over_the_evicted_blocks_slots():
+    """Steady state of a full cache: the victim's slots go to the new block as they
+    lie (one run stays one run), freed to the pool and taken back by no one."""
+    node = make_store(pool_bytes=POOL, slab_bytes=SLAB)
+    small, ns, _, _ = fill_with_small_blocks(node)
+    pool = node.index.pool("cpu")
+    lru = [h for _, h in node.index.snapshot()]
+    # the three oldest, in an order their addresses do not follow (a pool that
+    # freed and took them back would hand them out in address order)
+    oldest = sorted(lru[:3], key=lambda h: offsets_of(node, ns, h), reverse=True)
+    node.release(node.query(ns, oldest + lru[3:], lease=True).lease_id)
+    assert [h for _, h in node.index.snapshot()[:3]] == oldest
+    slots = [offsets_of(node, ns, h) for h in oldest]
+    saved(node, small, [7001, 7002, 7003], first_id=100)
+    assert not any(node.query(ns, [h]).prefix_blocks for h in oldest)
+    assert [offsets_of(node, ns, h) for h in (7001, 7002, 7003)] == slots
+    assert pool.free_bytes == 0
+    pool.check()
+
+
+def test_a_victims_slots_beyond_what_the_save_needs_go_back_to_the_pool():
+    node = make_store(pool_bytes=POOL, slab_bytes=SLAB)
+    fill_with_small_blocks(node)  # two 32 KiB slots a block
+    (one,) = make_instance(
+        node.registry, "one", tp_size=1, layers=1, num_blocks=4, block_bytes=SMALL, ns="one"
+    )
+    before = node.index.stats().evictions
+    run(node.save(one.reg.caller_id, [(8001, 0)]))  # one 32 KiB slot
+    assert node.index.stats().evictions - before == 1
+    pool = node.index.pool("cpu")
+    assert pool.free_bytes == SMALL  # the victim's second slot
+    pool.check()
+
+
+def test_slots_taken_over_go_back_when_the_rest_cannot_be_had():
+    """A save that evicts a block, takes its slots, and still cannot get the rest
+    (every other block pinned) is refused and keeps nothing: the victim stays
+    evicted, its slots are free, the pool's accounts hold."""
+    node = make_store(pool_bytes=POOL, slab_bytes=SLAB)
+    small, ns, hashes, _ = fill_with_small_blocks(node)
+    oldest = node.index.snapshot()[0][1]
+    node.query(ns, [h for h in hashes if h != oldest], lease=True, lease_ms=60_000)
+    with pytest.raises(KVError) as info:
+        saved(node, small, [9001, 9002], first_id=100)
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert not node.query(ns, [9001]).prefix_blocks and not node.query(ns, [oldest]).prefix_blocks
+    pool = node.index.pool("cpu")
+    assert pool.free_bytes == 2 * SMALL
+    pool.check()
+    saved(node, small, [9003], first_id=100)  # the freed slots serve the next save
+    assert node.query(ns, [9003]).prefix_blocks == 1
+    pool.check()
