@@ -19,25 +19,37 @@ each other. Plain functions over blocks; the block index applies the result.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
 
-from kvstore.store.block import Block, offset_rows
+from kvstore.store.block import Block, SlotSet, offset_rows
 from kvstore.store.pool import SlotPool, round_size
 
 
-def rank_slots(block: Block, device: str) -> np.ndarray:
-    """Indices of the slots of the block's ranks whose memory is on ``device``."""
-    here = [d == device for d in block.devices]
-    if all(here):  # every rank here: the common case
-        return np.arange(len(block.slot_bytes))
-    return np.flatnonzero(np.array(here)[np.arange(len(block.slot_bytes)) % block.tp_size])
+def device_slots(block: Block, device: str) -> SlotSet:
+    """The slots of the block's ranks whose memory is on ``device``, by size:
+    worked out once a layout and placement (an eviction reads them per kind of
+    block, and a one-block save evicts one block a call)."""
+    slot_bytes = block.slot_bytes
+    return _device_slots(
+        slot_bytes.tobytes(), slot_bytes.dtype.str, block.tp_size, block.devices, device
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_slots(
+    raw: bytes, dtype: str, tp_size: int, devices: tuple[str | None, ...], device: str
+) -> SlotSet:
+    sizes = np.frombuffer(raw, dtype=dtype)
+    here = np.array([d == device for d in devices])
+    return SlotSet.of(np.flatnonzero(here[np.arange(len(sizes)) % tp_size]), sizes)
 
 
 def slots_on(block: Block, device: str) -> np.ndarray:
     """Indices of the block's allocated slots that live on ``device``."""
-    idx = rank_slots(block, device)
+    idx = device_slots(block, device).slots
     return idx[block.offsets[idx] >= 0]
 
 
@@ -60,10 +72,8 @@ def same_size_victims(lru: Iterable[Block], pool: SlotPool, nbytes: int, need: i
             key = (id(block.slot_bytes), block.devices)
             count = counts.get(key)
             if count is None:
-                idx = rank_slots(block, device)
-                count = counts[key] = int(
-                    np.count_nonzero(round_size(block.slot_bytes[idx]) == size)
-                )
+                runs = device_slots(block, device).runs
+                count = counts[key] = sum(len(r.cells) for r in runs if round_size(r.size) == size)
         if count:
             out.append(block)
             freed += count
@@ -144,12 +154,9 @@ class SlotFrees:
         first = group[0]
         offsets = offset_rows(group)
         for device in {d for d in first.devices if d is not None}:
-            idx = rank_slots(first, device)
-            sizes = first.slot_bytes[idx]
-            uniform = bool((sizes == sizes[0]).all())
-            for size in [int(sizes[0])] if uniform else np.unique(sizes).tolist():
-                cells = offsets[:, idx if uniform else idx[sizes == size]].ravel()
-                self._offsets.setdefault((device, size), []).append(cells[cells >= 0])
+            for run in device_slots(first, device).runs:
+                cells = offsets[:, run.where].ravel()
+                self._offsets.setdefault((device, run.size), []).append(cells[cells >= 0])
 
     def take(self, device: str, nbytes: int, count: int) -> np.ndarray:
         """Up to ``count`` of the gathered slots on ``device`` whose size rounds as

@@ -11,7 +11,6 @@ slots are kept as integer stacks in numpy arrays, never as Python objects.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,11 +153,12 @@ class SlotPool:
     def holds_when_empty(self, wanted: dict[int, int]) -> bool:
         """Whether this pool, emptied of every slot, could hold ``wanted`` (slot
         bytes -> count) at once: each size class takes whole slabs of its own."""
-        per_class: Counter[int] = Counter()
+        per_class: dict[int, int] = {}  # (a Counter costs more than the check, on every save)
         for nbytes, count in wanted.items():
-            per_class[round_size(nbytes)] += count
-        if any(size > self.slab_bytes for size in per_class):
-            return False
+            size = round_size(nbytes)
+            if size > self.slab_bytes:
+                return False
+            per_class[size] = per_class.get(size, 0) + count
         slabs = sum(-(-count // (self.slab_bytes // size)) for size, count in per_class.items())
         return slabs <= self.num_slabs
 
