@@ -7,13 +7,14 @@ a full pool, against moving their bytes.
 The Save RPC's bookkeeping without gRPC, copy threads or another process, so
 its per-block cost reads through the noise of a shared 2-core host: a
 ``BlockIndex`` over one host ``SlotPool`` (8 MiB slabs, as a server runs)
-holds three requests of 256 blocks x 32 layers, and every timed Save claims
-256 new blocks (evicting the 256 oldest: a cache in steady state), computes
+holds three requests of 256 blocks x 32 layers (at least one slab of them: 64
+requests of the one-block shape), and every timed Save claims a request's
+new blocks (evicting as many of the oldest: a cache in steady state), computes
 their slot addresses and finishes (seals) them: ``kvstore.store.node``'s
 save path minus the copy. The two ends of a peer fetch of such a request, minus
 the transfer: ``serve`` leases the newest request's sealed blocks and builds
 their slot table, then releases them (``kvstore.store.fetch.StoreSource``);
-``fetch`` reserves 256 new detached blocks (evicting), builds their slot table
+``fetch`` reserves a request's new detached blocks (evicting), builds their slot table
 and adopts them (``StoreSink``, ``StoreReservation.commit``). The 64 KiB case
 allocates (and zero-fills) a 1.5 GiB host pool.
 
@@ -23,8 +24,9 @@ move; the copied bytes are compared). ``ratio_index_over_memcpy`` is per repeat
 index time / memcpy time: the share the bookkeeping adds to the cheapest copy
 (``ratio_serve_over_memcpy``, ``ratio_fetch_over_memcpy`` likewise).
 
-JSON (``--out``): ``runs[label]`` holds one run's rows (slot bytes 4 KiB and
-64 KiB); other labels already in the file are kept.
+JSON (``--out``): ``runs[label]`` holds one run's rows (256 blocks of 4 KiB and
+of 64 KiB slots, and one block of 4 KiB slots: a decode step's Save, where the
+cost per call shows); other labels already in the file are kept.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from bench.rma import quantiles
 from kvstore.store.block import SlotSet
 from kvstore.store.blocks import BlockIndex, Writer
 from kvstore.store.fetch import StoreSource, slot_table
-from kvstore.store.pool import SlotPool
+from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 
-LAYERS, BLOCKS, HELD = 32, 256, 3  # a request; requests the pool holds
-SLOTS = (4 << 10, 64 << 10)
+LAYERS, HELD = 32, 3  # slots a block; requests the pool holds (at least one slab)
+# (slot bytes, blocks a request): two large requests, and the one-block Save of a decode step
+SHAPES = ((4 << 10, 256), (64 << 10, 256), (4 << 10, 1))
 
 
 @dataclass(frozen=True)
@@ -59,44 +62,48 @@ class Shape:
 
 
 class Churn:
-    """An index whose pool is full: each save brings BLOCKS new blocks, evicts as many."""
+    """An index whose pool is full: each save brings ``blocks`` new blocks, evicts as many."""
 
-    def __init__(self, slot: int):
-        self.index = BlockIndex({"cpu": SlotPool(HELD * BLOCKS * LAYERS * slot, "cpu")})
+    def __init__(self, slot: int, blocks: int):
+        self.blocks = blocks
+        request = blocks * LAYERS * slot
+        held = max(HELD, DEFAULT_SLAB_BYTES // request)  # a pool holds one slab at least
+        self.index = BlockIndex({"cpu": SlotPool(held * request, "cpu")})
         self.shape = Shape(np.full(LAYERS, slot, dtype=np.int64))
         self.slots = SlotSet.of(np.arange(LAYERS), self.shape.slot_bytes)
         self.writer = Writer("bench", 0, "cpu")
         self.source = StoreSource(self.index)
         self.next = 0
-        for _ in range(HELD):
+        for _ in range(held):
             self.save()
-        assert self.index.stats().sealed_blocks == HELD * BLOCKS
+        assert self.index.stats().sealed_blocks == held * blocks
+        assert self.index.pool_stats().free_bytes == 0
 
     def _new(self) -> list[int]:
-        hashes = self.newest = list(range(self.next, self.next + BLOCKS))
-        self.next += BLOCKS
+        hashes = self.newest = list(range(self.next, self.next + self.blocks))
+        self.next += self.blocks
         return hashes
 
     def save(self) -> None:
         claim = self.index.claim("bench", self._new(), self.shape, self.slots, self.writer)
         self.index.addresses(claim.blocks, self.slots.slots, "cpu")
         done = self.index.finish(claim)
-        assert done.sealed == BLOCKS
+        assert done.sealed == self.blocks
 
     def serve(self) -> None:
         lease = self.source.lease("bench", self.newest)
-        assert lease is not None and len(lease.slots.ptr) == BLOCKS * LAYERS
+        assert lease is not None and len(lease.slots.ptr) == self.blocks * LAYERS
         lease.release()
 
     def fetch(self) -> None:
         made = self.index.reserve("bench", self._new(), self.shape, ["cpu"])
-        assert len(slot_table(self.index, made.blocks, made.offsets).ptr) == BLOCKS * LAYERS
-        assert self.index.adopt(made.blocks) == BLOCKS
+        assert len(slot_table(self.index, made.blocks, made.offsets).ptr) == self.blocks * LAYERS
+        assert self.index.adopt(made.blocks) == self.blocks
 
 
-def measure(slot: int, repeats: int, seed: int) -> dict:
-    churn = Churn(slot)
-    nbytes = BLOCKS * LAYERS * slot
+def measure(slot: int, blocks: int, repeats: int, seed: int) -> dict:
+    churn = Churn(slot, blocks)
+    nbytes = blocks * LAYERS * slot
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     ops = {
@@ -115,16 +122,16 @@ def measure(slot: int, repeats: int, seed: int) -> dict:
     for op in ("serve", "fetch"):
         t = np.array(times[op])
         ends[f"{op}_ms_p10_p50_p90"] = quantiles(t, 1e3)
-        ends[f"{op}_us_per_block_p10_p50_p90"] = quantiles(t / BLOCKS, 1e6)
+        ends[f"{op}_us_per_block_p10_p50_p90"] = quantiles(t / blocks, 1e6)
         ends[f"ratio_{op}_over_memcpy_p10_p50_p90"] = quantiles(t / memcpy)
     return {
         "slot_bytes": slot,
-        "blocks": BLOCKS,
+        "blocks": blocks,
         "layers": LAYERS,
         "request_bytes": nbytes,
         "evictions": churn.index.stats().evictions,
         "index_ms_p10_p50_p90": quantiles(index, 1e3),
-        "index_us_per_block_p10_p50_p90": quantiles(index / BLOCKS, 1e6),
+        "index_us_per_block_p10_p50_p90": quantiles(index / blocks, 1e6),
         "memcpy_ms_p10_p50_p90": quantiles(memcpy, 1e3),
         "ratio_index_over_memcpy_p10_p50_p90": quantiles(index / memcpy),
         **ends,
@@ -137,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--label", default="latest", help="the run's name in the JSON")
     p.add_argument("--out", type=Path, default=Path("bench/results/index_cost.json"))
     args = p.parse_args(argv)
-    rows = [measure(slot, args.repeats, seed) for seed, slot in enumerate(SLOTS)]
+    rows = [measure(*shape, args.repeats, seed) for seed, shape in enumerate(SHAPES)]
     for r in rows:
         print(
-            f"{r['slot_bytes'] >> 10:>3} KiB slots: index {r['index_ms_p10_p50_p90']} ms, "
+            f"{r['blocks']:>3} x {r['slot_bytes'] >> 10:>2} KiB slots: "
+            f"index {r['index_ms_p10_p50_p90']} ms, "
             f"{r['index_us_per_block_p10_p50_p90']} us/block; memcpy {r['memcpy_ms_p10_p50_p90']}"
             f" ms; index/memcpy {r['ratio_index_over_memcpy_p10_p50_p90']}; serve "
             f"{r['serve_ms_p10_p50_p90']} ms, fetch {r['fetch_ms_p10_p50_p90']} ms"
@@ -156,9 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     doc = {
         "benchmark": "BlockIndex bookkeeping in a full pool: a Save (claim, addresses, "
         "finish) and both ends of a peer fetch (serve, fetch)",
-        "note": "index = claim of 256 new blocks x 32 slots evicting 256, their slot "
-        "addresses, finish; serve = lease of the newest 256 sealed blocks, their slot "
-        "table, release; fetch = reserve of 256 new detached blocks evicting 256, their "
+        "note": "index = claim of a request's new blocks (256, or 1) x 32 slots evicting as "
+        "many, their slot addresses, finish; serve = lease of the newest request's sealed "
+        "blocks, their slot table, release; fetch = reserve of a request's new detached "
+        "blocks evicting as many, their "
         "slot table, adopt; memcpy = one contiguous copy of the request's bytes, bytes "
         "compared; all interleaved in random order; ratios per repeat (runs before "
         "fetch_* have index rows only)",
