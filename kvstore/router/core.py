@@ -174,6 +174,14 @@ class Router:
             worker, old = self.admission.admit(name, card, generation, caller)
             if old is not None:
                 self._forget(old)
+            owing = self._owe_snapshots(self.relays.admitted(name))
+        if owing:
+            log.info(
+                "%s admitted anew: asking node(s) %s for their snapshots again (they "
+                "relayed GPU-tier events for it)",
+                name,
+                ", ".join(owing),
+            )
         log.info(
             "admitted %s gen %d into %s (domain %s)%s",
             name,
@@ -207,6 +215,17 @@ class Router:
         log.info("removed %s gen %d", name, worker.ref.generation)
         self._notify(None, worker)
         return worker
+
+    def _owe_snapshots(self, node_ids: list[str]) -> list[str]:
+        """Those of ``node_ids`` advertised now owe their snapshot: their next
+        numbered batch is answered resync (a node advertised later sends one first)."""
+        owing = []
+        for node_id in node_ids:
+            peer = self.peers.get(node_id)
+            if peer is not None:
+                peer.owes_snapshot = True
+                owing.append(node_id)
+        return owing
 
     def _forget(self, worker: Worker) -> None:
         self.domains.forget(worker)
@@ -291,6 +310,8 @@ class Router:
         none): the worker it applied for, else None (counted)."""
         worker = self.admission.workers.get(event.worker)
         if event.tier != GPU_TIER or worker is None:
+            if node_id and event.tier == GPU_TIER:  # it is asked again once admitted
+                self.relays.await_worker(node_id, event.worker)
             self._drops.add(DropCause.UNKNOWN_WORKER)
             return None
         if not self.may_relay_for(caller, worker, node_id):
@@ -394,6 +415,8 @@ class Router:
                 self._forget_relays(node_id, caller)
             if seq or snapshot:
                 peer.last_seq = seq
+            if snapshot:
+                peer.owes_snapshot = False
             applied = sum(self._apply_store_event(peer, e, caller) for e in events)
             return EventsApplied(applied, len(events) - applied)
 

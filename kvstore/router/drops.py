@@ -26,6 +26,9 @@ class DropCause(StrEnum):
     # (Router.may_relay_for: not its owner, an admin or a --store-cn store
     # publishing as the node the worker is attached to)
     RELAY_REFUSED = "relay_refused"
+    # a numbered batch of a node that owes a snapshot: a worker it relayed for
+    # was admitted anew (Peer.owes_snapshot), so it is answered resync
+    SNAPSHOT_OWED = "snapshot_owed"
 
 
 @dataclass
@@ -41,6 +44,7 @@ class EventDrops:
     other_kv_group: int = 0
     no_room: int = 0
     relay_refused: int = 0
+    snapshot_owed: int = 0
 
     def add(self, cause: DropCause, count: int = 1) -> None:
         setattr(self, cause.value, getattr(self, cause.value) + count)

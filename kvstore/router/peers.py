@@ -49,6 +49,10 @@ class Peer:
     # joined from etcd with no owner recorded yet, claimed by its first publisher.
     owner: str | None = None
     last_seq: int = 0  # the last numbered batch applied under this generation (0: none)
+    # A worker it relayed for was admitted anew (its GPU tier starts empty, or
+    # missed the relays): its next numbered batch is answered resync, and its
+    # snapshot states the relays again.
+    owes_snapshot: bool = False
 
     def sequence_fault(self, seq: int, snapshot: bool) -> DropCause | None:
         """None when a batch numbered ``seq`` may apply now, else why it may not.
@@ -56,10 +60,13 @@ class Peer:
         ``seq`` 0 is unsequenced and always applies; so does a snapshot (it is
         the node's whole state as its sender knows it, and numbering restarts
         from it). Any other numbered batch must be the very next one after the
-        last applied, and a snapshot must have come first.
+        last applied, and a snapshot must have come first (and come again
+        when the node owes one).
         """
         if seq == 0 or snapshot:
             return None
+        if self.owes_snapshot:
+            return DropCause.SNAPSHOT_OWED
         if seq <= self.last_seq:
             return DropCause.STALE_SEQUENCE
         if self.last_seq and seq == self.last_seq + 1:

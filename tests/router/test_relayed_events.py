@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.router.core import EventsApplied, Router, RouterConfig
-from kvstore.router.relays import MAX_RELAYERS_PER_WORKER
+from kvstore.router.relays import MAX_AWAITED_WORKERS, MAX_RELAYERS_PER_WORKER, RelayLedger
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -269,3 +269,20 @@ def test_node_ids_churning_through_one_worker_keep_the_ledger_bounded(tenants):
     gen = router.advertise_peer(last[-1], "127.0.0.1:3", "", [NS], caller=TENANT_A).generation
     router.apply_store_events(last[-1], gen, [], TENANT_A, seq=1, snapshot=True)
     assert gpu_depth(router, "a0") == 0
+
+
+def test_the_names_awaited_for_a_snapshot_are_bounded():
+    """Relays for workers not admitted name them from the publisher's events: the
+    ledger keeps at most MAX_AWAITED_WORKERS names (the longest-remembered go
+    first), MAX_RELAYERS_PER_WORKER nodes a name, and no name a worker could not have."""
+    ledger = RelayLedger()
+    ledger.await_worker("node-a", "x" * (limits.MAX_NAME_LEN + 1))
+    assert ledger.admitted("x" * (limits.MAX_NAME_LEN + 1)) == []
+    for i in range(MAX_AWAITED_WORKERS + 10):
+        ledger.await_worker("node-a", f"w{i}")
+    assert ledger.admitted("w9") == []  # among the ten longest-remembered: gone
+    assert ledger.admitted("w10") == ["node-a"]
+    assert ledger.admitted("w10") == []  # asked once
+    for i in range(MAX_RELAYERS_PER_WORKER + 2):
+        ledger.await_worker(f"n{i}", "busy")
+    assert ledger.admitted("busy") == [f"n{i}" for i in range(2, MAX_RELAYERS_PER_WORKER + 2)]

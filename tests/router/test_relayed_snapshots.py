@@ -103,13 +103,54 @@ def test_a_snapshot_leaves_the_workers_another_node_relays_for(store):
 
 
 def test_a_worker_admitted_again_gets_the_relays_of_the_next_snapshot(store):
-    """A new generation of w0 starts empty (it may be a new process); the store's
-    next snapshot relays for it, and a later one without it drops them again."""
+    """A new generation of w0 starts empty (it may be a new process); the node
+    that relayed for it is asked for its snapshot (its next batch is answered
+    resync), the snapshot relays for it, and a later one without it drops them."""
     client = store
     client.remove_worker("w0")
     client.register_worker("w0", card())
     assert gpu(client, W0)[1] == 0
-    client.publish([own(), relay("w0", W0[:3])], seq=2, snapshot=True)
+    reply = client.publish([own()], seq=2)
+    assert (reply.applied, reply.dropped, reply.resync) == (0, 1, True)
+    assert client.stats().dropped_by.snapshot_owed == 1
+    client.publish([own(), relay("w0", W0[:3])], seq=3, snapshot=True)
     assert gpu(client, W0) == ("w0", 3)
-    client.publish([own()], seq=3, snapshot=True)
+    assert client.publish([own()], seq=4).applied == 1  # owes nothing any more
+    client.publish([own()], seq=5, snapshot=True)
     assert gpu(client, W0)[1] == 0
+
+
+def test_a_worker_replaced_by_a_new_generation_is_relayed_for_again(store):
+    """w0 registers again without leaving (a restarted process): its new generation
+    starts empty, and node-a, which relayed for the old one, owes its snapshot."""
+    client = store
+    client.register_worker("w0", card())
+    assert gpu(client, W0)[1] == 0
+    assert client.publish([own()], seq=2).resync
+    client.publish([own(), relay("w0", W0)], seq=3, snapshot=True)
+    assert gpu(client, W0) == ("w0", 4)
+
+
+def test_relays_for_a_worker_not_yet_admitted_come_back_once_it_is(store):
+    """A store relayed for w2 before w2 registered: the router dropped those
+    events (unknown worker), then asks the store again once w2 is admitted, and
+    no other node, nor node-a for a worker it never relayed for."""
+    client = store
+    w2 = [401, 402]
+    reply = client.publish([relay("w2", w2)], seq=2)
+    assert (reply.applied, reply.dropped) == (0, 1)
+    other = RouterClient(client.address)
+    try:
+        other.advertise_peer("node-b", "127.0.0.1:2", "", [NS])
+        assert other.publish([relay("w1", W1)], seq=1, snapshot=True).applied == 1
+        client.register_worker("w3", card())  # nobody relayed for it: nobody is asked
+        assert client.publish([own()], seq=3).applied == 1
+        client.register_worker("w2", card())
+        assert other.publish([relay("w1", W1[:1], REMOVED)], seq=2).applied == 1
+        reply = client.publish([own()], seq=4)
+        assert (reply.applied, reply.resync) == (0, True)
+        client.publish([own(), relay("w0", W0), relay("w2", w2)], seq=5, snapshot=True)
+        assert gpu(client, w2) == ("w2", 2)
+        assert gpu(client, W0) == ("w0", 4)
+    finally:
+        other.close()
