@@ -186,6 +186,8 @@ class SlotSet:
                 for size in np.unique(sizes).tolist()
                 for cells in [ordered[sizes == size]]
             )
+        for run in runs:  # cached and shared (a seal's, a layout's): read-only
+            run.cells.flags.writeable = False
         return cls(slots, slot_mask(slots), runs, int(sizes.sum()))
 
 

@@ -155,7 +155,13 @@ class SlotFrees:
         offsets = offset_rows(group)
         for device in {d for d in first.devices if d is not None}:
             for run in device_slots(first, device).runs:
-                cells = offsets[:, run.where].ravel()
+                cells = offsets[:, run.where]
+                # each block's in address order: its slots on a device are one run a
+                # rank, in slot order interleaved when two ranks share the device,
+                # and a save that takes them over (take) gets one run a rank back
+                if cells.shape[1] > 1 and not (cells[:, 1:] > cells[:, :-1]).all():
+                    cells = np.sort(cells, axis=1)
+                cells = cells.ravel()
                 self._offsets.setdefault((device, run.size), []).append(cells[cells >= 0])
 
     def take(self, device: str, nbytes: int, count: int) -> np.ndarray:

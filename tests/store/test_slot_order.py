@@ -63,10 +63,19 @@ def test_a_served_tp1_block_is_one_run_whatever_the_registration_order(order):
     assert len(runs_of(table, 1)) == 0  # sixteen blocks in one slab: one message
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["empty-pool", "full-pool"])
 @pytest.mark.parametrize("order", ["numeric", "reversed"])
-def test_a_served_tp2_block_is_one_run_per_rank(order):
+def test_a_served_tp2_block_is_one_run_per_rank(order, full):
+    """Into a full pool too, where a save takes over its victims' slots: two
+    ranks' slots of one block alternate in slot order, and a rank given them in
+    that order would hold one run a slot."""
     node = make_store(pool_bytes=4 << 20, slab_bytes=1 << 20)
     ranks, seal = register(node, 2, order)
+    first = 10_000
+    while full and not node.index.stats().evictions:  # until the pool is full
+        for rank in ranks:
+            run(node.save(rank.reg.caller_id, [(first, 0)]))
+        first += 1
     for rank in ranks:
         run(node.save(rank.reg.caller_id, [(h, h) for h in range(8)]))
     table = served_table(node, seal, list(range(8)))
