@@ -56,7 +56,7 @@ from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, validate_card
 from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
-from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace
+from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace, is_name
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, check_store, denied
 
@@ -174,7 +174,7 @@ class Router:
             worker, old = self.admission.admit(name, card, generation, caller)
             if old is not None:
                 self._forget(old)
-            owing = self._owe_snapshots(self.relays.admitted(name))
+            owing = self.peers.admitted(name)
         if owing:
             log.info(
                 "%s admitted anew: asking node(s) %s for their snapshots again (they "
@@ -216,18 +216,11 @@ class Router:
         self._notify(None, worker)
         return worker
 
-    def _owe_snapshots(self, node_ids: list[str]) -> list[str]:
-        """Those of ``node_ids`` advertised now owe their snapshot: their next
-        numbered batch is answered resync (a node advertised later sends one first)."""
-        owing = []
-        for node_id in node_ids:
+    def _forget(self, worker: Worker) -> None:
+        for node_id in self.relays.nodes_of(worker.ref):  # their relays went with it
             peer = self.peers.get(node_id)
             if peer is not None:
-                peer.owes_snapshot = True
-                owing.append(node_id)
-        return owing
-
-    def _forget(self, worker: Worker) -> None:
+                peer.await_worker(worker.ref.name)
         self.domains.forget(worker)
         self.relays.forget_worker(worker.ref)
         self.loads.drop_worker(worker.ref)
@@ -305,16 +298,21 @@ class Router:
         with self._lock:
             return self._relay(event, caller) is not None
 
-    def _relay(self, event: StoreEvent, caller: Principal, node_id: str = "") -> Worker | None:
-        """Apply ``event``, relayed by ``caller`` publishing as ``node_id`` ("" for
-        none): the worker it applied for, else None (counted)."""
+    def _relay(
+        self, event: StoreEvent, caller: Principal, peer: Peer | None = None
+    ) -> Worker | None:
+        """Apply ``event``, relayed by ``caller`` publishing as ``peer`` (None for no
+        node): the worker it applied for, else None (counted, and the peer asked
+        again once the worker is admitted anew: Peer.await_worker)."""
         worker = self.admission.workers.get(event.worker)
         if event.tier != GPU_TIER or worker is None:
-            if node_id and event.tier == GPU_TIER:  # it is asked again once admitted
-                self.relays.await_worker(node_id, event.worker)
+            if peer is not None and event.tier == GPU_TIER and is_name(event.worker):
+                peer.await_worker(event.worker)
             self._drops.add(DropCause.UNKNOWN_WORKER)
             return None
-        if not self.may_relay_for(caller, worker, node_id):
+        if not self.may_relay_for(caller, worker, peer.node_id if peer else ""):
+            if peer is not None:
+                peer.await_worker(event.worker)
             self._drops.add(DropCause.RELAY_REFUSED)
             return None
         applied = self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)])
@@ -452,7 +450,7 @@ class Router:
 
     def _apply_store_event(self, peer: Peer, event: StoreEvent, caller: Principal) -> bool:
         if event.tier == GPU_TIER:
-            worker = self._relay(event, caller, peer.node_id)
+            worker = self._relay(event, caller, peer)
             if worker is not None:
                 self.relays.record(peer.node_id, worker.ref)
             return worker is not None

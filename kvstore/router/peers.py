@@ -36,6 +36,11 @@ from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, o
 Holder = tuple[str, str]  # (node id, tier)
 
 
+# Worker names a peer is remembered to have relayed for in vain (Peer.awaited):
+# a store relays for the few workers of its node; the names come from its events.
+MAX_AWAITED_PER_PEER = 32
+
+
 @dataclass
 class Peer:
     node_id: str
@@ -49,10 +54,32 @@ class Peer:
     # joined from etcd with no owner recorded yet, claimed by its first publisher.
     owner: str | None = None
     last_seq: int = 0  # the last numbered batch applied under this generation (0: none)
-    # A worker it relayed for was admitted anew (its GPU tier starts empty, or
-    # missed the relays): its next numbered batch is answered resync, and its
-    # snapshot states the relays again.
+    # Workers whose relays it sent were dropped (not admitted, or not its to
+    # relay for) or went with them (they left or were replaced), by name, the
+    # oldest first: when one is admitted anew this peer owes its snapshot.
+    awaited: dict[str, None] = field(default_factory=dict)
+    # Its next numbered batch is answered resync; its snapshot states the relays again.
     owes_snapshot: bool = False
+
+    def await_worker(self, name: str) -> None:
+        """Its relays for worker ``name`` did not land, or were forgotten; past
+        MAX_AWAITED_PER_PEER names its own oldest goes (a publisher's flood of
+        made-up names pushes out no other peer's)."""
+        self.awaited.pop(name, None)  # back in at the end: the most recent
+        self.awaited[name] = None
+        if len(self.awaited) > MAX_AWAITED_PER_PEER:
+            del self.awaited[next(iter(self.awaited))]
+
+    def admitted(self, name: str) -> bool:
+        """Worker ``name`` was admitted anew: True when this peer now owes its
+        snapshot. A peer that numbers no batches is never asked: it could not
+        answer (the embedded router's link and a ``--store`` feed send seq 0)."""
+        if name not in self.awaited:
+            return False
+        del self.awaited[name]
+        if self.last_seq:
+            self.owes_snapshot = True
+        return self.owes_snapshot
 
     def sequence_fault(self, seq: int, snapshot: bool) -> DropCause | None:
         """None when a batch numbered ``seq`` may apply now, else why it may not.
@@ -235,6 +262,11 @@ class Peers:
 
     def get(self, node_id: str) -> Peer | None:
         return self.peers.get(node_id)
+
+    def admitted(self, name: str) -> list[str]:
+        """Worker ``name`` was admitted anew: the node ids of the peers that owe
+        their snapshot for it now (:meth:`Peer.admitted`)."""
+        return [peer.node_id for peer in self.peers.values() if peer.admitted(name)]
 
     def index_for(self, peer: Peer, namespace: str) -> HolderIndex:
         """The namespace's index; a namespace seen in events joins the peer's set."""

@@ -47,9 +47,14 @@ def check_final_namespace(where: str, ns: str) -> None:
         raise invalid(f"{where}: {ns[:64]!r} is not '<client namespace>.<16 hex fingerprint>'")
 
 
-def check_name(where: str, value: str) -> None:
+def is_name(value: str) -> bool:
     """1..MAX_NAME_LEN printable characters."""
-    if not value or len(value) > limits.MAX_NAME_LEN or not value.isprintable():
+    return 0 < len(value) <= limits.MAX_NAME_LEN and value.isprintable()
+
+
+def check_name(where: str, value: str) -> None:
+    """INVALID_ARGUMENT naming ``where`` unless ``value`` :func:`is_name`."""
+    if not is_name(value):
         raise invalid(
             f"{where}: must be 1-{limits.MAX_NAME_LEN} printable characters, got {value[:64]!r}"
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.router.core import EventsApplied, Router, RouterConfig
-from kvstore.router.relays import MAX_AWAITED_WORKERS, MAX_RELAYERS_PER_WORKER, RelayLedger
+from kvstore.router.relays import MAX_RELAYERS_PER_WORKER
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -271,18 +271,18 @@ def test_node_ids_churning_through_one_worker_keep_the_ledger_bounded(tenants):
     assert gpu_depth(router, "a0") == 0
 
 
-def test_the_names_awaited_for_a_snapshot_are_bounded():
-    """Relays for workers not admitted name them from the publisher's events: the
-    ledger keeps at most MAX_AWAITED_WORKERS names (the longest-remembered go
-    first), MAX_RELAYERS_PER_WORKER nodes a name, and no name a worker could not have."""
-    ledger = RelayLedger()
-    ledger.await_worker("node-a", "x" * (limits.MAX_NAME_LEN + 1))
-    assert ledger.admitted("x" * (limits.MAX_NAME_LEN + 1)) == []
-    for i in range(MAX_AWAITED_WORKERS + 10):
-        ledger.await_worker("node-a", f"w{i}")
-    assert ledger.admitted("w9") == []  # among the ten longest-remembered: gone
-    assert ledger.admitted("w10") == ["node-a"]
-    assert ledger.admitted("w10") == []  # asked once
-    for i in range(MAX_RELAYERS_PER_WORKER + 2):
-        ledger.await_worker(f"n{i}", "busy")
-    assert ledger.admitted("busy") == [f"n{i}" for i in range(2, MAX_RELAYERS_PER_WORKER + 2)]
+def test_a_relay_refused_then_allowed_is_asked_for_again(tenants):
+    """A trusted store on node-y relays for b0 while b0's card names the shared
+    node (refused); b0 registers again attached to node-y, which then owes its
+    snapshot: its next numbered batch is answered resync, and the snapshot lands."""
+    router = tenants
+    gen = router.advertise_peer("node-y", "127.0.0.1:4", "", [NS], caller=STORE).generation
+    assert router.apply_store_events("node-y", gen, [], STORE, seq=1, snapshot=True).applied == 0
+    refused = router.apply_store_events("node-y", gen, [relay("b0")], STORE, seq=2)
+    assert refused == EventsApplied(0, 1)
+    router.register_worker("b0", card(node_id="node-y"), caller=TENANT_B)
+    assert router.apply_store_events("node-y", gen, [], STORE, seq=3).resync
+    assert router.stats().dropped_by.snapshot_owed == 0  # an empty batch drops no event
+    snap = router.apply_store_events("node-y", gen, [relay("b0")], STORE, seq=4, snapshot=True)
+    assert snap == EventsApplied(1, 0)
+    assert gpu_depth(router, "b0") == 4

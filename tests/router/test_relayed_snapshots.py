@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.client.router_client import RouterClient
+from kvstore.router.peers import MAX_AWAITED_PER_PEER, Peer
+from kvstore.wire import limits
 from kvstore.wire.events import REMOVED, STORED, StoreEvent
 from tests.router.conftest import card
 
@@ -154,3 +156,34 @@ def test_relays_for_a_worker_not_yet_admitted_come_back_once_it_is(store):
         assert gpu(client, W0) == ("w0", 4)
     finally:
         other.close()
+
+
+def test_what_a_peer_awaits_is_bounded_by_peer():
+    """The names come from the publisher's events: a peer remembers at most
+    MAX_AWAITED_PER_PEER of them, its own oldest going first, so one publisher's
+    flood of made-up names pushes out nothing another peer awaits."""
+    mine, flooder = Peer("node-a", 1, "", "", last_seq=1), Peer("node-x", 1, "", "", last_seq=1)
+    mine.await_worker("a0")
+    for i in range(MAX_AWAITED_PER_PEER + 10):
+        flooder.await_worker(f"fake-{i}")
+    assert len(flooder.awaited) == MAX_AWAITED_PER_PEER
+    assert not flooder.admitted("fake-9") and flooder.admitted("fake-10")
+    assert mine.admitted("a0") and mine.owes_snapshot
+    assert not mine.admitted("a0")  # asked once: the name is gone
+
+
+def test_a_peer_that_numbers_no_batches_is_not_asked():
+    """An unsequenced publisher (seq 0: the embedded router's link) applies every
+    batch and is never answered resync: it is not flagged."""
+    peer = Peer("node-a", 1, "", "")
+    peer.await_worker("w0")
+    assert not peer.admitted("w0") and not peer.owes_snapshot
+
+
+def test_relays_for_names_no_worker_may_have_are_not_remembered(served, store):
+    """An event's worker may be megabytes long: only a name a worker could have
+    is kept to be asked for again."""
+    router, client = served[0], store
+    bad = "x" * (limits.MAX_NAME_LEN + 1)
+    assert client.publish([relay(bad, [9]), relay("w9", [9])], seq=2).dropped == 2
+    assert list(router.peers.get(NODE).awaited) == ["w9"]
