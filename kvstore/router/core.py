@@ -311,7 +311,7 @@ class Router:
             self._drops.add(DropCause.UNKNOWN_WORKER)
             return None
         if not self.may_relay_for(caller, worker, peer.node_id if peer else ""):
-            if peer is not None:
+            if peer is not None and self.trusted_store(caller):  # a new card may allow it
                 peer.await_worker(event.worker)
             self._drops.add(DropCause.RELAY_REFUSED)
             return None
@@ -329,7 +329,13 @@ class Router:
         if caller.may_act_for(worker.owner):
             return True
         attached = bool(node_id) and worker.card.node_id == node_id
-        return attached and caller.name in self.config.store_cns
+        return attached and self.trusted_store(caller)
+
+    def trusted_store(self, caller: Principal) -> bool:
+        """``caller`` is a ``--store-cn`` store: it relays for the workers attached
+        to the node it publishes as, whoever owns them (refused for any other,
+        it may be allowed once a worker's card names its node)."""
+        return caller.name in self.config.store_cns
 
     def _relay_target(self, event: StoreEvent, caller: Principal, node_id: str) -> Worker | None:
         """The worker a GPU-tier ``event`` of ``caller``'s batch as ``node_id`` will
@@ -414,7 +420,7 @@ class Router:
             if seq or snapshot:
                 peer.last_seq = seq
             if snapshot:
-                peer.owes_snapshot = False
+                peer.snapshot_taken()
             applied = sum(self._apply_store_event(peer, e, caller) for e in events)
             return EventsApplied(applied, len(events) - applied)
 

@@ -70,6 +70,12 @@ class Peer:
         if len(self.awaited) > MAX_AWAITED_PER_PEER:
             del self.awaited[next(iter(self.awaited))]
 
+    def snapshot_taken(self) -> None:
+        """A snapshot of it applies: it owes none, and its relays are what that
+        snapshot says (those in vain are remembered anew as it relays them)."""
+        self.owes_snapshot = False
+        self.awaited.clear()
+
     def admitted(self, name: str) -> bool:
         """Worker ``name`` was admitted anew: True when this peer now owes its
         snapshot. A peer that numbers no batches is never asked: it could not

@@ -169,7 +169,7 @@ class SlotFrees:
         ``nbytes`` does, kept out of :meth:`apply`: a save reuses the slots of
         the blocks it evicted as they are, one for one, without freeing them to
         the pool and taking them back (``SlotPool.alloc`` would). In the order
-        gathered: block after block, each block's in slot order, so a block
+        gathered: block after block, each block's in address order, so a block
         made of a same-layout victim's slots lies in the runs it did."""
         size, out, got = round_size(nbytes), [], 0
         for key, parts in self._offsets.items():

@@ -286,3 +286,14 @@ def test_a_relay_refused_then_allowed_is_asked_for_again(tenants):
     snap = router.apply_store_events("node-y", gen, [relay("b0")], STORE, seq=4, snapshot=True)
     assert snap == EventsApplied(1, 0)
     assert gpu_depth(router, "b0") == 4
+
+
+def test_a_refusal_no_card_can_lift_is_not_remembered(tenants):
+    """Tenant A's node relays for B's worker b0 (refused: not A's, and A's node is
+    no trusted store). b0 restarting must not cost A's store a snapshot each time."""
+    router = tenants
+    gen = router.peers.get("node-a").generation
+    router.apply_store_events("node-a", gen, [], TENANT_A, seq=1, snapshot=True)
+    assert router.apply_store_events("node-a", gen, [relay("b0")], TENANT_A, seq=2).dropped == 1
+    router.register_worker("b0", card(node_id="node-a"), caller=TENANT_B)
+    assert not router.apply_store_events("node-a", gen, [], TENANT_A, seq=3).resync

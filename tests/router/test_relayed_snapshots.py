@@ -187,3 +187,14 @@ def test_relays_for_names_no_worker_may_have_are_not_remembered(served, store):
     bad = "x" * (limits.MAX_NAME_LEN + 1)
     assert client.publish([relay(bad, [9]), relay("w9", [9])], seq=2).dropped == 2
     assert list(router.peers.get(NODE).awaited) == ["w9"]
+
+
+def test_a_snapshot_restates_what_a_node_awaits(served, store):
+    """A name relayed for in vain, then left out of the node's next snapshot, is
+    no longer awaited: its admission asks the node for nothing."""
+    router, client = served[0], store
+    assert client.publish([relay("w9", [9])], seq=2).dropped == 1
+    client.publish([own(), relay("w0", W0)], seq=3, snapshot=True)
+    assert not router.peers.get(NODE).awaited
+    client.register_worker("w9", card())
+    assert client.publish([own()], seq=4).applied == 1
