@@ -194,13 +194,20 @@ class SlotSet:
 def tp_rank_slots(slot_bytes: np.ndarray, tp_size: int, tp_rank: int) -> SlotSet:
     """Every slot of ``tp_rank`` in a layout of ``slot_bytes`` (layer major, ``tp_size``
     ranks), worked out once a layout: a fetch reserves them per rank each time."""
-    return _tp_rank_slots(slot_bytes.tobytes(), slot_bytes.dtype.str, tp_size, tp_rank)
+    return ranks_slots(slot_bytes, tp_size, (tp_rank,))
 
 
-@functools.lru_cache(maxsize=256)
-def _tp_rank_slots(raw: bytes, dtype: str, tp_size: int, tp_rank: int) -> SlotSet:
+def ranks_slots(slot_bytes: np.ndarray, tp_size: int, tp_ranks: tuple[int, ...]) -> SlotSet:
+    """Every slot of ``tp_ranks`` in a layout of ``slot_bytes``, worked out once a
+    layout and set of ranks (a fetch reserves a rank's, an eviction reads those
+    of the ranks on one device, each time)."""
+    return _ranks_slots(slot_bytes.tobytes(), slot_bytes.dtype.str, tp_size, tp_ranks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ranks_slots(raw: bytes, dtype: str, tp_size: int, tp_ranks: tuple[int, ...]) -> SlotSet:
     sizes = np.frombuffer(raw, dtype=dtype)
-    return SlotSet.of(np.arange(tp_rank, len(sizes), tp_size), sizes)
+    return SlotSet.of(np.flatnonzero(np.isin(np.arange(len(sizes)) % tp_size, tp_ranks)), sizes)
 
 
 def _as_slice(cells: np.ndarray) -> slice | np.ndarray:

@@ -19,32 +19,19 @@ each other. Plain functions over blocks; the block index applies the result.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import numpy as np
 
-from kvstore.store.block import Block, SlotSet, offset_rows
+from kvstore.store.block import Block, SlotSet, offset_rows, ranks_slots
 from kvstore.store.pool import SlotPool, round_size
 
 
 def device_slots(block: Block, device: str) -> SlotSet:
-    """The slots of the block's ranks whose memory is on ``device``, by size:
-    worked out once a layout and placement (an eviction reads them per kind of
-    block, and a one-block save evicts one block a call)."""
-    slot_bytes = block.slot_bytes
-    return _device_slots(
-        slot_bytes.tobytes(), slot_bytes.dtype.str, block.tp_size, block.devices, device
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def _device_slots(
-    raw: bytes, dtype: str, tp_size: int, devices: tuple[str | None, ...], device: str
-) -> SlotSet:
-    sizes = np.frombuffer(raw, dtype=dtype)
-    here = np.array([d == device for d in devices])
-    return SlotSet.of(np.flatnonzero(here[np.arange(len(sizes)) % tp_size]), sizes)
+    """The slots of the block's ranks whose memory is on ``device``, by size
+    (worked out once a layout and set of ranks: block.ranks_slots)."""
+    here = tuple(r for r, d in enumerate(block.devices) if d == device)
+    return ranks_slots(block.slot_bytes, block.tp_size, here)
 
 
 def slots_on(block: Block, device: str) -> np.ndarray:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError, exhausted
+from kvstore.wire.names import is_name
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class NodeBinding(NamedTuple):
         cn, sep, node_id = value.rpartition("=")
         if not sep or not cn or not node_id:
             raise ValueError(f"expected CN=NODE_ID, got {value!r}")
-        if len(node_id) > limits.MAX_NAME_LEN or not node_id.isprintable():
+        if not is_name(node_id):
             raise ValueError(
                 f"node id {node_id[:64]!r}: must be 1-{limits.MAX_NAME_LEN} printable characters"
             )
