@@ -60,6 +60,7 @@ class RouterClient:
         self._stubs: dict[int, router_pb2_grpc.RouterStub] = {}
         self.node_id = ""
         self.generation = 0
+        self.owes_snapshot = False  # the last advertisement's answer: send a snapshot
 
     @property
     def address(self) -> str:
@@ -99,7 +100,8 @@ class RouterClient:
     ) -> int:
         """Announce this store (or, with ``refresh``, renew the last
         advertisement and add namespaces); returns the peer generation, which
-        :meth:`publish` then uses."""
+        :meth:`publish` then uses. ``owes_snapshot`` then says whether the
+        router asked (on a refresh) for this node's snapshot."""
         reply = self._call(
             "AdvertisePeer",
             router_pb2.AdvertisePeerRequest(
@@ -112,6 +114,7 @@ class RouterClient:
             ),
         )
         self.node_id, self.generation = node_id, reply.generation
+        self.owes_snapshot = reply.resync
         return reply.generation
 
     def publish(

@@ -152,6 +152,9 @@ class RemoteRouterLink:
                 self.node_id,
                 self.client.generation,
             )
+        elif self.client.owes_snapshot:  # a worker we relayed for was admitted anew
+            self._queue.put_nowait(None)
+            log.info("router %s asked for our snapshot; sending it", self.client.address)
         self.advertised = True
 
     async def _advertise_or_warn(self) -> None:

@@ -168,7 +168,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             request.lease_ms,
             caller,
         )
-        return router_pb2.AdvertisePeerResponse(generation=peer.generation)
+        # a refresh of a node that owes its snapshot (a new advertisement owes none)
+        return router_pb2.AdvertisePeerResponse(
+            generation=peer.generation, resync=peer.owes_snapshot
+        )
 
     async def QueryPrefix(self, request, context):
         caller = await self._caller(context)

@@ -198,3 +198,24 @@ def test_a_snapshot_restates_what_a_node_awaits(served, store):
     assert not router.peers.get(NODE).awaited
     client.register_worker("w9", card())
     assert client.publish([own()], seq=4).applied == 1
+
+
+def test_a_lease_refresh_asks_an_idle_node_for_its_snapshot(store):
+    """An idle store sends no batch to be answered resync: the answer to its
+    lease refresh asks instead, until the snapshot comes. A new advertisement
+    does not (its link sends a snapshot anyway)."""
+    client = store
+    client.advertise_peer(NODE, "127.0.0.1:1", "", [NS], refresh=True)
+    assert not client.owes_snapshot
+    client.remove_worker("w0")
+    client.register_worker("w0", card())
+    for _ in range(2):  # asked again on every refresh until the snapshot comes
+        client.advertise_peer(NODE, "127.0.0.1:1", "", [NS], refresh=True)
+        assert client.owes_snapshot
+    client.publish([own(), relay("w0", W0)], seq=2, snapshot=True)
+    assert gpu(client, W0) == ("w0", 4)
+    client.advertise_peer(NODE, "127.0.0.1:1", "", [NS], refresh=True)
+    assert not client.owes_snapshot
+    client.register_worker("w0", card())  # a new generation: node-a owes one again
+    client.advertise_peer(NODE, "127.0.0.1:1", "", [NS])  # but advertises anew
+    assert not client.owes_snapshot

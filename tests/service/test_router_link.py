@@ -54,6 +54,53 @@ def test_a_snapshot_that_fails_is_sent_again_and_later_events_still_flow():
         router.stop()
 
 
+def test_an_idle_store_resends_its_relays_for_a_worker_admitted_again():
+    """The store relays w0's GPU blocks in its snapshot; w0 leaves and registers
+    again, so its new generation starts empty. Before, a store with nothing new
+    to publish never heard that it owed its snapshot (only a batch's answer
+    said so): w0's cached blocks stayed unknown to routing. Now its lease
+    refresh's answer asks, and it resends within a refresh or two."""
+    from tests.router.conftest import card
+
+    router = RouterThread(None)
+    client = RouterClient(router.address, timeout_s=2)
+    w0 = [11, 12, 13]
+    snapshots = []
+
+    def snapshot() -> Listed:
+        snapshots.append(1)
+        return Listed([StoreEvent(STORED, NS, w0, "w0", tier="gpu")])
+
+    def w0_blocks() -> int:
+        return client.route("llama-8b", hashes=w0, track=False).gpu_blocks
+
+    async def wait_for(blocks: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 3 * REFRESH_S
+        while await asyncio.to_thread(w0_blocks) != blocks:
+            assert asyncio.get_running_loop().time() < deadline, f"w0 never had {blocks} blocks"
+            await asyncio.sleep(0.1)
+
+    async def run() -> int:
+        link = RemoteRouterLink(router.address, "n1")
+        await link.start("127.0.0.1:1", "", snapshot)
+        try:
+            await wait_for(len(w0))
+            await asyncio.to_thread(client.remove_worker, "w0")
+            await asyncio.to_thread(client.register_worker, "w0", card())
+            assert await asyncio.to_thread(w0_blocks) == 0  # the new generation starts empty
+            await wait_for(len(w0))  # nothing published meanwhile: the refresh asked
+            return len(snapshots)
+        finally:
+            await link.stop()
+
+    try:
+        client.register_worker("w0", card())
+        assert asyncio.run(run()) == 2
+    finally:
+        client.close()
+        router.stop()
+
+
 def test_stop_leaves_no_task_of_the_link_running():
     """stop() cancelled the pump and keepalive and returned at once: they were
     still running (mid-publish) when the clients under them closed."""
