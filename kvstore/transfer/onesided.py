@@ -50,9 +50,12 @@ EXPIRY_MARGIN = 0.25  # of the lease
 def runs_for(local: SlotTable, grant: Grant, lanes: int) -> SlotRuns:
     """The slot runs of a granted read, in transfer order: a run ends where
     either side's memory breaks (no per-slot Python work)."""
-    order = transfer_order(local.counts.tolist(), lanes)
-    ptr, size, memory = local.take(order)
-    remote = grant.addresses[order]
+    if lanes == 1:  # transfer order is slot order: nothing to gather
+        ptr, size, memory, remote = local.ptr, local.nbytes, local.memory, grant.addresses
+    else:
+        order = transfer_order(local.counts.tolist(), lanes)
+        ptr, size, memory = local.take(order)
+        remote = grant.addresses[order]
     mine = run_starts(ptr, size, memory, cap=NO_CAP)
     theirs = run_starts(remote, size, np.zeros(len(size), dtype=np.int64), cap=NO_CAP)
     if not len(theirs) or np.array_equal(mine, theirs):

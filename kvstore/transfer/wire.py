@@ -344,6 +344,8 @@ def decode_run_starts(packed: Any, num_slots: int) -> np.ndarray:
     """Packed u32 slot indices, strictly increasing, each within 1..num_slots-1."""
     if not isinstance(packed, bytes) or len(packed) % 4:
         raise ProtocolError("run starts must be packed u32")
+    if not packed:  # one run (a grant's offer, as a rule)
+        return np.zeros(0, dtype=np.int64)
     starts = np.frombuffer(packed, dtype="<u4").astype(np.int64)
     if len(starts) > max(num_slots - 1, 0):
         raise ProtocolError(f"{len(starts)} run starts for {num_slots} slots")

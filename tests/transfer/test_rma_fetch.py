@@ -311,6 +311,26 @@ def test_runs_break_where_either_side_breaks():
     assert runs.nbytes.tolist() == [200, 200, 200]
 
 
+def test_runs_follow_the_transfer_order_of_the_lanes():
+    """TP2 blocks, each rank's slots adjacent across blocks on both sides: two
+    lanes read them as two runs (rank 0's, then rank 1's), slot order as four."""
+    import numpy as np
+
+    from kvstore.transfer.onesided import runs_for
+    from kvstore.transfer.slots import SlotTable
+    from kvstore.transfer.wire import Grant
+
+    size = np.full(4, 100, dtype=np.int64)  # block 0 slots 0, 1; block 1 slots 0, 1
+    local = np.array([0, 1000, 100, 1100], dtype=np.uint64)
+    remote = np.array([5000, 7000, 5100, 7100], dtype=np.uint64)
+    table = SlotTable(local, size, np.zeros(4, dtype=np.int64), np.array([2, 2]))
+    runs = runs_for(table, Grant(1, 1.0, remote), lanes=2)
+    assert runs.local.tolist() == [0, 1000] and runs.remote.tolist() == [5000, 7000]
+    assert runs.nbytes.tolist() == [200, 200]
+    runs = runs_for(table, Grant(1, 1.0, remote), lanes=1)
+    assert runs.local.tolist() == [0, 1000, 100, 1100] and runs.nbytes.tolist() == [100] * 4
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(1, 3)), min_size=1, max_size=12)
