@@ -220,7 +220,7 @@ class Router:
         for node_id in self.relays.nodes_of(worker.ref):  # their relays went with it
             peer = self.peers.get(node_id)
             if peer is not None:
-                peer.await_worker(worker.ref.name)
+                self.peers.await_worker(peer, worker.ref.name)
         self.domains.forget(worker)
         self.relays.forget_worker(worker.ref)
         self.loads.drop_worker(worker.ref)
@@ -307,12 +307,12 @@ class Router:
         worker = self.admission.workers.get(event.worker)
         if event.tier != GPU_TIER or worker is None:
             if peer is not None and event.tier == GPU_TIER and is_name(event.worker):
-                peer.await_worker(event.worker)
+                self.peers.await_worker(peer, event.worker)
             self._drops.add(DropCause.UNKNOWN_WORKER)
             return None
         if not self.may_relay_for(caller, worker, peer.node_id if peer else ""):
             if peer is not None and self.trusted_store(caller):  # a new card may allow it
-                peer.await_worker(event.worker)
+                self.peers.await_worker(peer, event.worker)
             self._drops.add(DropCause.RELAY_REFUSED)
             return None
         applied = self.apply_worker_events(worker.ref, [BlockEvent(event.type, event.block_hashes)])
@@ -420,7 +420,7 @@ class Router:
             if seq or snapshot:
                 peer.last_seq = seq
             if snapshot:
-                peer.snapshot_taken()
+                self.peers.snapshot_taken(peer)
             applied = sum(self._apply_store_event(peer, e, caller) for e in events)
             return EventsApplied(applied, len(events) - applied)
 

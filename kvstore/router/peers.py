@@ -61,14 +61,17 @@ class Peer:
     # Its next numbered batch is answered resync; its snapshot states the relays again.
     owes_snapshot: bool = False
 
-    def await_worker(self, name: str) -> None:
+    def await_worker(self, name: str) -> str | None:
         """Its relays for worker ``name`` did not land, or were forgotten; past
         MAX_AWAITED_PER_PEER names its own oldest goes (a publisher's flood of
-        made-up names pushes out no other peer's)."""
+        made-up names pushes out no other peer's): returned."""
         self.awaited.pop(name, None)  # back in at the end: the most recent
         self.awaited[name] = None
-        if len(self.awaited) > MAX_AWAITED_PER_PEER:
-            del self.awaited[next(iter(self.awaited))]
+        if len(self.awaited) <= MAX_AWAITED_PER_PEER:
+            return None
+        oldest = next(iter(self.awaited))
+        del self.awaited[oldest]
+        return oldest
 
     def snapshot_taken(self) -> None:
         """A snapshot of it applies: it owes none, and its relays are what that
@@ -141,6 +144,9 @@ class Peers:
     def __init__(self):
         self.peers: dict[str, Peer] = {}
         self.indexes: dict[str, HolderIndex] = {}
+        # worker name -> node ids of the peers that await it (Peer.awaited), so an
+        # admission asks them without a look at every peer
+        self._awaiting: dict[str, set[str]] = {}
         self._next_generation = 1
         self._leases: list[tuple[float, str, int]] = []
 
@@ -240,6 +246,7 @@ class Peers:
             return None
         del self.peers[node_id]
         self.forget_blocks(peer)
+        self._unawait_all(peer)
         return peer
 
     def forget_blocks(self, peer: Peer) -> int:
@@ -269,10 +276,38 @@ class Peers:
     def get(self, node_id: str) -> Peer | None:
         return self.peers.get(node_id)
 
+    def await_worker(self, peer: Peer, name: str) -> None:
+        """``peer`` awaits worker ``name`` (:meth:`Peer.await_worker`)."""
+        self._awaiting.setdefault(name, set()).add(peer.node_id)
+        dropped = peer.await_worker(name)
+        if dropped is not None:
+            self._unawait(dropped, peer.node_id)
+
+    def snapshot_taken(self, peer: Peer) -> None:
+        """A snapshot of ``peer`` applies (:meth:`Peer.snapshot_taken`)."""
+        self._unawait_all(peer)
+        peer.snapshot_taken()
+
     def admitted(self, name: str) -> list[str]:
         """Worker ``name`` was admitted anew: the node ids of the peers that owe
-        their snapshot for it now (:meth:`Peer.admitted`)."""
-        return [peer.node_id for peer in self.peers.values() if peer.admitted(name)]
+        their snapshot for it now (:meth:`Peer.admitted`), sorted."""
+        owing = []
+        for node_id in sorted(self._awaiting.pop(name, ())):
+            peer = self.peers.get(node_id)
+            if peer is not None and peer.admitted(name):
+                owing.append(node_id)
+        return owing
+
+    def _unawait(self, name: str, node_id: str) -> None:
+        waiting = self._awaiting.get(name)
+        if waiting is not None:
+            waiting.discard(node_id)
+            if not waiting:
+                del self._awaiting[name]
+
+    def _unawait_all(self, peer: Peer) -> None:
+        for name in peer.awaited:
+            self._unawait(name, peer.node_id)
 
     def index_for(self, peer: Peer, namespace: str) -> HolderIndex:
         """The namespace's index; a namespace seen in events joins the peer's set."""
