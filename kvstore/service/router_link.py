@@ -125,6 +125,8 @@ class RemoteRouterLink:
         self._failed_publishes = 0  # publishes that may not have reached the router
         self._synced = 0  # _failed_publishes when the last full snapshot was sent
         self._snapshot: Snapshot = lambda: NOTHING
+        self._snapshots_begun = 0  # snapshots the pump has begun to take and send
+        self._snapshot_running = False  # one is being taken or sent now
 
     async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
@@ -135,6 +137,7 @@ class RemoteRouterLink:
 
     async def _advertise(self, refresh: bool) -> None:
         failed = self._failed_publishes  # a failure from now on needs another snapshot
+        begun = self._snapshots_begun
         await asyncio.to_thread(
             self.client.advertise_peer,
             self.node_id,
@@ -152,8 +155,8 @@ class RemoteRouterLink:
                 self.node_id,
                 self.client.generation,
             )
-        elif self.client.owes_snapshot:  # a worker we relayed for was admitted anew
-            self._queue.put_nowait(None)
+        elif self.client.owes_snapshot and self._snapshot_unasked(begun):
+            self._queue.put_nowait(None)  # a worker we relayed for was admitted anew
             log.info("router %s asked for our snapshot; sending it", self.client.address)
         self.advertised = True
 
@@ -189,6 +192,14 @@ class RemoteRouterLink:
             REFRESH_S,
         )
 
+    def _snapshot_unasked(self, begun: int) -> bool:
+        """Whether no snapshot is on its way that answers a refresh sent when
+        ``begun`` snapshots had begun: none is being sent, and none began since.
+        (Should the router have begun to owe one only after such a snapshot's
+        first batch, a later batch of it is answered resync, or the next
+        refresh asks again.)"""
+        return not self._snapshot_running and self._snapshots_begun == begun
+
     def _move_on(self) -> None:
         """Use the next router address (nothing changes with only one)."""
         if len(self.addresses) == 1:
@@ -219,7 +230,7 @@ class RemoteRouterLink:
                 continue  # the snapshot replays them once the router is back
             try:
                 if batch is None:
-                    in_sequence = await send_snapshot(self._send, await events_of(self._snapshot))
+                    in_sequence = await self._send_snapshot()
                 else:
                     in_sequence = await self._send(batch)
                 if not in_sequence:
@@ -234,6 +245,14 @@ class RemoteRouterLink:
                     _brief(exc),
                     REFRESH_S,
                 )
+
+    async def _send_snapshot(self) -> bool:
+        self._snapshots_begun += 1
+        self._snapshot_running = True
+        try:
+            return await send_snapshot(self._send, await events_of(self._snapshot))
+        finally:
+            self._snapshot_running = False
 
     async def _send(self, batch: list[StoreEvent], snapshot: bool = False) -> bool:
         """Publish one numbered batch; False when the router asks for a snapshot."""

@@ -54,51 +54,91 @@ def test_a_snapshot_that_fails_is_sent_again_and_later_events_still_flow():
         router.stop()
 
 
+W0 = [11, 12, 13]  # w0's GPU blocks, as store n1 relays them
+
+
+def _w0_relayed() -> list[StoreEvent]:
+    return [StoreEvent(STORED, NS, W0, "w0", tier="gpu")]
+
+
+def _readmitted(snapshot, settle_s: float = 0.0) -> int:
+    """Store n1, linked to a router, relays w0's GPU blocks (``snapshot``); w0
+    leaves and registers again, and its blocks come back: w0's blocks right
+    after it registered again (``settle_s`` more passes before the link stops)."""
+    from tests.router.conftest import card
+
+    router = RouterThread(None)
+    client = RouterClient(router.address, timeout_s=2)
+
+    def w0_blocks() -> int:
+        return client.route("llama-8b", hashes=W0, track=False).gpu_blocks
+
+    async def wait_for(blocks: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while await asyncio.to_thread(w0_blocks) != blocks:
+            assert asyncio.get_running_loop().time() < deadline, f"w0 never had {blocks} blocks"
+            await asyncio.sleep(0.05)
+
+    async def run() -> int:
+        link = RemoteRouterLink(router.address, "n1")
+        await link.start("127.0.0.1:1", "", snapshot)
+        try:
+            await wait_for(len(W0))
+            await asyncio.to_thread(client.remove_worker, "w0")
+            await asyncio.to_thread(client.register_worker, "w0", card())
+            emptied = await asyncio.to_thread(w0_blocks)
+            await wait_for(len(W0))
+            await asyncio.sleep(settle_s)
+            return emptied
+        finally:
+            await link.stop()
+
+    try:
+        client.register_worker("w0", card())
+        return asyncio.run(run())
+    finally:
+        client.close()
+        router.stop()
+
+
 def test_an_idle_store_resends_its_relays_for_a_worker_admitted_again():
     """The store relays w0's GPU blocks in its snapshot; w0 leaves and registers
     again, so its new generation starts empty. Before, a store with nothing new
     to publish never heard that it owed its snapshot (only a batch's answer
     said so): w0's cached blocks stayed unknown to routing. Now its lease
     refresh's answer asks, and it resends within a refresh or two."""
-    from tests.router.conftest import card
-
-    router = RouterThread(None)
-    client = RouterClient(router.address, timeout_s=2)
-    w0 = [11, 12, 13]
     snapshots = []
 
     def snapshot() -> Listed:
         snapshots.append(1)
-        return Listed([StoreEvent(STORED, NS, w0, "w0", tier="gpu")])
+        return Listed(_w0_relayed())
 
-    def w0_blocks() -> int:
-        return client.route("llama-8b", hashes=w0, track=False).gpu_blocks
+    assert _readmitted(snapshot) == 0  # the new generation starts empty; nothing is published
+    assert len(snapshots) == 2  # the first, and the one the refresh asked for
 
-    async def wait_for(blocks: int) -> None:
-        deadline = asyncio.get_running_loop().time() + 3 * REFRESH_S
-        while await asyncio.to_thread(w0_blocks) != blocks:
-            assert asyncio.get_running_loop().time() < deadline, f"w0 never had {blocks} blocks"
-            await asyncio.sleep(0.1)
 
-    async def run() -> int:
-        link = RemoteRouterLink(router.address, "n1")
-        await link.start("127.0.0.1:1", "", snapshot)
-        try:
-            await wait_for(len(w0))
-            await asyncio.to_thread(client.remove_worker, "w0")
-            await asyncio.to_thread(client.register_worker, "w0", card())
-            assert await asyncio.to_thread(w0_blocks) == 0  # the new generation starts empty
-            await wait_for(len(w0))  # nothing published meanwhile: the refresh asked
-            return len(snapshots)
-        finally:
-            await link.stop()
+def test_a_refresh_while_the_owed_snapshot_is_on_its_way_sends_no_second_one(monkeypatch):
+    """The router asks on every refresh until the snapshot's first batch applies.
+    Before, a refresh answered while the store was still making its snapshot (a
+    large store takes a while) queued a second full one (found by review)."""
+    import time
 
-    try:
-        client.register_worker("w0", card())
-        assert asyncio.run(run()) == 2
-    finally:
-        client.close()
-        router.stop()
+    from kvstore.service import router_link
+
+    monkeypatch.setattr(router_link, "REFRESH_S", 0.2)
+    snapshots = []
+
+    class Slow:  # events that take longer to make than two refreshes
+        def events(self) -> list[StoreEvent]:
+            time.sleep(0.5)
+            return _w0_relayed()
+
+    def snapshot() -> Slow:
+        snapshots.append(1)
+        return Slow()
+
+    _readmitted(snapshot, settle_s=1.5)  # several refreshes after: none asks again
+    assert len(snapshots) == 2  # the first, and one for the admission
 
 
 def test_stop_leaves_no_task_of_the_link_running():
