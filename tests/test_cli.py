@@ -168,7 +168,7 @@ def test_serve_is_healthy_then_exits_cleanly_on_sigterm(extra):
 @pytest.mark.parametrize("cmd", [["serve"], ["router"]])
 def test_etcd_flags_are_explained(cmd):
     text = kvstore(*cmd, "--help").stdout
-    for flag in ("--etcd ", "--etcd-ttl", "--etcd-prefix"):
+    for flag in ("--etcd ", "--etcd-ttl", "--etcd-prefix", "--etcd-ca", "--etcd-cert"):
         assert flag in text
 
 
@@ -178,7 +178,11 @@ def test_etcd_flags_are_explained(cmd):
         (["serve", "--etcd", "127.0.0.1:2379", "--router", "127.0.0.1:50061"], "drop --router"),
         (["serve", "--etcd", "no-port-here"], "HOST:PORT"),
         (["serve", "--etcd", "127.0.0.1:2379", "--etcd-ttl", "1"], "--etcd-ttl"),
-        (["router", "--etcd", "https://127.0.0.1:2379"], "TLS"),
+        (["router", "--etcd", "https://127.0.0.1:2379,127.0.0.1:2380"], "every endpoint"),
+        (["router", "--etcd", "127.0.0.1:2379", "--etcd-ca", "ca.pem"], "give https://"),
+        (["router", "--etcd", "https://127.0.0.1:2379", "--etcd-cert", "c.pem"], "--etcd-key"),
+        (["router", "--etcd", "https://127.0.0.1:2379", "--etcd-ca", "/no/ca.pem"], "'/no/ca.pem'"),
+        (["serve", "--etcd-key", "k.pem"], "are for --etcd"),
         (["router", "--etcd", "127.0.0.1:2379", "--etcd-prefix", "kvstore"], "--etcd-prefix"),
         (["router", "--etcd", "127.0.0.1:2379", "--store", "127.0.0.1:50051"], "drop --store"),
     ],

@@ -87,9 +87,25 @@ def add_etcd(p) -> None:
         default="",
         metavar="URL",
         help="join a cluster on etcd: several routers and store servers sharing membership "
-        "and worker admission (http://HOST:PORT, several comma-separated). Without it, "
-        "nothing is shared: one router decides everything",
+        "and worker admission (http://HOST:PORT, several comma-separated; https:// for TLS, "
+        "see --etcd-ca). Without it, nothing is shared: one router decides everything",
     )
+    p.add_argument(
+        "--etcd-ca",
+        default="",
+        metavar="PEM",
+        help="with https:// endpoints: the CA that signed etcd's server certificate "
+        "(default: the system's roots)",
+    )
+    p.add_argument(
+        "--etcd-cert",
+        default="",
+        metavar="PEM",
+        help="with https:// endpoints: this process's client certificate for etcd, with "
+        "--etcd-key (etcd --client-cert-auth; with etcd auth on, its CN is the etcd user, "
+        "which needs read and write on --etcd-prefix)",
+    )
+    p.add_argument("--etcd-key", default="", metavar="PEM", help="the private key of --etcd-cert")
     p.add_argument(
         "--etcd-ttl",
         type=positive_int,
@@ -109,9 +125,12 @@ def add_etcd(p) -> None:
 def etcd_config(args: argparse.Namespace):
     """The EtcdConfig of --etcd (None without it); ValueError names a bad flag.
     With --etcd the bound --host is the address others dial: 0.0.0.0 or :: is refused."""
+    files = (args.etcd_ca, args.etcd_cert, args.etcd_key)
     if not args.etcd:
+        if any(files):
+            raise ValueError("--etcd-ca, --etcd-cert and --etcd-key are for --etcd: give it")
         return None
-    from kvstore.membership.etcd import EtcdConfig
+    from kvstore.membership.etcd import EtcdConfig, EtcdTls
 
     try:
         unspecified = ipaddress.ip_address(args.host.strip("[]")).is_unspecified
@@ -123,7 +142,8 @@ def etcd_config(args: argparse.Namespace):
             "others would dial their own host; give --host this host's routable address"
         )
 
-    return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix)
+    tls = EtcdTls(*files) if any(files) else None
+    return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix, tls)
 
 
 def check_admins(security) -> None:

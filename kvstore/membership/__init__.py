@@ -24,7 +24,7 @@ the transaction that admitted it: etcd revisions, so every replica agrees.
 
 Modules, one concept each:
 
-    etcd.py       the client (aetcd), compares and operations; errors are KVError UNAVAILABLE
+    etcd.py       the client (aetcd; TLS to etcd), compares and operations; errors are UNAVAILABLE
     layout.py     the keys and their records
     keeper.py     LeaseKeeper: a process's leases refreshed from a thread of its own
     lease.py      KeyLease: keys under one lease, registered again when lost
@@ -35,10 +35,11 @@ Modules, one concept each:
     mirror.py     etcd's stores and workers applied to a router replica's core
     replica.py    RouterReplica: a router on etcd (registration, mirrors, held workers)
 
-This room imports only ``kvstore.wire`` and aetcd (``make lint`` checks it); the
-service edges and the CLI use it. Design and limits: README.md here.
+This room imports only ``kvstore.wire`` and aetcd, and grpc in ``etcd.py`` for
+the TLS channel to etcd (``make lint`` checks it); the service edges and the CLI
+use it. Design and limits: README.md here.
 """
 
-from kvstore.membership.etcd import EtcdConfig
+from kvstore.membership.etcd import EtcdConfig, EtcdTls
 
-__all__ = ["EtcdConfig"]
+__all__ = ["EtcdConfig", "EtcdTls"]

@@ -1,6 +1,6 @@
 """A thin asyncio client for etcd v3: the one module that knows the client library.
 
-    etcd = Etcd(EtcdConfig.parse("http://127.0.0.1:2379"))
+    etcd = Etcd(EtcdConfig.parse("http://127.0.0.1:2379"))   # or https://, with EtcdTls
     lease = await etcd.grant(10)
     revision = await etcd.recreate("/kvstore/v1/stores/a", b"...", lease)
     entries, revision = await etcd.list_prefix("/kvstore/v1/stores/")
@@ -18,7 +18,9 @@ several endpoints a failed call moves the client to the next one.
 The library is aetcd (asyncio, works with kvstore's grpcio and protobuf;
 python-etcd3 does not import with them). Compares and operations for
 :meth:`Etcd.txn` are built with the functions below, so no other module
-imports it and another client could replace it here alone.
+imports it and another client could replace it here alone. aetcd 1.0 opens
+plaintext channels only: :class:`_Client` opens the channel itself, over TLS
+for ``https://`` endpoints (:class:`EtcdTls`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aetcd
 import aetcd.transactions as tx
+import grpc
+from aetcd import rpc, watcher
 
 from kvstore.wire.errors import Code, KVError, unavailable
 
@@ -54,6 +59,43 @@ CHANNEL_OPTIONS = {
 
 
 @dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd (``https://`` endpoints): PEM files of the CA that signed etcd's
+    certificate ("" for the system's roots), and of this process's client
+    certificate and key, both or neither. etcd run with ``--client-cert-auth``
+    wants them, and with its auth enabled takes the certificate's CN as the
+    etcd user whose roles decide what this process may read and write."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--etcd-cert and --etcd-key go together; one is missing")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials, the files read now (a rotated certificate is
+        taken at the next connection); ValueError names a file that cannot be read."""
+        ca, cert, key = (self._read(flag, path) for flag, path in self._files())
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+
+    def _files(self) -> tuple[tuple[str, str], ...]:
+        return (("--etcd-ca", self.ca), ("--etcd-cert", self.cert), ("--etcd-key", self.key))
+
+    @staticmethod
+    def _read(flag: str, path: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path!r}: {exc.strerror or exc}") from None
+
+
+@dataclass(frozen=True)
 class EtcdConfig:
     """Where etcd is and how kvstore uses it."""
 
@@ -61,28 +103,49 @@ class EtcdConfig:
     ttl_s: int = DEFAULT_TTL_S  # lease of every registration; kept alive every ttl_s / 3
     prefix: str = DEFAULT_PREFIX  # every kvstore key lies under it
     timeout_s: float = 2.0  # one etcd call at most
+    tls: EtcdTls | None = None  # None: plaintext (http://)
 
     @classmethod
     def parse(
-        cls, urls: str, ttl_s: int = DEFAULT_TTL_S, prefix: str = DEFAULT_PREFIX
+        cls,
+        urls: str,
+        ttl_s: int = DEFAULT_TTL_S,
+        prefix: str = DEFAULT_PREFIX,
+        tls: EtcdTls | None = None,
     ) -> EtcdConfig:
-        """``"http://h1:2379,h2:2379"`` (scheme optional); ValueError names what is wrong."""
-        endpoints = []
+        """``"http://h1:2379,h2:2379"`` (scheme optional: plaintext), or every
+        endpoint ``https://`` (TLS, with ``tls`` or the system's roots; its files
+        are checked here). ValueError names what is wrong."""
+        endpoints, schemes = [], set()
         for url in urls.split(","):
             url = url.strip()
-            if url.startswith("https://"):
-                raise ValueError(f"--etcd {url}: TLS to etcd is not supported yet")
-            host, sep, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+            scheme, sep, rest = url.partition("://")
+            if not sep:
+                scheme, rest = "http", url
+            if scheme not in ("http", "https"):
+                raise ValueError(f"--etcd {url!r}: the scheme is http:// or https://")
+            schemes.add(scheme)
+            host, sep, port = rest.rstrip("/").rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--etcd {url!r}: expected HOST:PORT or http://HOST:PORT")
+                raise ValueError(f"--etcd {url!r}: expected HOST:PORT or http(s)://HOST:PORT")
             endpoints.append(f"{host}:{port}")
+        if len(schemes) > 1:
+            raise ValueError(f"--etcd {urls!r}: every endpoint http://, or every one https://")
+        if "https" in schemes:
+            tls = tls or EtcdTls()
+            tls.credentials()  # a file that cannot be read is refused at start
+        elif tls is not None:
+            raise ValueError(
+                "--etcd-ca, --etcd-cert and --etcd-key are for TLS: give https:// endpoints"
+            )
         if not ttl_s >= MIN_TTL_S:
             raise ValueError(f"--etcd-ttl must be at least {MIN_TTL_S} s, got {ttl_s}")
         if not (prefix.startswith("/") and prefix.isascii() and prefix.isprintable()):
             raise ValueError(
                 f"--etcd-prefix must be printable ASCII starting with '/', got {prefix!r}"
             )
-        return cls(tuple(endpoints), ttl_s, prefix if prefix.endswith("/") else prefix + "/")
+        prefix = prefix if prefix.endswith("/") else prefix + "/"
+        return cls(tuple(endpoints), ttl_s, prefix, tls=tls)
 
 
 @dataclass(frozen=True)
@@ -147,6 +210,34 @@ def _entry(kv) -> Entry:
     return Entry(key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
+class _Client(aetcd.Client):
+    """aetcd's client over a channel of our making: TLS with ``credentials``,
+    else plaintext (aetcd 1.0's own ``connect`` opens plaintext channels only).
+    The rest is aetcd's; no user name and password (etcd's tokens die with a
+    restarted member): etcd authenticates a client by its certificate's CN."""
+
+    def __init__(self, host: str, port: int, credentials: grpc.ChannelCredentials | None, **kw):
+        super().__init__(host, port, **kw)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        target, options = f"{self._host}:{self._port}", list(self._options.items())
+        if self._credentials is None:
+            self.channel = rpc.insecure_channel(target, options=options)
+        else:
+            self.channel = rpc.secure_channel(target, self._credentials, options=options)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = watcher.Watcher(
+            rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
+
+
 class Etcd:
     """One connection to an etcd cluster, shared by a process's users of it."""
 
@@ -163,8 +254,12 @@ class Etcd:
     def _connected(self) -> aetcd.Client:
         if self._client is None:
             host, _, port = self.endpoint.rpartition(":")
-            self._client = aetcd.Client(
-                host, int(port), timeout=self.config.timeout_s, options=CHANNEL_OPTIONS
+            try:
+                credentials = None if self.config.tls is None else self.config.tls.credentials()
+            except ValueError as exc:  # a TLS file gone since the start
+                raise unavailable(f"etcd {self.endpoint}: {exc}") from None
+            self._client = _Client(
+                host, int(port), credentials, timeout=self.config.timeout_s, options=CHANNEL_OPTIONS
             )
             # every call and watch asks for a member with a leader: a member cut off
             # from its cluster answers "no leader" (we move to the next endpoint) and

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from kvstore.demo import free_port
+from kvstore.wire.tls import TlsFiles
 
 ETCD_START_S = 30.0
 
@@ -36,12 +38,21 @@ def etcd_binary() -> str | None:
 
 class EtcdServer:
     """One etcd member on loopback ports, data in /dev/shm (alone, or one of an
-    :class:`EtcdCluster`)."""
+    :class:`EtcdCluster`). With ``tls`` (a server certificate for 127.0.0.1 and
+    its CA) clients speak TLS (``https://``), and must present a certificate of
+    that CA (etcd's ``--client-cert-auth``)."""
 
-    def __init__(self, binary: str, name: str = "kvstore-test", election_ms: int = 0):
+    def __init__(
+        self,
+        binary: str,
+        name: str = "kvstore-test",
+        election_ms: int = 0,
+        tls: TlsFiles | None = None,
+    ):
         self.binary = binary
         self.name = name
         self.election_ms = election_ms  # etcd's --election-timeout (0: its 1,000 ms)
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
         self.cluster = f"{name}={self.peer_url}"  # --initial-cluster
         self.data_dir = ""
@@ -52,7 +63,8 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -65,7 +77,7 @@ class EtcdServer:
             self._remove_data()
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.data_dir = tempfile.mkdtemp(prefix="kvstore-etcd-", dir=shm)
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = self.url, self.peer_url
         args = [
             self.binary,
             f"--name={self.name}",
@@ -78,6 +90,13 @@ class EtcdServer:
             "--logger=zap",
             "--log-level=error",
         ]
+        if self.tls is not None:
+            args += [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         if self.no_fsync:  # 3.5+: the data is in memory anyway
             args.append("--unsafe-no-fsync")
         if self.election_ms:
@@ -88,12 +107,17 @@ class EtcdServer:
             self.wait_healthy()
 
     def wait_healthy(self) -> None:
-        client = self.url
+        client, context = self.url, None
+        if self.tls is not None:  # its own certificate serves as a client's too
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
         deadline = time.monotonic() + ETCD_START_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
             try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as reply:
+                with urllib.request.urlopen(
+                    f"{client}/health", timeout=1, context=context
+                ) as reply:
                     if b'"true"' in reply.read():
                         return
             except OSError:

@@ -225,14 +225,19 @@ def wait_healthy(address: str, proc: Proc, timeout: float = 60.0) -> None:
 
 
 def etcd_flags(config) -> list[str]:
-    return [
+    scheme = "http" if config.tls is None else "https"
+    flags = [
         "--etcd",
-        ",".join(config.endpoints),
+        ",".join(f"{scheme}://{endpoint}" for endpoint in config.endpoints),
         "--etcd-ttl",
         str(config.ttl_s),
         "--etcd-prefix",
         config.prefix,
     ]
+    if config.tls is not None:
+        tls = config.tls
+        flags += ["--etcd-ca", tls.ca, "--etcd-cert", tls.cert, "--etcd-key", tls.key]
+    return flags
 
 
 class Cluster:
