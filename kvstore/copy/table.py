@@ -132,7 +132,7 @@ def paged_disjoint(regions: Sequence[LayerRegion]) -> bool:
     layers block by block), by their segments' offsets modulo that stride.
     Anything else (a layer listed twice, exotic strides) is reported as not proven.
     """
-    if not all(_layer_apart(r) for r in regions):
+    if not all(layer_apart(r) for r in regions):
         return False
     if len(regions) < 2:
         return True
@@ -152,8 +152,9 @@ def _extent(r: LayerRegion) -> int:
     return last + (r.segments - 1) * r.segment_stride + r.segment_bytes
 
 
-def _layer_apart(r: LayerRegion) -> bool:
-    """Two distinct blocks of the layer never meet, nor K and V of any two blocks."""
+def layer_apart(r: LayerRegion) -> bool:
+    """Two distinct blocks of the layer never meet, nor K and V of any two blocks
+    (exact: a registration whose layer fails it is refused)."""
     n, stride, shift = r.segment_bytes, r.block_stride, r.segment_stride
     if r.num_blocks > 1 and stride < n:
         return False

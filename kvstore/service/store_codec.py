@@ -9,7 +9,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from kvstore._proto import store_pb2 as pb
 from kvstore.store.fetch import FetchResult
 from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
-from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult
+from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult, check_count
 from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
 from kvstore.wire.errors import invalid
 from kvstore.wire.fingerprint import LayerGeometry
@@ -102,7 +102,14 @@ def refs(req: pb.SaveRequest | pb.LoadRequest) -> list[tuple[int, int]]:
             f"block_ids has {len(block_ids)} entries and block_hashes {len(hashes)}: "
             "one block_id a block_hash"
         )
+    check_count("block_hashes", len(hashes))  # before a Python object is made of one
     return list(zip(hashes, block_ids, strict=True))
+
+
+def block_hashes(req: pb.QueryRequest | pb.PrefetchRequest) -> list[int]:
+    """The request's hashes as a list, once their count is within the bound."""
+    check_count("block_hashes", len(req.block_hashes))
+    return list(req.block_hashes)
 
 
 # --------------------------------------------------------------- responses

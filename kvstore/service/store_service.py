@@ -140,18 +140,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Prefetch(self, request, context):
         caller = await self._caller(context)
-        result = await self._call(
-            context, self.node.prefetch, request.namespace, list(request.block_hashes), caller
-        )
+        hashes = await self._call(context, codec.block_hashes, request)
+        result = await self._call(context, self.node.prefetch, request.namespace, hashes, caller)
         return codec.prefetch_response(result)
 
     async def Query(self, request, context):
         caller = await self._caller(context)
+        hashes = await self._call(context, codec.block_hashes, request)
         result = await self._call(
             context,
             self.node.query,
             request.namespace,
-            list(request.block_hashes),
+            hashes,
             request.lease,
             request.lease_ms,
             caller,

@@ -489,7 +489,9 @@ class BlockIndex:
             self._drop(block)
 
     def clear(self, namespace: str | None = None) -> int:
-        """Drop every unpinned sealed block (of one namespace, or all)."""
+        """Drop every unpinned sealed block (of one namespace, or all). Each
+        namespace's ``cleared`` event is followed by ``stored`` of its pinned
+        blocks, which stay: a router that follows the events still knows them."""
         victims = [
             b
             for b in self._lru.values()
@@ -497,8 +499,11 @@ class BlockIndex:
         ]
         namespaces = {namespace} if namespace else {b.key[0] for b in self._lru.values()}
         self._remove_sealed(victims)
+        kept = _by_namespace([k for k in self._lru if namespace is None or k[0] == namespace])
         for ns in sorted(namespaces):  # one event per namespace: routers index per namespace
             self._emit(CLEARED, ns, [])
+            if ns in kept:
+                self._emit(STORED, ns, kept[ns])
         return len(victims)
 
     def _seal(self, blocks: list[Block]) -> None:

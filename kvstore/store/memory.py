@@ -205,6 +205,8 @@ def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = No
         raise invalid(f"{field_}.pid {pid} is the store server itself")
     if not os.path.isdir(f"/proc/{pid}"):
         raise invalid(f"{field_}.pid {pid}: no such process on this node")
+    if _thread_group(pid) == os.getpid():  # /proc/<tid>/fd is the server's own fd table
+        raise invalid(f"{field_}.pid {pid} is the store server itself (one of its threads)")
     path = f"/proc/{pid}/fd/{fd}"
     try:
         target = os.readlink(path)
@@ -241,6 +243,19 @@ def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = No
         return _map_file(handle, _mapped_bytes(size, reach), info, what)
     finally:
         os.close(handle)
+
+
+def _thread_group(pid: int) -> int:
+    """The process whose thread ``pid`` is (``pid`` itself for a process, or when
+    ``/proc`` does not say)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return pid
 
 
 def _mapped_bytes(size: int, reach: int | None) -> int:

@@ -192,8 +192,9 @@ class StoreNode:
             self.index.abandon(claim)
             raise
         done = self.index.finish(claim)
-        self.counters.bytes_saved += job.nbytes
-        return SaveResult(done.written, claim.skipped, done.sealed, job.nbytes)
+        kept = done.written * slots.nbytes  # not of blocks dropped while they copied
+        self.counters.bytes_saved += kept
+        return SaveResult(done.written, claim.skipped, done.sealed, kept)
 
     async def load(
         self, who: CallerId, refs: list[BlockRef], deadline: float | None = None

@@ -12,6 +12,8 @@ import re
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from kvstore.copy.geometry import LayerRegion
+from kvstore.copy.table import layer_apart
 from kvstore.wire.errors import exists, invalid, precondition
 from kvstore.wire.kv_layout import KINDS, VLLM_LAYOUTS, LayoutKind
 from kvstore.wire.limits import (
@@ -151,6 +153,12 @@ def _check_extent(layer: LayerReg, at: str) -> None:
         raise invalid(
             f"segment_stride {layer.segment_stride} must be 0: layout_kind "
             f"{layer.layout_kind.value!r} has one segment ({at})"
+        )
+    shape = (layer.segment_bytes, layer.block_stride, layer.segment_stride)
+    if g.segments == 2 and not layer_apart(LayerRegion(0, layer.num_blocks, 2, *shape)):
+        raise invalid(
+            f"segment_stride {layer.segment_stride} and block_stride {layer.block_stride} "
+            f"put a block's segment 1 onto another block's segment 0 ({at})"
         )
 
 

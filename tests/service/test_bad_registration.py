@@ -90,6 +90,23 @@ def test_same_rank_twice(kit):
     still_waiting_then_seals(register, request, server)
 
 
+@pytest.mark.parametrize("shift", [2, 3, 5], ids=["V at next K", "V across two K", "V further"])
+def test_strides_that_put_one_blocks_v_onto_another_blocks_k(kit, shift):
+    """A kv_first layer whose segment 1 of a block lands on segment 0 of another
+    (blocks packed one segment apart, V ``shift`` half-segments after K) seals
+    nothing: before, it sealed (it fits its memory), and a one-block Load wrote
+    over its neighbour."""
+    request, register, server = kit
+    bad = request(rank=0)
+    layer = bad.layers[1]
+    n = layer.bytes_per_block // 2
+    layer.block_stride = n
+    layer.segment_stride = shift * n // 2
+    refused(register, bad, Code.INVALID_ARGUMENT, "layer.1", "segment_stride", "block_stride")
+    register(request(rank=0))
+    still_waiting_then_seals(register, request, server)
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -103,8 +120,9 @@ def test_geometry_disagreeing_across_ranks(kit, field, value):
     register(request(rank=0))
     bad = request(rank=1)
     setattr(bad.layers[1], field, value)
-    if field == "bytes_per_block":
-        bad.layers[1].block_stride = 1024
+    if field == "bytes_per_block":  # 512 bytes a segment: K of 8 blocks, then V
+        bad.layers[1].block_stride = 512
+        bad.layers[1].segment_stride = 8 * 512
     refused(register, bad, Code.INVALID_ARGUMENT, "layer.1", field, "rank 1")
     still_waiting_then_seals(register, request, server)
 

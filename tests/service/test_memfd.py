@@ -222,6 +222,11 @@ def _request(h: dict, instance: str, **memory) -> pb.RegisterLayersRequest:
     )
 
 
+def _server_thread() -> int:
+    """A thread id of this process (the server runs in it) other than its pid."""
+    return next(int(t) for t in os.listdir("/proc/self/task") if int(t) != os.getpid())
+
+
 def _pid_max() -> int:
     with open("/proc/sys/kernel/pid_max") as f:
         return int(f.read())
@@ -231,6 +236,7 @@ BAD = {
     "pid unset": (lambda h: {"pid": 0}, "host_fd.pid is not set"),
     "no such pid": (lambda h: {"pid": _pid_max()}, "host_fd.pid"),
     "server's own pid": (lambda h: {"pid": os.getpid()}, "is the store server itself"),
+    "a thread of the server": (lambda h: {"pid": _server_thread()}, "is the store server itself"),
     "fd not open": (lambda h: {"fd": h["closed"]}, "host_fd.fd 4000 is not open"),
     "fd is a pipe": (lambda h: {"fd": h["pipe"]}, "not shared memory"),
     "fd is a disk file": (lambda h: {"fd": h["disk"]}, "not shared memory"),

@@ -408,6 +408,22 @@ def test_cancelled_save_waits_for_its_copy_then_frees_everything(threaded_copies
     node.index.pool("cpu").check()
 
 
+def test_a_save_whose_rank_left_while_it_copied_counts_no_bytes(threaded_copies):
+    node = make_store()
+    ranks = make_instance(node.registry, "a", tp_size=1)
+    reg = ranks[0].reg
+
+    async def leave_mid_copy():
+        task = asyncio.create_task(node.save(reg.caller_id, [(1, 0), (2, 1)]))
+        await asyncio.sleep(0)  # claimed; the copy thread is running
+        node.leave(reg.session)  # its inflight blocks are dropped under the copy
+        return await task
+
+    saved = run(leave_mid_copy())
+    assert (saved.written, saved.sealed, saved.bytes) == (0, 0, 0)
+    assert node.stats().requests.bytes_saved == 0 and used_bytes(node) == 0
+
+
 def test_departed_rank_memory_stays_mapped_until_its_copy_ends():
     node = make_store()
     ranks = make_instance(node.registry, "a")
@@ -437,10 +453,15 @@ def test_clear_keeps_pinned_blocks_and_refuses_an_overlong_namespace():
         node.clear("n" * 200)
     assert info.value.code == Code.INVALID_ARGUMENT and "too long" in info.value.message
     assert node.clear(ns) == 2
-    assert events[-1].type == "cleared" and events[-1].namespace == ns
+    # a follower of the events forgets the namespace, then learns the block that stayed
+    assert [(e.type, e.namespace, e.block_hashes) for e in events[-2:]] == [
+        ("cleared", ns, []),
+        ("stored", ns, [1]),
+    ]
     assert node.query(ns, [1, 2]).prefix_blocks == 1  # the leased block stayed
     node.release(lease)
     assert node.clear("") == 1 and used_bytes(node) == 0
+    assert events[-1].type == "cleared" and events[-1].namespace == ns  # nothing stayed
 
 
 def test_stats_gather_every_parts_own_record():
