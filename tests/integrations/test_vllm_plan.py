@@ -281,9 +281,63 @@ def test_a_step_whose_load_failed_saves_nothing(server, rank):
     worker.save(pairs)
     assert client.stats().sealed_blocks == 0
     assert worker.take_load_errors() == {0, 1}
-    worker.load([])  # the next step
-    worker.save(pairs)
+    worker.load([], failures_heard=1)  # the next step, planned once the scheduler heard
+    worker.save(pairs, failures_heard=1)
     assert client.stats().sealed_blocks == 3
+
+
+def test_steps_planned_before_the_scheduler_heard_of_a_failed_load_save_nothing(server, rank):
+    """A batch queue (vLLM's async scheduling, the GPU default, or pipeline
+    parallelism) plans step N+1 before step N's output says N's load failed, so
+    N+1 may compute blocks on that load's stale KV. Before: only step N's save was
+    skipped, and N+1's sealed KV computed on stale blocks under valid hashes."""
+    worker, _, _ = rank
+    client = StoreClient(server.address)
+    pairs = [BlockPair(block_key(vllm_hash(i)), i) for i in range(3)]
+    worker.load(pairs[:2], failures_heard=4)  # step N fails (4 failures heard before it)
+    worker.save(pairs[:1], step=1, failures_heard=4)
+    worker.load([], failures_heard=4)  # step N+1: planned before N's output came back
+    worker.save(pairs[1:], step=2, failures_heard=4)
+    assert client.stats().sealed_blocks == 0
+    worker.load([], failures_heard=5)  # planned once the scheduler heard of it
+    worker.save(pairs, step=3, failures_heard=5)
+    assert client.stats().sealed_blocks == 3
+
+
+def test_a_failure_heard_plans_again_what_a_rank_may_have_skipped(server, monkeypatch):
+    """Once a step's output reports a failed load, the next plan carries one more
+    failure heard and saves again the blocks of the last RESAVE_PLANS plans (the
+    failed rank skipped those planned before it heard), and every block of a
+    request from its first failed one on (vLLM recomputes it). Before, such
+    blocks were never saved again: a miss for good."""
+    monkeypatch.setattr("kvstore.integrations.vllm.scheduler.RESAVE_PLANS", 2)
+    sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
+    r, q = request("r", 6), request("q", 3)
+    one = sched.build_plan(
+        step([new_req("r", [10, 11, 12, 13, 14, 15], 0)], scheduled={"r": 2 * BS}), {"r": r}
+    )
+    two = sched.build_plan(step(), {})
+    three = sched.build_plan(
+        step([new_req("q", [20, 21, 22], 0)], scheduled={"q": 3 * BS}), {"q": q}
+    )
+    assert [p.block_id for p in one.saves + two.saves + three.saves] == [10, 11, 20, 21, 22]
+    assert (one.failures_heard, three.failures_heard) == (0, 0)
+    sched.load_failed({11})  # r's block 1 failed to load in some step
+
+    def cached(req_id, computed):
+        return SimpleNamespace(
+            req_ids=[req_id],
+            resumed_req_ids=set(),
+            new_block_ids=[None],
+            num_computed_tokens=[computed],
+        )
+
+    four = sched.build_plan(step(cached=cached("r", BS), scheduled={"r": BS}), {"r": r})
+    assert four.failures_heard == 1
+    # r: from its failed block on (block 0, planned before the last 2 plans, stands)
+    assert [p.block_id for p in four.saves] == [11]
+    five = sched.build_plan(step(cached=cached("q", 3 * BS), scheduled={"q": 1}), {"q": q})
+    assert [p.block_id for p in five.saves] == [20, 21, 22]  # planned in the last 2 plans
 
 
 def test_a_load_failed_on_one_rank_never_seals_the_others_stale_kv(server):
@@ -308,12 +362,12 @@ def test_a_load_failed_on_one_rank_never_seals_the_others_stale_kv(server):
         w0.save(pairs, one)
         w1.save(pairs, one)  # skipped
         for w in (w0, w1):
-            w.load([])  # step 2: nothing fails
+            w.load([], failures_heard=1)  # step 2: nothing fails
         for views in (views0, views1):
             for v in views.values():
                 v[:3] = 5
-        w0.save(pairs, two)
-        w1.save(pairs, two)
+        w0.save(pairs, two, failures_heard=1)
+        w1.save(pairs, two, failures_heard=1)
         assert StoreClient(server.address).stats().sealed_blocks == 3
         later = [BlockPair(p.key, 10 + p.block_id) for p in pairs]
         for w in (w0, w1):
@@ -418,8 +472,8 @@ def test_a_store_that_stops_answering_costs_one_deadline_not_one_a_step(server):
         assert worker.take_load_errors() == {0, 1} and worker.skipped == 0
         worker.load(pairs)  # the next steps: not sent, recomputed
         assert worker.take_load_errors() == {0, 1} and worker.skipped == 1
-        worker.load([])
-        worker.save(pairs)
+        worker.load([], failures_heard=1)  # planned once the scheduler heard of it
+        worker.save(pairs, failures_heard=1)
         assert worker.skipped == 2
     finally:
         stuck.set()

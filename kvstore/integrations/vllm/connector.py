@@ -248,7 +248,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         del forward_context, kwargs  # the plan says what to load; one Load for every layer
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
-            self._worker.load(meta.plan.loads)
+            self._worker.load(meta.plan.loads, meta.plan.failures_heard)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loads every layer before the forward."""
@@ -262,7 +262,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
-            self._worker.save(meta.plan.saves, meta.plan.step)
+            plan = meta.plan
+            self._worker.save(plan.saves, plan.step, plan.failures_heard)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -286,6 +287,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorMetadata(
             self._scheduler.build_plan(scheduler_output, self._requests)
         )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of a step: blocks whose load failed mean a failure
+        heard (SchedulerSide.load_failed)."""
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request: Any, block_ids: list[int]):  # noqa: ARG002
         self._requests.pop(request.request_id, None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,6 +33,11 @@ from kvstore.wire.limits import DEFAULT_LEASE_MS
 log = logging.getLogger(__name__)
 
 NOT_YET = None  # get_num_new_matched_tokens' "ask again next step"
+# Plans whose saves a heard load failure plans again: at least vLLM's batch queue
+# (2 with async scheduling, the pipeline's depth with pipeline parallelism), so
+# every plan built before the scheduler heard is covered. Past it a skipped save
+# is a miss, never stale KV (the failed rank never saves those plans).
+RESAVE_PLANS = 16
 
 
 class BlockPair(NamedTuple):
@@ -48,6 +54,12 @@ class StepPlan:
     # numbers the plans: every rank saves under it, and the store seals a block only
     # once every rank wrote it in one step (a rank whose load failed saves nothing)
     step: int = 0
+    # load failures the scheduler had heard of when it built this plan. With a
+    # batch queue (async scheduling, pipeline parallelism) the plans after a
+    # failed load were built before the scheduler heard of it, and their blocks
+    # may be computed on its stale KV: the failed rank saves none of them
+    # (WorkerSide.save), the scheduler plans those saves again once it hears
+    failures_heard: int = 0
 
 
 @dataclass
@@ -114,6 +126,10 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._steps = 0  # plans built
+        self._failures_heard = 0  # outputs that reported failed loads (update_connector_output)
+        # per recent plan, request -> the first block index it saved: a rank whose
+        # load failed skips the saves of the plans built before the scheduler heard
+        self._saved_in: deque[dict[str, int]] = deque([{}], maxlen=RESAVE_PLANS)
 
     # ------------------------------------------------------------ matching
 
@@ -325,6 +341,8 @@ class SchedulerSide:
         plan, self._plan = self._plan, StepPlan()
         self._steps += 1
         plan.step = self._steps
+        plan.failures_heard = self._failures_heard
+        self._saved_in.append({})  # the next plan's
         # requests sharing a prefix (vLLM caches their blocks once) name the same
         # blocks; the store refuses a request with a hash twice, so each goes once
         first: dict[int, BlockPair] = {}
@@ -342,8 +360,32 @@ class SchedulerSide:
         full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
         for i in range(tracked.saved_blocks, full):
             self._plan.saves.append(BlockPair(block_key(hashes[i]), tracked.block_ids[i]))
+        if full > tracked.saved_blocks:
+            saved = self._saved_in[-1]
+            saved[req_id] = min(saved.get(req_id, tracked.saved_blocks), tracked.saved_blocks)
         self.stats.save_blocks += max(0, full - tracked.saved_blocks)
         tracked.saved_blocks = max(tracked.saved_blocks, full)
+
+    def load_failed(self, invalid_block_ids: set[int]) -> None:
+        """A step's output reported blocks whose load failed (vLLM recomputes
+        them). Plans from now on carry one more failure heard; the saves of the
+        last RESAVE_PLANS plans are planned again (the failed rank skipped those
+        built before this), and so is every block from a request's first failed
+        one on (vLLM recomputes it). The store skips what it already holds."""
+        self._failures_heard += 1
+        redo: dict[str, int] = {}
+        for saved in self._saved_in:
+            for req_id, first in saved.items():
+                redo[req_id] = min(redo.get(req_id, first), first)
+        for req_id, tracked in self._tracked.items():
+            keep = min(tracked.saved_blocks, redo.get(req_id, tracked.saved_blocks))
+            for i, block_id in enumerate(tracked.block_ids[:keep]):
+                if block_id in invalid_block_ids:
+                    keep = i
+                    break
+            tracked.saved_blocks = keep
+        self._saved_in.clear()
+        self._saved_in.append({})
 
     def finished(self, req_id: str) -> None:
         """The request is done: end its lease and forget it."""

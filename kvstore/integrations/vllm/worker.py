@@ -182,7 +182,10 @@ class WorkerSide:
         self._rank: KeptRank | None = None
         self.load_errors: set[int] = set()
         self.skipped = 0  # loads and saves not sent: the store had stopped answering
-        self._step_load_failed = False  # this step's Load failed: its Save is skipped
+        # failures_heard of the last plan whose Load failed here: a plan built before
+        # the scheduler heard of that failure (failures_heard no higher) saves nothing
+        self._failed_heard = -1
+        self._unheard_saves = 0  # saves skipped since, waiting for the scheduler to hear
         self._quiet_until = 0.0  # time.monotonic() before which the store is not called
 
     def register(self, layers: list[KVLayer]) -> None:
@@ -207,10 +210,9 @@ class WorkerSide:
     def _live_session(self) -> RankSession | None:
         return self._rank.live() if self._rank is not None else None
 
-    def load(self, pairs: list[BlockPair]) -> None:
+    def load(self, pairs: list[BlockPair], failures_heard: int = 0) -> None:
         """Load the step's blocks before the forward (called every step, first);
-        failures are reported, never raised."""
-        self._step_load_failed = False
+        failures are reported, never raised. ``failures_heard``: the plan's."""
         if not pairs:
             return
         session = self._live_session()
@@ -221,7 +223,7 @@ class WorkerSide:
             if self._quiet():
                 self.skipped += 1
                 self.load_errors.update(p.block_id for p in pairs)
-                self._step_load_failed = True
+                self._load_failed(failures_heard)
                 return
             for chunk in distinct_chunks([tuple(p) for p in pairs]):
                 began = time.monotonic()  # each call has its own deadline
@@ -231,23 +233,37 @@ class WorkerSide:
                 "kvstore: load of %d blocks failed (%s); vLLM recomputes them", len(pairs), err
             )
             self.load_errors.update(p.block_id for p in pairs)
-            self._step_load_failed = True
+            self._load_failed(failures_heard)
             self._failed(err, began)
 
-    def save(self, pairs: list[BlockPair], step: int = 0) -> None:
-        """Save the step's newly full blocks after the forward (best effort). Not
-        after a failed Load of the same step: the blocks it was to fill hold stale
-        KV (vLLM recomputes them later), and blocks computed on top of them too.
-        The other ranks cannot know and save theirs: ``step`` (the plan's) keeps
-        the store from ever sealing those slots beside a later step's."""
+    def _load_failed(self, failures_heard: int) -> None:
+        self._failed_heard = max(self._failed_heard, failures_heard)
+        self._unheard_saves = 0
+
+    def save(self, pairs: list[BlockPair], step: int = 0, failures_heard: int = 0) -> None:
+        """Save the step's newly full blocks after the forward (best effort).
+
+        Not while the plan was built before the scheduler heard of this rank's
+        last failed Load (``failures_heard``, the plan's, no higher than that
+        Load's plan's): the blocks it was to fill hold stale KV (vLLM recomputes
+        them), and so may blocks computed on top of them, in that step or, with
+        a batch queue (async scheduling, pipeline parallelism), in the steps
+        planned before vLLM learned of it. The scheduler plans those saves again
+        once it hears. The other ranks cannot know and save theirs: ``step`` (the
+        plan's) keeps the store from ever sealing those slots beside a later
+        step's."""
         if not pairs:
             return
-        if self._step_load_failed:
-            log.warning(
-                "kvstore: save of %d blocks skipped: this step's load failed, so their KV "
-                "may rest on blocks vLLM has yet to recompute",
-                len(pairs),
-            )
+        if failures_heard <= self._failed_heard:
+            self._unheard_saves += 1
+            if self._unheard_saves in (1, 64):  # the 64th: the scheduler may never hear
+                log.warning(
+                    "kvstore: save of %d blocks skipped (%d plans so far): a load failed "
+                    "here in a step planned before, so their KV may rest on blocks vLLM "
+                    "has yet to recompute",
+                    len(pairs),
+                    self._unheard_saves,
+                )
             return
         session = self._live_session()
         if session is None:

@@ -1,0 +1,55 @@
+"""A failed load under vLLM's batch queue (async scheduling, the GPU default, or
+pipeline parallelism): the steps vLLM planned before it learned of the failure
+may compute KV on the stale blocks, and must not seal it in the store.
+
+Before: only the failed step's save was skipped; the next step (planned before
+the failure came back) saved blocks computed on the stale prefix, and a later
+engine loaded them: wrong KV under valid hashes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.client.store_client import StoreClient
+from tests.conftest import ServerThread
+from tests.engines.vllm_scheduler import BS, Harness, chain
+
+
+@pytest.fixture
+def store():
+    s = ServerThread(pool_size=64 << 20, device="cpu", slab_bytes=4 << 20)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "batch-queue"])
+def test_a_failed_load_never_seals_kv_computed_on_its_stale_blocks(vllm_ready, store, async_sched):
+    rng = random.Random(0)
+    tokens = [rng.randrange(3, 1000) for _ in range(161)]  # 10 blocks a later request may load
+    h = Harness(store.address, async_sched=async_sched, budget=64)
+    try:
+        h.add("a", tokens[:65])  # stores blocks 0..3
+        h.run()
+        h.reset_local_cache()
+        h.fail_next_load = True  # b hits 0..3 in the store, and that load fails
+        h.add("b", tokens)  # prefilled 64 tokens a step
+        h.run()
+        h.reset_local_cache()
+        h.add("c", tokens[:129])  # stores what b did not (4..7)
+        h.run()
+        h.reset_local_cache()
+        h.add("d", tokens)  # loads what the store holds of the chain
+        h.run()
+        want = chain(tokens)
+        table = h.tables["d"]
+        got = [h.cell(table[p // BS], p % BS) for p in range(10 * BS)]
+        wrong = sorted({p // BS for p in range(10 * BS) if got[p] != want[p]})
+        assert wrong == [], (
+            f"blocks of wrong KV after a load from the store: {wrong}\n" + "\n".join(h.log)
+        )
+        # and the rank saves again once the scheduler heard: every block ends stored
+        assert StoreClient(store.address).stats().sealed_blocks == 10, "\n".join(h.log)
+    finally:
+        h.close()
