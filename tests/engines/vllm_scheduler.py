@@ -23,6 +23,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvstore.client.store_client import RankSpec, StoreClient
+from kvstore.integrations.vllm.connector import plans_in_flight
 from kvstore.integrations.vllm.identity import hash_format, none_hash_seed
 from kvstore.integrations.vllm.worker import (
     SharedMemoryKVPool,
@@ -125,11 +126,19 @@ class Harness:
             0,
             1,
         )
-        self.worker = WorkerSide(StoreClient(address), ident, seal_timeout=10, retry_s=0.0)
+        cfg.scheduler_config.async_scheduling = async_sched
+        self.worker = WorkerSide(
+            StoreClient(address),
+            ident,
+            seal_timeout=10,
+            retry_s=0.0,
+            plans_in_flight=plans_in_flight(cfg),
+        )
         self.worker.register(paged_layers(self.views, BS, "LBHNC", self.pool))
         assert self.worker.wait_ready(10)
         self.tables: dict[str, list[int]] = {}
-        self.fail_next_load = False
+        self.fail_loads = 0  # the next plans with loads whose Load the store refuses
+        self.then_add: tuple[str, list[int]] | None = None  # added after a plan with loads
         self.pending = None
         self.step_no = 0
         self.log: list[str] = []
@@ -168,14 +177,14 @@ class Harness:
             elif ids:
                 self.tables.setdefault(rid, []).extend(ids[0])
         # start_load_kv
-        if self.fail_next_load and plan.loads:
-            self.fail_next_load = False
+        if self.fail_loads and plan.loads:
+            self.fail_loads -= 1
             saved = self.worker.rpc_timeout
             self.worker.rpc_timeout = 0.03  # the store refuses: cannot finish in time
-            self.worker.load(plan.loads, plan.failures_heard)
+            self.worker.load(plan.loads, plan.step)
             self.worker.rpc_timeout = saved
         else:
-            self.worker.load(plan.loads, plan.failures_heard)
+            self.worker.load(plan.loads, plan.step)
         # forward: the causal chain over the paged cache
         computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -192,13 +201,16 @@ class Harness:
             done = req is not None and c + n >= req.num_prompt_tokens
             sampled[rid] = [5] if done else []
         # wait_for_save
-        self.worker.save(plan.saves, plan.step, plan.failures_heard)
+        self.worker.save(plan.saves, plan.step)
         invalid = self.worker.take_load_errors()
         self.log.append(
             f"step {self.step_no}: plan.step={plan.step} loads={[p.block_id for p in plan.loads]}"
             f" saves={[p.block_id for p in plan.saves]} invalid={sorted(invalid)}"
             f" sched={dict(out.num_scheduled_tokens)}"
         )
+        if self.then_add is not None and plan.loads:  # scheduled, and loaded, in the next plan
+            self.add(*self.then_add)
+            self.then_add = None
         rids = list(out.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=rids,

@@ -133,6 +133,19 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+def plans_in_flight(vllm_config: Any) -> int:
+    """Plans vLLM's engine builds before it processes a step's output: its batch
+    queue's depth (``VllmConfig.max_concurrent_batches``: 2 with async
+    scheduling, the pipeline's depth with pipeline parallelism), else 1. A
+    version without the property gets the pipeline's depth plus one, and one
+    more with async scheduling (more skips a few saves, never fewer)."""
+    depth = getattr(vllm_config, "max_concurrent_batches", None)
+    if isinstance(depth, int) and depth >= 1:
+        return depth
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    return pp + 1 + bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+
+
 def _log_through_vllm() -> None:
     """Send kvstore's log lines through vLLM's handlers, so they land in the engine's log."""
     ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
@@ -241,6 +254,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             seal_timeout=s.seal_timeout_s,
             retry_s=s.retry_s,
             rpc_timeout=s.io_timeout_s,
+            plans_in_flight=plans_in_flight(self._vllm_config),
         )
         self._worker.register(layers)
 
@@ -248,7 +262,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         del forward_context, kwargs  # the plan says what to load; one Load for every layer
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
-            self._worker.load(meta.plan.loads, meta.plan.failures_heard)
+            self._worker.load(meta.plan.loads, meta.plan.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loads every layer before the forward."""
@@ -262,8 +276,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreConnectorMetadata):
-            plan = meta.plan
-            self._worker.save(plan.saves, plan.step, plan.failures_heard)
+            self._worker.save(meta.plan.saves, meta.plan.step)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -289,8 +302,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' output of a step: blocks whose load failed mean a failure
-        heard (SchedulerSide.load_failed)."""
+        """The workers' output of a step: blocks whose load failed are planned to
+        be saved again (SchedulerSide.load_failed)."""
         if self._scheduler is not None and connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
 

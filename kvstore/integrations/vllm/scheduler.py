@@ -54,12 +54,6 @@ class StepPlan:
     # numbers the plans: every rank saves under it, and the store seals a block only
     # once every rank wrote it in one step (a rank whose load failed saves nothing)
     step: int = 0
-    # load failures the scheduler had heard of when it built this plan. With a
-    # batch queue (async scheduling, pipeline parallelism) the plans after a
-    # failed load were built before the scheduler heard of it, and their blocks
-    # may be computed on its stale KV: the failed rank saves none of them
-    # (WorkerSide.save), the scheduler plans those saves again once it hears
-    failures_heard: int = 0
 
 
 @dataclass
@@ -126,7 +120,6 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._steps = 0  # plans built
-        self._failures_heard = 0  # outputs that reported failed loads (update_connector_output)
         # per recent plan, request -> the first block index it saved: a rank whose
         # load failed skips the saves of the plans built before the scheduler heard
         self._saved_in: deque[dict[str, int]] = deque([{}], maxlen=RESAVE_PLANS)
@@ -341,7 +334,6 @@ class SchedulerSide:
         plan, self._plan = self._plan, StepPlan()
         self._steps += 1
         plan.step = self._steps
-        plan.failures_heard = self._failures_heard
         self._saved_in.append({})  # the next plan's
         # requests sharing a prefix (vLLM caches their blocks once) name the same
         # blocks; the store refuses a request with a hash twice, so each goes once
@@ -368,11 +360,10 @@ class SchedulerSide:
 
     def load_failed(self, invalid_block_ids: set[int]) -> None:
         """A step's output reported blocks whose load failed (vLLM recomputes
-        them). Plans from now on carry one more failure heard; the saves of the
-        last RESAVE_PLANS plans are planned again (the failed rank skipped those
-        built before this), and so is every block from a request's first failed
-        one on (vLLM recomputes it). The store skips what it already holds."""
-        self._failures_heard += 1
+        them): the saves of the last RESAVE_PLANS plans are planned again (the
+        failed rank skipped those built before this: WorkerSide.save), and so is
+        every block from a request's first failed one on (vLLM recomputes it).
+        The store skips what it already holds."""
         redo: dict[str, int] = {}
         for saved in self._saved_in:
             for req_id, first in saved.items():

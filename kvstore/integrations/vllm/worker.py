@@ -172,6 +172,7 @@ class WorkerSide:
         seal_timeout: float = 120.0,
         retry_s: float = 5.0,
         rpc_timeout: float = 60.0,
+        plans_in_flight: int = 1,
     ):
         self.client = client
         self.identity = identity
@@ -182,10 +183,10 @@ class WorkerSide:
         self._rank: KeptRank | None = None
         self.load_errors: set[int] = set()
         self.skipped = 0  # loads and saves not sent: the store had stopped answering
-        # failures_heard of the last plan whose Load failed here: a plan built before
-        # the scheduler heard of that failure (failures_heard no higher) saves nothing
-        self._failed_heard = -1
-        self._unheard_saves = 0  # saves skipped since, waiting for the scheduler to hear
+        # plans vLLM builds before it hears how a step went: 1, or its batch queue's
+        # depth (2 with async scheduling, the pipeline's with pipeline parallelism)
+        self.plans_in_flight = plans_in_flight
+        self._skip_until = 0  # plans numbered below it save nothing (a load failed)
         self._quiet_until = 0.0  # time.monotonic() before which the store is not called
 
     def register(self, layers: list[KVLayer]) -> None:
@@ -210,9 +211,9 @@ class WorkerSide:
     def _live_session(self) -> RankSession | None:
         return self._rank.live() if self._rank is not None else None
 
-    def load(self, pairs: list[BlockPair], failures_heard: int = 0) -> None:
+    def load(self, pairs: list[BlockPair], step: int = 0) -> None:
         """Load the step's blocks before the forward (called every step, first);
-        failures are reported, never raised. ``failures_heard``: the plan's."""
+        failures are reported, never raised. ``step``: the plan's number."""
         if not pairs:
             return
         session = self._live_session()
@@ -223,7 +224,7 @@ class WorkerSide:
             if self._quiet():
                 self.skipped += 1
                 self.load_errors.update(p.block_id for p in pairs)
-                self._load_failed(failures_heard)
+                self._load_failed(step)
                 return
             for chunk in distinct_chunks([tuple(p) for p in pairs]):
                 began = time.monotonic()  # each call has its own deadline
@@ -233,37 +234,31 @@ class WorkerSide:
                 "kvstore: load of %d blocks failed (%s); vLLM recomputes them", len(pairs), err
             )
             self.load_errors.update(p.block_id for p in pairs)
-            self._load_failed(failures_heard)
+            self._load_failed(step)
             self._failed(err, began)
 
-    def _load_failed(self, failures_heard: int) -> None:
-        self._failed_heard = max(self._failed_heard, failures_heard)
-        self._unheard_saves = 0
+    def _load_failed(self, step: int) -> None:
+        self._skip_until = max(self._skip_until, step + self.plans_in_flight)
 
-    def save(self, pairs: list[BlockPair], step: int = 0, failures_heard: int = 0) -> None:
+    def save(self, pairs: list[BlockPair], step: int = 0) -> None:
         """Save the step's newly full blocks after the forward (best effort).
 
-        Not while the plan was built before the scheduler heard of this rank's
-        last failed Load (``failures_heard``, the plan's, no higher than that
-        Load's plan's): the blocks it was to fill hold stale KV (vLLM recomputes
-        them), and so may blocks computed on top of them, in that step or, with
-        a batch queue (async scheduling, pipeline parallelism), in the steps
-        planned before vLLM learned of it. The scheduler plans those saves again
-        once it hears. The other ranks cannot know and save theirs: ``step`` (the
-        plan's) keeps the store from ever sealing those slots beside a later
-        step's."""
+        Not in the step whose Load failed here, nor in the plans vLLM built
+        before it heard of that (``plans_in_flight`` plans from it, numbered by
+        ``step``): the blocks the Load was to fill hold stale KV (vLLM recomputes
+        them), and so may blocks computed on top of them. The scheduler plans
+        those saves again once it hears (SchedulerSide.load_failed). The other
+        ranks cannot know and save theirs: ``step`` keeps the store from ever
+        sealing those slots beside a later step's."""
         if not pairs:
             return
-        if failures_heard <= self._failed_heard:
-            self._unheard_saves += 1
-            if self._unheard_saves in (1, 64):  # the 64th: the scheduler may never hear
-                log.warning(
-                    "kvstore: save of %d blocks skipped (%d plans so far): a load failed "
-                    "here in a step planned before, so their KV may rest on blocks vLLM "
-                    "has yet to recompute",
-                    len(pairs),
-                    self._unheard_saves,
-                )
+        if step < self._skip_until:
+            log.warning(
+                "kvstore: save of %d blocks skipped: a load failed here in a step planned "
+                "before this one was, so their KV may rest on blocks vLLM has yet to "
+                "recompute",
+                len(pairs),
+            )
             return
         session = self._live_session()
         if session is None:
