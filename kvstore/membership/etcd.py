@@ -270,10 +270,15 @@ class Etcd:
         return self._client
 
     def _failed(self, client: aetcd.Client) -> None:
-        """A call on ``client`` failed: with several endpoints, move to the next."""
-        if len(self.config.endpoints) == 1 or client is not self._client:
+        """A call on ``client`` failed: with several endpoints, move to the next;
+        over TLS, a new client either way, so rotated TLS files are read again
+        (gRPC reconnects a channel with the credentials it was made with)."""
+        if client is not self._client:
             return
-        self._endpoint = (self._endpoint + 1) % len(self.config.endpoints)
+        if len(self.config.endpoints) > 1:
+            self._endpoint = (self._endpoint + 1) % len(self.config.endpoints)
+        elif self.config.tls is None:
+            return
         self._client = None
         task = asyncio.get_running_loop().create_task(client.close())
         self._closing.add(task)

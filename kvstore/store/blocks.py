@@ -46,6 +46,7 @@ from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
+from kvstore.wire.limits import MAX_HASHES_PER_EVENT
 from kvstore.wire.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -645,6 +646,14 @@ class BlockIndex:
         block.offsets[:] = -1
 
     def _emit(self, kind: str, namespace: str, hashes: list[int]) -> None:
+        """Hand the change out: one event, or one per MAX_HASHES_PER_EVENT hashes
+        (what an event may carry on the wire: a Clear's pinned survivors, a large
+        eviction)."""
+        step = MAX_HASHES_PER_EVENT
+        for start in range(0, max(len(hashes), 1), step):
+            self._emit_one(kind, namespace, hashes[start : start + step])
+
+    def _emit_one(self, kind: str, namespace: str, hashes: list[int]) -> None:
         """Hand one event out. It is emitted after the change it tells of is made,
         so a listener that raises (a router refusing it) must not fail the Save,
         eviction or Clear that made it: that change stands, and the failure is logged."""

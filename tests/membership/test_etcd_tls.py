@@ -102,6 +102,58 @@ def test_kvstore_serve_takes_its_etcd_tls_from_its_flags(secured, tmp_path):
         cluster.close()
 
 
+def test_rotated_tls_files_are_taken_when_etcd_refuses_the_old_ones(tmp_path):
+    """One endpoint, its CA and client certificate replaced (etcd restarted on the
+    new CA): the running client reads the files again. Before, only a client with
+    several endpoints was made anew, so this one stayed UNAVAILABLE until restart
+    (found by review)."""
+    import asyncio
+    import shutil
+
+    from kvstore.membership.etcd import Etcd, EtcdConfig, EtcdTls
+    from kvstore.testing.etcd import EtcdServer
+    from kvstore.testing.pki import Pki
+
+    old, new = Pki(tmp_path / "old", "ca-old"), Pki(tmp_path / "new", "ca-new")
+    files = [str(tmp_path / name) for name in ("ca.pem", "cert.pem", "key.pem")]
+
+    def install(pki) -> None:
+        issued = pki.issue("kvstore")
+        for src, dst in zip((issued.ca, issued.cert, issued.key), files, strict=True):
+            shutil.copy(src, dst)
+
+    install(old)
+    server = EtcdServer(require_etcd(), tls=old.server)
+    server.start()
+    config = EtcdConfig.parse(server.url, TTL_S, "/rotated/", EtcdTls(*files))
+
+    async def rotate_then_list() -> list[str]:
+        etcd = Etcd(config)
+        try:
+            await etcd.list_prefix(config.prefix)
+            server.kill()
+            server.tls = new.server
+            install(new)
+            server.start()
+            outcomes = []
+            for _ in range(6):
+                try:
+                    await etcd.list_prefix(config.prefix)
+                    outcomes.append("ok")
+                except KVError as exc:
+                    outcomes.append(exc.code.name)
+                await asyncio.sleep(0.2)
+            return outcomes
+        finally:
+            await etcd.close()
+
+    try:
+        outcomes = asyncio.run(rotate_then_list())
+    finally:
+        server.stop()
+    assert outcomes[-1] == "ok", outcomes
+
+
 @pytest.mark.parametrize(
     "who,prefix,words",
     [

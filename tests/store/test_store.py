@@ -464,6 +464,27 @@ def test_clear_keeps_pinned_blocks_and_refuses_an_overlong_namespace():
     assert events[-1].type == "cleared" and events[-1].namespace == ns  # nothing stayed
 
 
+def test_an_event_carries_at_most_what_the_wire_allows(monkeypatch):
+    """A Clear's stored event names every pinned block that stays: past
+    MAX_HASHES_PER_EVENT a subscriber could not decode it (found by review), so
+    the index cuts events there, as it does a large Save's or eviction's."""
+    monkeypatch.setattr("kvstore.store.blocks.MAX_HASHES_PER_EVENT", 2)
+    events = []
+    node = make_store(events=events)
+    ranks = make_instance(node.registry, "a")
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(h, h - 1) for h in range(1, 6)]))
+    assert [e.block_hashes for e in events if e.type == "stored"] == [[1, 2], [3, 4], [5]]
+    node.query(ns, [1, 2, 3], lease=True)
+    del events[:]
+    assert node.clear(ns) == 2
+    assert [(e.type, e.block_hashes) for e in events] == [
+        ("cleared", []),
+        ("stored", [1, 2]),
+        ("stored", [3]),
+    ]
+
+
 def test_stats_gather_every_parts_own_record():
     node = make_store()
     ranks = make_instance(node.registry, "a")
