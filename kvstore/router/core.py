@@ -281,6 +281,23 @@ class Router:
             ref = worker.ref if worker is not None else WorkerRef(name, 0)
             return self.apply_vllm_batch(ref, batch)
 
+    def vllm_batches_lost(self, worker: WorkerRef | str, lost: int) -> None:
+        """A worker's vLLM feed lost ``lost`` batches (its numbers skipped, or
+        started again: a publisher restarted, a ZMQ queue overflowed, a
+        reconnection): what they told is unknown, so the worker's own blocks
+        (``WorkerRef``, or whichever generation of a name is admitted) are
+        forgotten until its events tell them anew, and the loss is counted
+        (``sequence_gap``). Indexing blocks it may have evicted would route to a
+        hit that is not there."""
+        with self._lock:
+            self._drops.add(DropCause.SEQUENCE_GAP, lost)
+            if isinstance(worker, str):
+                found = self.admission.workers.get(worker)
+            else:
+                found = self.admission.current(worker)
+            if found is not None:
+                self.domains.forget(found)
+
     def record_dropped(self, count: int = 1, cause: DropCause = DropCause.UNDECODABLE) -> None:
         """Count events a feed lost or received but could not use (by default:
         could not decode)."""
@@ -602,7 +619,7 @@ class Router:
         does not change its own first token. Every refusal comes before the
         WorkerSet draw (token ids are judged against each matching set, and the
         draw is among those that can take them): a refused Route changes nothing."""
-        hashes = check_route(model, token_ids, hashes, request_id, decode_tokens)
+        hashes = check_route(model, token_ids, hashes, request_id, decode_tokens, namespace, role)
         cfg = self.config.scoring
         with self._lock:
             if track and request_id and self.loads.taken_by_another(request_id, caller):

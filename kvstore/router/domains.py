@@ -38,11 +38,10 @@ class DomainIndexes:
         if index is None:
             index = self.indexes[worker.domain] = HolderIndex()
         for run in runs:
-            if run.cleared_first:
-                for tier in LOCAL_TIERS:
-                    bit = index.bit_of((worker.ref, tier))
-                    if bit is not None:
-                        index.clear(bit)
+            if run.cleared_first:  # the device cache was reset: its offload tier stays
+                bit = index.bit_of((worker.ref, GPU_TIER))
+                if bit is not None:
+                    index.clear(bit)
             for tier, ops in run.tiers.items():
                 if ops.hashes:
                     index.update(index.assign((worker.ref, tier)), ops.hashes, ops.keeps)

@@ -328,7 +328,8 @@ class Peers:
         would take it past MAX_NAMESPACES_PER_PEER: checked before a batch
         applies, so a refused one changes nothing. (Holder bits cannot run out:
         a namespace's index holds at most two tiers of each current peer.)"""
-        stored = {e.namespace for e in events if e.type == STORED}  # a removal adds none
+        # a removal adds none, nor a stored event naming no block (see apply)
+        stored = {e.namespace for e in events if e.type == STORED and e.block_hashes}
         serving = len(peer.namespaces) + len(stored - peer.namespaces)
         if serving > limits.MAX_NAMESPACES_PER_PEER:
             raise exhausted(
@@ -339,7 +340,11 @@ class Peers:
     def apply(self, peer: Peer, event: StoreEvent) -> int:
         """Index one of ``peer``'s own events; return how many blocks it stored.
         A removal where the peer holds nothing indexed changes nothing (it makes
-        no index and no namespace for the peer)."""
+        no index and no namespace for the peer), nor does a stored event naming
+        no block (256 of them took 4 MiB of index and every namespace slot of
+        the peer for nothing)."""
+        if event.type == STORED and not event.block_hashes:
+            return 0
         if event.type == STORED:
             index = self.index_for(peer, event.namespace)
             index.store(index.assign((peer.node_id, event.tier)), event.block_hashes)

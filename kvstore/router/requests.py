@@ -14,7 +14,13 @@ from kvstore.router.load import LoadReport
 from kvstore.wire import limits
 from kvstore.wire.errors import invalid
 from kvstore.wire.events import MalformedEvent, StoreEvent
-from kvstore.wire.names import U64_MAX, check_final_namespace, check_name
+from kvstore.wire.names import (
+    U64_MAX,
+    check_final_namespace,
+    check_name,
+    check_token,
+    is_client_namespace,
+)
 
 
 def check_route(
@@ -23,9 +29,17 @@ def check_route(
     hashes: Sequence[int] | None,
     request_id: str,
     decode_tokens: int,
+    namespace: str = "",
+    role: str = "",
 ) -> list[int]:
-    """Validate a route request; return its block hashes (empty when tokens are given)."""
+    """Validate a route request; return its block hashes (empty when tokens are given).
+    ``namespace`` and ``role`` narrow the WorkerSets ("" for any): a card's
+    client namespace and worker type, so they follow the card's rules."""
     check_name("model", model)
+    if namespace and not is_client_namespace(namespace):
+        raise invalid(f"namespace: {namespace[:64]!r} is not a client namespace, as cards name")
+    if role:
+        check_token("role", role)
     if token_ids and hashes:
         raise invalid("token_ids and block_hashes: give one of them, not both")
     if token_ids is not None and len(token_ids) > limits.MAX_TOKEN_IDS:

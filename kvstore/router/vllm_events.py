@@ -63,7 +63,9 @@ class TierOps:
 class EventRun:
     """Consecutive events with no AllBlocksCleared between them, per tier."""
 
-    cleared_first: bool  # an AllBlocksCleared comes just before the run
+    # an AllBlocksCleared (vLLM's device prefix cache reset: tier gpu only) comes
+    # just before the run
+    cleared_first: bool
     tiers: dict[str, TierOps]
 
 

@@ -98,7 +98,16 @@ async def follow_vllm(
                 log.warning("vLLM events from %s: %s", endpoint, exc)
                 continue
             if last_seq is not None and batch.seq != last_seq + 1:
-                log.info("vLLM events from %s: seq jumped %d -> %d", endpoint, last_seq, batch.seq)
+                lost = batch.seq - last_seq - 1 if batch.seq > last_seq else 1
+                log.warning(
+                    "vLLM events from %s: batch %d follows %d (%s); the worker's blocks "
+                    "are forgotten until its events tell them again",
+                    endpoint,
+                    batch.seq,
+                    last_seq,
+                    f"{lost} lost" if batch.seq > last_seq else "the publisher started again",
+                )
+                router.vllm_batches_lost(ref if ref is not None else name, lost)
             last_seq = batch.seq
             try:
                 if ref is not None:

@@ -169,6 +169,11 @@ def test_workers_in_other_domains_do_not_lend_their_cache(router):
         ({"hashes": [1] * (1 << 16 + 1)}, "block_hashes"),
         ({"request_id": "r" * 300}, "request_id"),
         ({"decode_tokens": -1}, "decode_tokens"),
+        # echoed whole in a NOT_FOUND, 20 KB overflowed gRPC's trailer (found by review)
+        ({"namespace": "n" * 20000}, "namespace"),
+        ({"namespace": "tenant.0123456789abcdef"}, "namespace"),  # a final one
+        ({"role": "r" * 20000}, "role"),
+        ({"role": "pre fill"}, "role"),
     ],
 )
 def test_bad_route_input_names_the_field_and_changes_nothing(router, kwargs, field):

@@ -193,6 +193,22 @@ def test_removals_in_namespaces_a_peer_never_stored_in_take_no_room(router):
     assert err.value.code == Code.RESOURCE_EXHAUSTED
 
 
+def test_stored_events_naming_no_block_take_no_index_and_no_room(router):
+    """Before: each made a namespace index (about 16 KiB) and took one of the peer's
+    MAX_NAMESPACES_PER_PEER slots for good, with nothing indexed (found by review)."""
+    p = peer(router, "a", [])
+    empty = [
+        StoreEvent("stored", f"t{i}.0123456789abcdef", [], "a").encode()
+        for i in range(limits.MAX_NAMESPACES_PER_PEER)
+    ]
+    before = router.index_bytes()
+    assert router.publish_store_events("a", p.generation, empty).applied == len(empty)
+    assert p.namespaces == set() and router.index_bytes() == before
+    ns = "real.0123456789abcdef"  # every slot is still free
+    router.publish_store_events("a", p.generation, [ev("a", [1], ns=ns)])
+    assert [q.prefix_blocks for q in router.query_prefix(ns, [1])] == [1]
+
+
 def test_remote_tier_blocks_are_not_credited_as_fetchable(router):
     """A store event of tier "remote" is indexed but no peer fetch serves it
     (QueryPrefix counts the store tier only). Before, Route credited it as

@@ -19,6 +19,7 @@ from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router
 from kvstore.router.vllm_events import TierOps, decode_batch, decode_events, decode_message
 from kvstore.testing.vllm_events import encode_batch
+from kvstore.wire.events import StoreEvent
 from tests.router.conftest import ServerThread, card
 
 H = [0x1111, 0x2222, 0x3333, 0xFFFF_FFFF_FFFF_FFFF]
@@ -126,6 +127,15 @@ def test_bad_frames_are_refused():
 # -- real ZMQ PUB -> router subscription -> route --
 
 
+def settled(predicate, timeout_s: float = 20.0) -> None:
+    """Wait until the router shows what was published once."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("router never saw the published events")
+        time.sleep(0.02)
+
+
 def wait_for(predicate, publish, timeout_s: float = 20.0) -> None:
     """Re-publish until the router shows the effect (ZMQ PUB drops messages
     sent before the subscriber has joined, so the first ones may be lost)."""
@@ -189,8 +199,44 @@ def test_an_oversized_event_frame_is_refused_on_the_wire_and_later_batches_land(
 
     wait_for(lambda: router.stats().indexed_blocks == 1, lambda: send(stored(H[:1])))
     sock.send_multipart(frames(b"\x91" * (limits.MAX_EVENT_BYTES + 1), seq=next(seq)))
-    wait_for(lambda: router.stats().indexed_blocks == 2, lambda: send(stored(H[1:2])))
-    assert router.stats().events_dropped == 0  # refused by ZMQ: never received, never decoded
+
+    # the refused batch (and any sent while the router connected again) is lost: what
+    # it told is unknown, so the worker's blocks are forgotten and the later ones land
+    def landed() -> bool:
+        stats = router.stats()
+        return stats.dropped_by.sequence_gap >= 1 and stats.indexed_blocks == 1
+
+    wait_for(landed, lambda: send(stored(H[1:2])))
+    assert client.route("llama-8b", hashes=H[1:2], track=False).overlap_blocks == 1
+    assert router.stats().dropped_by.undecodable == 0  # refused by ZMQ: never received
+
+
+def test_a_lost_vllm_batch_forgets_the_workers_blocks_and_is_counted(served, pub):
+    """Batch 1 stores H, batch 2 (lost: a full ZMQ queue, a reconnection) would
+    have removed it, batch 3 stores another block. Before, the gap was logged
+    only: H stayed indexed, routes credited blocks the worker had evicted, and no
+    drop was counted (found by review). A publisher that starts again (numbers
+    going back) is a loss too."""
+    router, client, _ = served
+    sock, endpoint = pub()
+    client.register_worker("w", card(hash_format="vllm-sha256", kv_events_endpoint=endpoint))
+    seq = [0]
+
+    def send(events, skip=0):
+        seq[0] += 1 + skip
+        sock.send_multipart(frames(batch(*events), seq=seq[0]))
+
+    wait_for(lambda: router.stats().indexed_blocks == 4, lambda: send([stored(H)]))
+    send([stored([0x9999])], skip=1)  # the batch before it never arrives
+    settled(lambda: router.stats().indexed_blocks == 1)
+    assert router.stats().dropped_by.sequence_gap == 1
+    assert client.route("llama-8b", hashes=H, track=False).overlap_blocks == 0
+    send([stored(H[:2])])
+    settled(lambda: router.stats().indexed_blocks == 3)
+    seq[0] = -1
+    send([stored(H[2:3])])  # numbered 0: the publisher started again
+    settled(lambda: router.stats().indexed_blocks == 1)
+    assert router.stats().dropped_by.sequence_gap == 2
 
 
 def test_a_batch_a_full_domain_cannot_take_is_dropped_and_the_feed_goes_on(served, pub):
@@ -265,3 +311,33 @@ def test_static_endpoint_flag_feeds_the_named_worker(pub):
             assert client.route("llama-8b", hashes=H, track=False).overlap_blocks == 4
     finally:
         server.stop()
+
+
+def test_a_device_cache_reset_leaves_the_workers_offload_tier(served, pub):
+    """vLLM's AllBlocksCleared resets its GPU prefix cache, and a store relays a
+    cleared event for the GPU tier: neither touches the blocks the worker's feed
+    reports offloaded (medium CPU, tier store). Before, both tiers went (found
+    by review)."""
+    _, client, _ = served
+    sock, endpoint = pub()
+    client.register_worker("w", card(hash_format="vllm-sha256", kv_events_endpoint=endpoint))
+    seq = iter(range(1, 1_000_000))
+
+    def send(*events):
+        sock.send_multipart(frames(batch(*events), seq=next(seq)))
+
+    def tiers() -> tuple[int, int]:
+        route = client.route("llama-8b", hashes=H, track=False)
+        return route.gpu_blocks, route.store_blocks
+
+    # (from the device, then from its offload tier beyond that)
+    wait_for(lambda: tiers() == (2, 2), lambda: send(stored(H, medium="CPU"), stored(H[:2])))
+    send(["AllBlocksCleared"])
+    settled(lambda: tiers()[0] == 0)
+    assert tiers() == (0, 4)
+    send(stored(H[:2]))
+    settled(lambda: tiers() == (2, 2))
+    gen = client.advertise_peer("node-a", "h:1", "", [])
+    relayed = StoreEvent("cleared", "tenant.0123456789abcdef", [], "w", tier="gpu")
+    client.publish([relayed], node_id="node-a", generation=gen)
+    assert tiers() == (0, 4)
