@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,18 @@ class EtcdTls:
         return grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
+
+    def signature(self) -> tuple:
+        """What changes when a file is replaced (a rotation): each file's size and
+        modification time (None for one that cannot be read now)."""
+        out = []
+        for _, path in self._files():
+            try:
+                info = os.stat(path) if path else None
+            except OSError:
+                info = None
+            out.append((info.st_mtime_ns, info.st_size) if info is not None else None)
+        return tuple(out)
 
     def _files(self) -> tuple[tuple[str, str], ...]:
         return (("--etcd-ca", self.ca), ("--etcd-cert", self.cert), ("--etcd-key", self.key))
@@ -245,6 +258,7 @@ class Etcd:
         self.config = config
         self._endpoint = 0
         self._client: aetcd.Client | None = None
+        self._tls_signature: tuple | None = None  # the TLS files' when the client was made
         self._closing: set[asyncio.Task] = set()
 
     @property
@@ -254,8 +268,10 @@ class Etcd:
     def _connected(self) -> aetcd.Client:
         if self._client is None:
             host, _, port = self.endpoint.rpartition(":")
+            tls = self.config.tls
             try:
-                credentials = None if self.config.tls is None else self.config.tls.credentials()
+                self._tls_signature = None if tls is None else tls.signature()
+                credentials = None if tls is None else tls.credentials()
             except ValueError as exc:  # a TLS file gone since the start
                 raise unavailable(f"etcd {self.endpoint}: {exc}") from None
             self._client = _Client(
@@ -271,13 +287,14 @@ class Etcd:
 
     def _failed(self, client: aetcd.Client) -> None:
         """A call on ``client`` failed: with several endpoints, move to the next;
-        over TLS, a new client either way, so rotated TLS files are read again
-        (gRPC reconnects a channel with the credentials it was made with)."""
+        with one, a new client only when TLS files were replaced since it was
+        made (gRPC reconnects a channel with the credentials it was made with;
+        closing it would also end every call and watch on it)."""
         if client is not self._client:
             return
         if len(self.config.endpoints) > 1:
             self._endpoint = (self._endpoint + 1) % len(self.config.endpoints)
-        elif self.config.tls is None:
+        elif self.config.tls is None or self.config.tls.signature() == self._tls_signature:
             return
         self._client = None
         task = asyncio.get_running_loop().create_task(client.close())

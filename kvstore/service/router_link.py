@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 LEASE_MS = 10_000
 REFRESH_S = 3.0
 MAX_BATCH = 1024
+# block hashes one batch gathers at most, plus those of the event that crosses it
+# (at most MAX_HASHES_PER_EVENT): ~1.8 MB encoded, under a router's 4 MiB message
+MAX_BATCH_HASHES = 1 << 17
 # events a feed holds for a replica slower than this store seals; past it the
 # queue is dropped for a snapshot, which subsumes it
 MAX_QUEUED_EVENTS = 1 << 16
@@ -557,12 +560,20 @@ def _brief(exc: Exception) -> str:
 def next_batch(
     first: StoreEvent | None, queue: asyncio.Queue[StoreEvent | None]
 ) -> list[StoreEvent] | None:
-    """``first`` and the events queued after it, up to ``MAX_BATCH``; None when a
-    snapshot is asked for (``None`` queued), the queue then drained: it covers them."""
+    """``first`` and the events queued after it, up to ``MAX_BATCH`` events and
+    about ``MAX_BATCH_HASHES`` hashes; None when a snapshot is asked for (``None``
+    queued), the queue then drained: it covers them."""
     batch = [first]
-    while first is not None and len(batch) < MAX_BATCH and not queue.empty():
+    hashes = len(first.block_hashes) if first is not None else 0
+    while (
+        first is not None
+        and len(batch) < MAX_BATCH
+        and hashes < MAX_BATCH_HASHES
+        and not queue.empty()
+    ):
         batch.append(queue.get_nowait())
         first = batch[-1]
+        hashes += len(first.block_hashes) if first is not None else 0
     if first is None:
         drain(queue)
         return None

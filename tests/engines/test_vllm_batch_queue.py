@@ -62,27 +62,49 @@ def wrong_blocks(h: Harness, req_id: str, tokens: list[int]) -> list[int]:
     return sorted({p // BS for p in range(n * BS) if got[p] != want[p]})
 
 
+def loads_right_after_failures(h: Harness, seeds, failing, then_add, fails, probe) -> None:
+    """Store ``seeds``; run ``failing`` with its next ``fails`` loads failing and
+    ``then_add`` added after the first of them; then ``probe`` loads what the
+    store holds of its chain, which must be the right KV."""
+    try:
+        for request in seeds:
+            h.add(*request)
+        h.run()
+        h.reset_local_cache()
+        h.fail_loads = fails
+        h.then_add = then_add
+        h.add(*failing)
+        h.run()
+        h.reset_local_cache()
+        h.add(*probe)
+        h.run()
+        wrong = wrong_blocks(h, *probe)
+        assert wrong == [], f"wrong blocks {wrong}\n" + "\n".join(h.log)
+    finally:
+        h.close()
+
+
 def test_two_failed_loads_in_flight_never_seal_stale_kv(vllm_ready, store):
-    """Loads fail in two plans in a row: the scheduler hears of the first before it
-    plans the step after the second. Found by review of a count of failures heard,
-    which let that step save KV computed on the second load's stale blocks."""
+    """Loads fail in two plans in a row (b's, then e's, added after it): the
+    scheduler hears of the first before it plans the step after the second.
+    Found by review of a count of failures heard, which let that step save KV
+    computed on the second load's stale blocks."""
     rng = random.Random(1)
     tb = [rng.randrange(3, 1000) for _ in range(81)]
     te = [rng.randrange(3, 1000) for _ in range(321)]
     h = Harness(store.address, async_sched=True, budget=128)
-    try:
-        h.add("a1", tb[:65])
-        h.add("a2", te[:65])
-        h.run()
-        h.reset_local_cache()
-        h.fail_loads = 2  # b's load fails, then e's, in the next plan
-        h.then_add = ("e", te)
-        h.add("b", tb)
-        h.run()
-        h.reset_local_cache()
-        h.add("de", te)  # loads whatever the store sealed of e's chain
-        h.run()
-        wrong = wrong_blocks(h, "de", te)
-        assert wrong == [], f"wrong blocks {wrong}\n" + "\n".join(h.log)
-    finally:
-        h.close()
+    seeds = [("a1", tb[:65]), ("a2", te[:65])]
+    loads_right_after_failures(h, seeds, ("b", tb), ("e", te), 2, ("de", te))
+
+
+def test_a_request_sharing_the_failed_blocks_never_seals_stale_kv(vllm_ready, store):
+    """b's load fails; q, planned before that was heard, hits b's blocks in vLLM's
+    prefix cache and computes its own on their stale KV. vLLM rewinds only b (it
+    recomputes the shared blocks), so q's blocks are never recomputed: they must
+    never be saved. Found by review: re-planned, they were sealed stale."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 1000) for _ in range(64)]
+    tb = prefix + [rng.randrange(3, 1000) for _ in range(17)]
+    tq = prefix + [rng.randrange(3, 1000) for _ in range(65)]
+    h = Harness(store.address, async_sched=True, budget=64)
+    loads_right_after_failures(h, [("a", [*prefix, 1])], ("b", tb), ("q", tq), 1, ("d", tq))

@@ -311,23 +311,30 @@ def test_steps_planned_before_the_scheduler_heard_of_a_failed_load_save_nothing(
 
 
 def test_a_failure_heard_plans_again_what_a_rank_may_have_skipped(server, monkeypatch):
-    """Once a step's output reports a failed load, the next plan carries one more
-    failure heard and saves again the blocks of the last RESAVE_PLANS plans (the
-    failed rank skipped those planned before it heard), and every block of a
-    request from its first failed one on (vLLM recomputes it). Before, such
-    blocks were never saved again: a miss for good."""
+    """Once a step's output reports a failed load, the saves of the last
+    RESAVE_PLANS plans are planned again (the failed rank skipped those planned
+    before it heard), a request vLLM rewound saves again from its first failed
+    block on (vLLM recomputes it), and a request that shares a failed block but
+    was not rewound never saves from that block on: it computed on the stale KV
+    (found by review: vLLM makes only one of the sharers recompute). Before,
+    such blocks were never saved again, or were sealed stale."""
     monkeypatch.setattr("kvstore.integrations.vllm.scheduler.RESAVE_PLANS", 2)
     sched = SchedulerSide(StoreClient(server.address), "vllm-engine-1", BS)
-    r, q = request("r", 6), request("q", 3)
+    r, q, s = request("r", 6), request("q", 3), request("s", 4)
     one = sched.build_plan(
         step([new_req("r", [10, 11, 12, 13, 14, 15], 0)], scheduled={"r": 2 * BS}), {"r": r}
     )
-    two = sched.build_plan(step(), {})
+    two = sched.build_plan(
+        step([new_req("s", [10, 11, 30, 31], 0)], scheduled={"s": 3 * BS}), {"s": s}
+    )  # s shares r's blocks 0-1 (vLLM's prefix cache)
     three = sched.build_plan(
         step([new_req("q", [20, 21, 22], 0)], scheduled={"q": 3 * BS}), {"q": q}
     )
-    assert [p.block_id for p in one.saves + two.saves + three.saves] == [10, 11, 20, 21, 22]
-    sched.load_failed({11})  # r's block 1 failed to load in some step
+    saves = one.saves + two.saves + three.saves
+    assert [p.block_id for p in saves] == [10, 11, 10, 11, 30, 20, 21, 22]
+    r.num_computed_tokens = BS  # vLLM rewound r to its failed block 1 ...
+    s.num_computed_tokens = 3 * BS  # ... and left s, which shares it, as it was
+    sched.load_failed({11})
 
     def cached(req_id, computed):
         return SimpleNamespace(
@@ -342,6 +349,10 @@ def test_a_failure_heard_plans_again_what_a_rank_may_have_skipped(server, monkey
     assert [p.block_id for p in four.saves] == [11]
     five = sched.build_plan(step(cached=cached("q", 3 * BS), scheduled={"q": 1}), {"q": q})
     assert [p.block_id for p in five.saves] == [20, 21, 22]  # planned in the last 2 plans
+    six = sched.build_plan(step(cached=cached("s", 3 * BS), scheduled={"s": BS}), {"s": s})
+    assert six.saves == []  # s: nothing from the stale block on (its block 0 stands)
+    seven = sched.build_plan(step(cached=cached("s", 4 * BS), scheduled={"s": 1}), {"s": s})
+    assert seven.saves == []
 
 
 def test_a_load_failed_on_one_rank_never_seals_the_others_stale_kv(server):

@@ -154,6 +154,48 @@ def test_rotated_tls_files_are_taken_when_etcd_refuses_the_old_ones(tmp_path):
     assert outcomes[-1] == "ok", outcomes
 
 
+def test_a_call_etcd_refuses_leaves_the_other_calls_and_watches_on_the_channel(secured):
+    """One endpoint over TLS: a call that fails for its own reasons (here a
+    transaction etcd refuses) must not close the client every user of it shares.
+    Found by review of the rotation fix, which made a new client on any failure:
+    a live watch ended, and every Directory would list again."""
+    import asyncio
+
+    from kvstore.membership.etcd import Etcd, put
+
+    config = config_of(secured, secured.kvstore)
+
+    async def watch_across_a_refusal() -> tuple[list[str], list[str]]:
+        etcd = Etcd(config)
+        seen, ended = [], []
+        _, revision = await etcd.list_prefix(config.prefix)
+
+        async def follow():
+            try:
+                async for change in etcd.watch_prefix(config.prefix, revision + 1):
+                    seen.append(change.entry.key.removeprefix(config.prefix))
+            except KVError as exc:
+                ended.append(exc.message)
+
+        task = asyncio.create_task(follow())
+        try:
+            await asyncio.sleep(0.3)
+            await etcd.txn([], [put(config.prefix + "a", b"1")])
+            with pytest.raises(KVError):  # one key twice in a transaction: etcd refuses
+                await etcd.txn([], [put(config.prefix + "x", b"1"), put(config.prefix + "x", b"2")])
+            await etcd.txn([], [put(config.prefix + "b", b"1")])
+            for _ in range(50):
+                if len(seen) == 2 or ended:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await etcd.close()
+        return seen, ended
+
+    assert asyncio.run(watch_across_a_refusal()) == (["a", "b"], [])
+
+
 @pytest.mark.parametrize(
     "who,prefix,words",
     [

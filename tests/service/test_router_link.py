@@ -193,3 +193,31 @@ def test_a_feed_to_a_replica_survives_a_failing_snapshot_and_bounds_its_queue(ca
             await feed.close()
 
     asyncio.run(run())
+
+
+def test_a_batch_stays_under_a_routers_message_size_however_large_its_events():
+    """Eight events of MAX_HASHES_PER_EVENT hashes (a Clear's pinned survivors)
+    were one 4.7 MB PublishEvents, over the router's 4 MiB limit: refused, and
+    the store had to send a whole snapshot (found by review). A batch now
+    gathers about MAX_BATCH_HASHES hashes at most, and every event still goes."""
+    import asyncio
+
+    from kvstore._proto import router_pb2
+    from kvstore.service.router_link import MAX_BATCH_HASHES, next_batch
+    from kvstore.wire import limits
+    from kvstore.wire.events import StoreEvent
+
+    hashes = list(range(limits.MAX_HASHES_PER_EVENT))
+    events = [StoreEvent("stored", "t.0123456789abcdef", hashes, "a") for _ in range(8)]
+    queue: asyncio.Queue = asyncio.Queue()
+    for event in events[1:]:
+        queue.put_nowait(event)
+    sent = []
+    batch = next_batch(events[0], queue)
+    while batch:
+        assert sum(len(e.block_hashes) for e in batch) < MAX_BATCH_HASHES + len(hashes)
+        request = router_pb2.PublishEventsRequest(events=[e.encode() for e in batch])
+        assert request.ByteSize() < 4 << 20
+        sent += batch
+        batch = next_batch(queue.get_nowait(), queue) if not queue.empty() else None
+    assert sent == events

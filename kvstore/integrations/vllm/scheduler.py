@@ -74,6 +74,9 @@ class _Tracked:
     request: Any
     block_ids: list[int]
     saved_blocks: int
+    # blocks from here on rest on a failed load that vLLM did not make this request
+    # recompute (it shares them with the request that does): never saved
+    stale_from: int | None = None
 
 
 @dataclass
@@ -350,6 +353,8 @@ class SchedulerSide:
         done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         hashes = tracked.request.block_hashes
         full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
+        if tracked.stale_from is not None:
+            full = min(full, tracked.stale_from)
         for i in range(tracked.saved_blocks, full):
             self._plan.saves.append(BlockPair(block_key(hashes[i]), tracked.block_ids[i]))
         if full > tracked.saved_blocks:
@@ -359,21 +364,31 @@ class SchedulerSide:
         tracked.saved_blocks = max(tracked.saved_blocks, full)
 
     def load_failed(self, invalid_block_ids: set[int]) -> None:
-        """A step's output reported blocks whose load failed (vLLM recomputes
-        them): the saves of the last RESAVE_PLANS plans are planned again (the
-        failed rank skipped those built before this: WorkerSide.save), and so is
-        every block from a request's first failed one on (vLLM recomputes it).
-        The store skips what it already holds."""
+        """A step's output reported blocks whose load failed. Called after vLLM
+        handled them (``update_from_output``): it rewound the request that
+        recomputes each failed block, and left any other request that shares it
+        (through its prefix cache) as it was, although with a batch queue such a
+        request may already have computed blocks on the stale KV.
+
+        The saves of the last RESAVE_PLANS plans are planned again (the failed
+        rank skipped those built before this: WorkerSide.save): a rewound
+        request's from its first failed block on (vLLM recomputes them), a
+        request that shares a failed block but was not rewound never from that
+        block on. The store skips what it already holds."""
         redo: dict[str, int] = {}
         for saved in self._saved_in:
             for req_id, first in saved.items():
                 redo[req_id] = min(redo.get(req_id, first), first)
         for req_id, tracked in self._tracked.items():
             keep = min(tracked.saved_blocks, redo.get(req_id, tracked.saved_blocks))
-            for i, block_id in enumerate(tracked.block_ids[:keep]):
-                if block_id in invalid_block_ids:
-                    keep = i
-                    break
+            failed = next(
+                (i for i, b in enumerate(tracked.block_ids) if b in invalid_block_ids), None
+            )
+            if failed is not None:
+                keep = min(keep, failed)
+                if tracked.request.num_computed_tokens > failed * self.block_size:
+                    stale = tracked.stale_from
+                    tracked.stale_from = failed if stale is None else min(stale, failed)
             tracked.saved_blocks = keep
         self._saved_in.clear()
         self._saved_in.append({})
