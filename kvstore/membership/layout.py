@@ -206,15 +206,23 @@ class NameClaim:
 
 @dataclass(frozen=True)
 class SetCard:
-    """A WorkerSet's first-wins identity: its checksum, hash format and reference card."""
+    """A WorkerSet's first-wins identity: its checksum, hash format and reference
+    card, and its owner, the principal that admitted its first member (only it
+    or an admin may join the set while it has members)."""
 
     checksum: str
     hash_format: str
     card: WorkerCard
+    owner: str = ""
 
     def encode(self) -> bytes:
         return _pack(
-            {"checksum": self.checksum, "hash_format": self.hash_format, "card": asdict(self.card)}
+            {
+                "checksum": self.checksum,
+                "hash_format": self.hash_format,
+                "card": asdict(self.card),
+                "owner": self.owner,
+            }
         )
 
     @classmethod
@@ -224,6 +232,7 @@ class SetCard:
             str(value.get("checksum", "")),
             str(value.get("hash_format", "")),
             _card_of(value.get("card")),
+            _owner(value),
         )
 
 

@@ -11,18 +11,20 @@ nothing it read has changed:
 
     compare  card key mod_revision == as read      (0: absent)
              name claim mod_revision == as read    (0: absent)
-             and, when fixing the checksum, no member but this worker:
+             and, when fixing the checksum or owner, no member but this worker:
              version([members/, members/<worker>)) == 0 and
              version((members/<worker>, end of members/)) == 0
     success  [delete the worker's member key in the set it leaves]
-             [put card]                            when fixing the checksum
+             [put card]                            when fixing the checksum or owner
              put name claim, put member key        both under the worker's lease
 
-A name claimed for another principal (the claim names its owner) is refused
-with PERMISSION_DENIED before anything is written, unless the caller is an
-admin; the compare on the claim's revision makes that check part of the
-transaction. A transaction that fails because something changed is read and
-decided again.
+A name claimed for another principal (the claim names its owner), or a set
+with members whose card names another owner, is refused with
+PERMISSION_DENIED before anything is written, unless the caller is an admin;
+the compares on the claim's and the card's revisions make those checks part
+of the transaction. A set with no member is anyone's: the card is written
+anew, with the caller as owner, by the first member to join it. A
+transaction that fails because something changed is read and decided again.
 So at every revision all members of a set carry the set's checksum; two
 replicas admitting cards of different checksums concurrently get exactly one
 winner, in every order. ``dissolve`` deletes the card only while the members
@@ -110,7 +112,8 @@ class WorkerSets:
         """Admit ``card`` (checksum ``checksum``, validated) as worker ``name``
         under ``lease`` for ``caller``, replacing its earlier admission.
         PERMISSION_DENIED, nothing written, when ``name`` is admitted for
-        another principal and ``caller`` is not an admin. ``unclaimed_only`` (a
+        another principal, or the set has members and belongs to another
+        principal, and ``caller`` is not an admin. ``unclaimed_only`` (a
         replica admitting again what its lost lease held): FAILED_PRECONDITION,
         nothing written, when the name was admitted again meanwhile."""
         set_id = SetId.of(card)
@@ -125,12 +128,16 @@ class WorkerSets:
                 check_owner(f"worker name {name!r}", owner, caller)
             others = [m for m in view.members if m.key != mine]
             fixed = SetCard.decode(view.card.value) if view.card is not None else None
+            if fixed is not None and others:
+                check_owner(f"WorkerSet {set_id}", fixed.owner, caller)
             differs = fixed is None or (fixed.checksum, fixed.hash_format) != (
                 checksum,
                 card.hash_format,
             )
             if fixed is not None and others and differs:
                 return Refused(fixed.card, fixed.checksum, len(others))
+            # An empty set is anyone's: its card (checksum and owner) is written anew.
+            refix = differs or (not others and fixed is not None and fixed.owner != caller.name)
             compare = [
                 modified_at(layout.card(set_id), view.card.mod_revision if view.card else 0),
                 modified_at(layout.worker(name), view.claim.mod_revision if view.claim else 0),
@@ -140,12 +147,15 @@ class WorkerSets:
                 before = NameClaim.decode(view.claim.value).set_id
                 if before != set_id:
                     ops.append(delete(layout.member(before, name)))
-            if differs:  # fix (or re-fix) the set's checksum: only with no other member
+            if refix:  # fix (or re-fix) the set's checksum and owner: only with no other member
                 members = layout.members(set_id)
                 compare.append(version_is(members, 0, mine))
                 compare.append(version_is(mine + "\0", 0, prefix_end(members)))
                 ops.append(
-                    put(layout.card(set_id), SetCard(checksum, card.hash_format, card).encode())
+                    put(
+                        layout.card(set_id),
+                        SetCard(checksum, card.hash_format, card, caller.name).encode(),
+                    )
                 )
             ops.append(put(layout.worker(name), NameClaim(set_id, caller.name).encode(), lease))
             ops.append(put(mine, MemberRecord(card, caller.name).encode(), lease))

@@ -83,6 +83,7 @@ class WorkerSet:
     key: WorkerSetKey
     checksum: str
     reference: WorkerCard  # the first admitted card: names what a misfit differs in
+    owner: str = ""  # the principal that admitted its first member ("" = anonymous local)
     members: dict[str, Worker] = field(default_factory=dict)
 
     @property
@@ -113,7 +114,10 @@ class Admission:
         ``card`` must be validated already. Raises FAILED_PRECONDITION, with
         nothing changed, when the WorkerSet holds another checksum, and
         PERMISSION_DENIED when ``name`` is admitted for another principal
-        (only its owner or an admin may replace it).
+        (only its owner or an admin may replace it) or the WorkerSet has
+        members and belongs to another principal (only its owner or an admin
+        may join it; judged before the checksum, so a stranger learns nothing
+        of the set's card).
         ``generation``: one given by etcd (else the next of this router's counter).
         """
         checksum = card_checksum(card)
@@ -127,6 +131,8 @@ class Admission:
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
+        if wset is not None and others > 0:
+            check_owner(f"WorkerSet {key}", wset.owner, caller)
         if (
             wset is not None
             and others > 0
@@ -150,7 +156,7 @@ class Admission:
         )
         wset = self.sets.get(key)
         if wset is None:
-            wset = self.sets[key] = WorkerSet(key, checksum, card)
+            wset = self.sets[key] = WorkerSet(key, checksum, card, caller.name)
         wset.members[name] = worker
         self.workers[name] = worker
         return worker, old
@@ -202,11 +208,16 @@ class Admission:
         if not wset.members:  # an empty set forgets its checksum: next card fixes it anew
             del self.sets[worker.key]
 
-    def resolve(self, model: str, namespace: str = "", role: str = "") -> list[WorkerSet]:
-        """WorkerSets that serve the name ``model``, in key order.
+    def resolve(
+        self, model: str, namespace: str = "", role: str = "", caller: Principal = LOCAL
+    ) -> list[WorkerSet]:
+        """WorkerSets that serve the name ``model`` for ``caller``, in key order.
 
-        A name resolves to the sets whose display name it is; failing that,
-        to the sets that list it as an alias, provided they are all one model.
+        ``caller`` sees only the sets it owns (an admin sees every set): one
+        tenant's Route never reaches, probes the cached prefixes of, or is
+        captured by the name or alias of another tenant's set. A name resolves
+        to the sets whose display name it is; failing that, to the sets that
+        list it as an alias, provided they are all one model.
         An alias shared by different models is ambiguous and refused (nothing
         is blocked: each model keeps serving its own name). The answer is a
         function of the admitted set alone, never of arrival order.
@@ -215,10 +226,13 @@ class Admission:
         def wanted(k: WorkerSetKey) -> bool:
             return (not namespace or k.namespace == namespace) and (not role or k.role == role)
 
-        primary = [s for k, s in sorted(self.sets.items()) if k.model == model and wanted(k)]
+        visible = [
+            s for k, s in sorted(self.sets.items()) if wanted(k) and caller.may_act_for(s.owner)
+        ]
+        primary = [s for s in visible if s.key.model == model]
         if primary:
             return primary
-        by_alias = [s for k, s in sorted(self.sets.items()) if model in s.aliases and wanted(k)]
+        by_alias = [s for s in visible if model in s.aliases]
         models = sorted({s.key.model for s in by_alias})
         if len(models) > 1:
             raise precondition(

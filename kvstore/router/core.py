@@ -610,8 +610,9 @@ class Router:
         decode_tokens: int = 0,
         caller: Principal = LOCAL,
     ) -> RouteResult:
-        """Pick a WorkerSet for ``model`` and the worker in it with the lowest
-        expected time to first token (scoring.py). ``track`` adds the request to
+        """Pick a WorkerSet for ``model`` among those ``caller`` owns (every
+        set, for an admin) and the worker in it with the lowest expected time
+        to first token (scoring.py). ``track`` adds the request to
         the chosen worker's queue until ``caller`` (or an admin) reports it
         started and finished; a ``request_id`` another principal's tracked
         request holds is ALREADY_EXISTS.
@@ -632,7 +633,7 @@ class Router:
                     "tracked requests", owned, limits.MAX_ACTIVE_REQUESTS_PER_PRINCIPAL, caller
                 )
             self.peers.expire(now)
-            sets = self.admission.resolve(model, namespace, role)
+            sets = self.admission.resolve(model, namespace, role, caller)
             if token_ids:  # judged on every set before the draw: a refusal draws nothing
                 sets = token_takers(sets, len(token_ids))
             wset = draw_worker_set(sets, self.rng)

@@ -16,7 +16,14 @@ import pytest
 
 from kvstore.client.router_client import RouterClient
 from kvstore.membership.etcd import Etcd
-from kvstore.membership.layout import Layout, MemberRecord, NameClaim, StoreRecord
+from kvstore.membership.layout import (
+    Layout,
+    MemberRecord,
+    NameClaim,
+    SetCard,
+    SetId,
+    StoreRecord,
+)
 from kvstore.service.tls import Security
 from kvstore.testing.pki import Pki
 from kvstore.wire.errors import Code, KVError
@@ -94,7 +101,7 @@ def test_a_worker_name_belongs_to_its_admitter_on_every_replica(etcd_config, rep
         assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
     assert worker_keys(etcd_config, "w0")[2] == gen  # nothing written
     for i in (0, 1):
-        routed = b[i].route("llama-8b", token_ids=list(range(64)))
+        routed = a[i].route("llama-8b", token_ids=list(range(64)))
         assert (routed.address, routed.generation) == ("10.0.0.1:8000", gen)
     # the owner may register it again through the other replica (a restart)
     again = a[1].register_worker("w0", card(address="10.0.0.1:8001")).generation
@@ -115,6 +122,69 @@ def test_remove_worker_is_the_owners_or_an_admins_whichever_replica(etcd_config,
     assert admin[1].remove_worker("w1", g1) is True
     assert not any(k.startswith("workers/") for k in etcd_keys(etcd_config))
     wait_until(lambda: all(generations(r) == {} for r in replicas))
+
+
+def set_owner(config) -> str:
+    (entry,) = [e for k, e in etcd_keys(config).items() if k.endswith("/card")]
+    return SetCard.decode(entry.value).owner
+
+
+def test_a_worker_set_is_its_first_members_owners_on_every_replica(etcd_config, replicas, clients):
+    """Before: on etcd tenant-b registered a copy of tenant-a's card under a
+    name of its own, through any replica, joined tenant-a's WorkerSet and took
+    a share of tenant-a's routes. Now the set's card in etcd names its owner:
+    another non-admin is PERMISSION_DENIED before anything is written, and its
+    routes do not see the set; an admin may join; an emptied set is anyone's."""
+    a, b, admin = clients["tenant-a"], clients["tenant-b"], clients[ADMIN]
+    gen = a[0].register_worker("a0", card()).generation
+    assert set_owner(etcd_config) == "tenant-a"
+    wait_until(lambda: all(generations(r) == {"a0": gen} for r in replicas))
+    for i in (0, 1):
+        err = refused(b[i].register_worker, "b0", card())
+        assert err.code is Code.PERMISSION_DENIED and "WorkerSet llama-8b" in err.message
+        with pytest.raises(KVError) as info:
+            b[i].route("llama-8b", token_ids=list(range(64)))
+        assert info.value.code is Code.NOT_FOUND
+    assert "workers/b0" not in etcd_keys(etcd_config)
+    ops = admin[1].register_worker("ops0", card()).generation
+    assert set_owner(etcd_config) == "tenant-a"
+    wait_until(lambda: all(generations(r) == {"a0": gen, "ops0": ops} for r in replicas))
+    assert a[1].remove_worker("a0") is True and admin[0].remove_worker("ops0") is True
+    b[1].register_worker("b0", card())
+    assert set_owner(etcd_config) == "tenant-b"
+
+
+def test_a_set_card_left_by_its_last_member_passes_to_the_next_first_member(etcd_config):
+    """A set's card outlives its members when nobody dissolved it (the replica
+    that emptied the set stopped first). The set is empty, so it is anyone's:
+    the next first member writes the card anew with itself as owner (kept, the
+    old owner would refuse every later member of the new one's as a stranger)."""
+    from kvstore.membership.worksets import Admitted, WorkerSets
+    from kvstore.wire.card import card_checksum
+    from kvstore.wire.principal import Principal
+
+    a, b = Principal("tenant-a"), Principal("tenant-b")
+    c = card()
+
+    layout = Layout(etcd_config.prefix)
+
+    async def owner(etcd) -> str:
+        return SetCard.decode((await etcd.get(layout.card(SetId.of(c)))).value).owner
+
+    async def go(etcd):
+        sets = WorkerSets(etcd, layout)
+        lease = await etcd.grant(60)
+        assert isinstance(await sets.admit("a0", c, card_checksum(c), lease, a), Admitted)
+        assert await sets.remove("a0", caller=a)  # the card stays: nobody dissolved it
+        assert await owner(etcd) == "tenant-a"
+        assert isinstance(await sets.admit("b0", c, card_checksum(c), lease, b), Admitted)
+        assert await owner(etcd) == "tenant-b"
+        assert isinstance(await sets.admit("b1", c, card_checksum(c), lease, b), Admitted)
+        with pytest.raises(KVError) as info:
+            await sets.admit("a1", c, card_checksum(c), lease, a)
+        assert info.value.code is Code.PERMISSION_DENIED
+
+    etcd_read(etcd_config, go)
 
 
 def register_store(config, node_id: str) -> int:
@@ -235,7 +305,7 @@ def test_workers_per_certificate_are_capped_on_etcd_too(
         assert err.code is Code.RESOURCE_EXHAUSTED and "workers admitted" in err.message
     assert "workers/a2" not in etcd_keys(etcd_config)
     assert a[1].register_worker("a0", card(address="10.0.0.1:8001")).generation  # its own
-    assert b[0].register_worker("b0", card()).generation
+    assert b[0].register_worker("b0", card(worker_type="prefill")).generation  # b's own set
     assert clients[ADMIN][1].register_worker("c0", card()).generation  # an admin: no cap
 
 

@@ -302,6 +302,63 @@ TENANT_A = Principal("tenant-a")
 TENANT_B = Principal("tenant-b")
 
 
+ADMIN = Principal("ops", admin=True)
+
+
+def test_a_worker_set_with_members_is_its_owners(router):
+    """Before: under mutual TLS tenant-b registered a copy of tenant-a's card
+    under a name of its own, joined tenant-a's WorkerSet and took a share of
+    the Routes meant for tenant-a (with their prompts). Now a set with members
+    belongs to the principal that admitted its first member: another non-admin
+    is PERMISSION_DENIED, judged before the checksum (a differing card learns
+    nothing of the set's card), and nothing changes. An admin may join; an
+    emptied set is anyone's."""
+    a0 = router.register_worker("a0", card(), caller=TENANT_A)
+    before = snapshot(router)
+    for copied in (card(), card(kv_block_size=32)):
+        with pytest.raises(KVError) as info:
+            router.register_worker("b0", copied, caller=TENANT_B)
+        err = info.value
+        assert err.code.name == "PERMISSION_DENIED", err
+        assert "WorkerSet llama-8b" in err.message and "'tenant-a'" in err.message
+        assert "kv_block_size" not in err.message
+        assert snapshot(router) == before
+    router.register_worker("ops0", card(), caller=ADMIN)
+    assert sorted(router.admission.sets[a0.key].members) == ["a0", "ops0"]
+    assert router.admission.sets[a0.key].owner == "tenant-a"
+    router.remove_worker("a0", caller=TENANT_A)
+    router.remove_worker("ops0", caller=ADMIN)
+    b0 = router.register_worker("b0", card(kv_block_size=32), caller=TENANT_B)
+    assert b0.key == a0.key and router.admission.sets[b0.key].owner == "tenant-b"
+
+
+def test_a_route_resolves_only_the_callers_worker_sets(router):
+    """Before: every certificate's Route resolved every tenant's WorkerSets:
+    tenant-b learnt from overlap_blocks which prefixes tenant-a's workers hold,
+    and an alias tenant-b declared could capture (or make ambiguous) the name
+    tenant-a's clients route by. Now a non-admin caller resolves its own sets
+    only, and an admin every set."""
+    a0 = router.register_worker("a0", card(aliases=["chat"]), caller=TENANT_A)
+    router.apply_worker_events(a0.ref, [BlockEvent("stored", HASHES)])
+    with pytest.raises(KVError) as info:
+        router.route("llama-8b", hashes=HASHES, caller=TENANT_B)
+    unknown = "no admitted worker serves model 'llama-8b'"
+    assert info.value.code.name == "NOT_FOUND" and info.value.message == unknown
+    # tenant-b's set of the same model in its own namespace takes tenant-b's routes only
+    router.register_worker("b0", card(namespace="b-ns"), caller=TENANT_B)
+    router.register_worker("b1", card(display_name="other", aliases=["chat"]), caller=TENANT_B)
+    for _ in range(8):  # two sets of llama-8b: each tenant draws its own only
+        mine = router.route("llama-8b", hashes=HASHES, track=False, caller=TENANT_B)
+        assert (mine.worker.name, mine.overlap_blocks) == ("b0", 0)
+        theirs = router.route("llama-8b", hashes=HASHES, track=False, caller=TENANT_A)
+        assert (theirs.worker.name, theirs.overlap_blocks) == ("a0", len(HASHES))
+    assert router.route("chat", track=False, caller=TENANT_A).worker.name == "a0"
+    assert router.route("chat", track=False, caller=TENANT_B).worker.name == "b1"
+    with pytest.raises(KVError) as info:  # an admin sees both models' alias
+        router.route("chat", track=False, caller=ADMIN)
+    assert info.value.code.name == "FAILED_PRECONDITION"
+
+
 def test_one_tenant_cannot_fill_the_holder_slots_of_a_domain_others_share(router):
     """A domain is not per tenant: every card of one model and routing scope
     joins it, whoever admits it (here tenant-b's prefill workers join tenant-a's
@@ -347,7 +404,7 @@ def test_the_domain_share_counts_one_tenants_workers_in_that_domain_only(router,
     with pytest.raises(KVError):  # nor may a name move into the full domain
         router.register_worker("a2", card(), caller=TENANT_A)
     assert router.admission.workers["a2"].card.display_name == "other"
-    router.register_worker("b0", card(), caller=TENANT_B)  # another tenant's share
+    router.register_worker("b0", card(worker_type="prefill"), caller=TENANT_B)  # b's own share
     for i in range(3):  # an admin's are not counted
         router.register_worker(f"admin{i}", card())
     router.remove_worker("a0", caller=TENANT_A)

@@ -215,14 +215,15 @@ def test_a_generated_request_id_never_takes_a_tracked_one(router):
     from kvstore.wire.principal import Principal
 
     a, b = Principal("tenant-a"), Principal("tenant-b")
-    router.register_worker("w", card())
+    router.register_worker("w", card(), caller=a)
+    router.register_worker("wb", card(namespace="b-ns"), caller=b)
     router.route("llama-8b", hashes=HASHES, request_id="r2", caller=a)
     ids = [router.route("llama-8b", hashes=HASHES, caller=b).request_id for _ in range(2)]
     assert "r2" not in ids and len(set(ids)) == 2
     assert router.stats().active_requests == 3
-    queued = router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens
+    queued = router.route("llama-8b", hashes=[], track=False, caller=a).ttft.queued_tokens
     router.request_finished("r2", caller=a)  # still A's: its load leaves the queue
-    assert router.route("llama-8b", hashes=[], track=False).ttft.queued_tokens < queued
+    assert router.route("llama-8b", hashes=[], track=False, caller=a).ttft.queued_tokens < queued
 
 
 # -- a refused Route draws nothing --

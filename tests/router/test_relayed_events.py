@@ -61,7 +61,7 @@ def tenants() -> Router:
     router = Router(RouterConfig())
     router.config.store_cns = frozenset({STORE.name})  # as ServedRouter.start sets it
     router.register_worker("a0", card(node_id=SHARED), caller=TENANT_A)
-    router.register_worker("b0", card(node_id=SHARED), caller=TENANT_B)
+    router.register_worker("b0", card(node_id=SHARED, worker_type="prefill"), caller=TENANT_B)
     router.advertise_peer("node-a", "127.0.0.1:1", "", [NS], caller=TENANT_A)
     return router
 
@@ -83,8 +83,9 @@ def test_a_tenant_cannot_store_into_another_tenants_worker(tenants):
     assert stats.dropped_by.not_indexable == before.dropped_by.not_indexable
     assert stats.events_dropped == before.events_dropped + 1
     assert stats.events_applied == before.events_applied + 2
-    # the route for these hashes cannot be pulled to b0 by A's relay
-    assert router.route("llama-8b", hashes=HASHES, track=False).worker.name == "a0"
+    # B's routes (to its own set) see no GPU blocks A relayed for b0
+    routed = router.route("llama-8b", hashes=HASHES, track=False, caller=TENANT_B)
+    assert (routed.worker.name, routed.gpu_blocks) == ("b0", 0)
 
 
 def test_a_tenant_cannot_remove_another_tenants_blocks(tenants):
@@ -121,7 +122,7 @@ def test_a_trusted_store_cannot_relay_for_a_worker_attached_to_another_node(tena
     stored or removed, and the rest of the batch applies. The worker's owner and
     admins relay for it through any node, as before."""
     router = tenants
-    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.register_worker("b1", card(node_id="node-b", worker_type="prefill"), caller=TENANT_B)
     router.advertise_peer("node-c", "127.0.0.1:2", "", [NS], caller=TENANT_B)
     assert publish(router, TENANT_B, [relay("b1")], node="node-c") == EventsApplied(1, 0)
     router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=STORE)
@@ -186,7 +187,7 @@ def test_a_trusted_stores_relays_take_room_only_for_its_nodes_workers(tenants):
     router = tenants
     for i in range(limits.MAX_WORKERS_PER_DOMAIN - 1):  # all but one holder bit taken
         router.apply_relayed_worker_event(relay(router.register_worker(f"f{i}", card()).name, [1]))
-    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.register_worker("b1", card(node_id="node-b", worker_type="prefill"), caller=TENANT_B)
     router.register_worker("a1", card(node_id=SHARED), caller=TENANT_A)
     router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=STORE)
     assert publish(router, STORE, [relay("a0"), relay("b1")], node=SHARED) == EventsApplied(1, 1)
@@ -235,7 +236,7 @@ def test_a_trusted_stores_snapshot_leaves_workers_attached_to_another_node(tenan
     snapshot what it may relay: b0's GPU tier, not b1's, which it could not
     relay a removal of either."""
     router = tenants
-    router.register_worker("b1", card(node_id="node-b"), caller=TENANT_B)
+    router.register_worker("b1", card(node_id="node-b", worker_type="prefill"), caller=TENANT_B)
     router.advertise_peer(SHARED, "127.0.0.1:3", "", [NS], caller=TENANT_B)
     events = [relay("b0"), relay("b1")]
     assert publish(router, TENANT_B, events, node=SHARED) == EventsApplied(2, 0)
@@ -280,7 +281,7 @@ def test_a_relay_refused_then_allowed_is_asked_for_again(tenants):
     assert router.apply_store_events("node-y", gen, [], STORE, seq=1, snapshot=True).applied == 0
     refused = router.apply_store_events("node-y", gen, [relay("b0")], STORE, seq=2)
     assert refused == EventsApplied(0, 1)
-    router.register_worker("b0", card(node_id="node-y"), caller=TENANT_B)
+    router.register_worker("b0", card(node_id="node-y", worker_type="prefill"), caller=TENANT_B)
     assert router.apply_store_events("node-y", gen, [], STORE, seq=3).resync
     assert router.stats().dropped_by.snapshot_owed == 0  # an empty batch drops no event
     snap = router.apply_store_events("node-y", gen, [relay("b0")], STORE, seq=4, snapshot=True)
@@ -295,5 +296,5 @@ def test_a_refusal_no_card_can_lift_is_not_remembered(tenants):
     gen = router.peers.get("node-a").generation
     router.apply_store_events("node-a", gen, [], TENANT_A, seq=1, snapshot=True)
     assert router.apply_store_events("node-a", gen, [relay("b0")], TENANT_A, seq=2).dropped == 1
-    router.register_worker("b0", card(node_id="node-a"), caller=TENANT_B)
+    router.register_worker("b0", card(node_id="node-a", worker_type="prefill"), caller=TENANT_B)
     assert not router.apply_store_events("node-a", gen, [], TENANT_A, seq=3).resync

@@ -268,8 +268,9 @@ def test_one_principal_cannot_crowd_out_anothers_tracked_requests(monkeypatch):
     monkeypatch.setattr(limits, "MAX_ACTIVE_REQUESTS_PER_PRINCIPAL", 5)
     monkeypatch.setattr(limits, "MAX_ACTIVE_REQUESTS", 8)
     router = make_router()
-    router.register_worker("w", card())
     a, b = Principal("tenant-a"), Principal("tenant-b")
+    router.register_worker("w", card(), caller=a)
+    router.register_worker("wb", card(namespace="b-ns"), caller=b)
     router.route("llama-8b", hashes=HASHES, request_id="a-req", caller=a)
     for i in range(5):
         router.route("llama-8b", hashes=HASHES, request_id=f"b{i}", caller=b)

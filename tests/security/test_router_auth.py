@@ -41,6 +41,21 @@ def test_worker_name_hijack_is_permission_denied(pki, tls_router):
     assert again > gen
 
 
+def test_a_tenants_worker_set_is_neither_joined_nor_routed_to_by_another(pki, tls_router):
+    """Before: tenant-b registered a copy of tenant-a's card under its own
+    worker name, joined tenant-a's WorkerSet and drew a share of tenant-a's
+    routes; its own Route saw tenant-a's cached prefixes. Now both are refused:
+    PERMISSION_DENIED to join, NOT_FOUND to route (as for a model nobody serves)."""
+    victim = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
+    attacker = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
+    victim.register_worker("w0", card(address="10.0.0.1:8000"))
+    err = refused(attacker.register_worker, "copy", card(address="10.6.6.6:8000"))
+    assert err.code is Code.PERMISSION_DENIED and "WorkerSet llama-8b" in err.message
+    assert refused(attacker.route, "llama-8b", token_ids=[1]).code is Code.NOT_FOUND
+    for _ in range(4):
+        assert victim.route("llama-8b", token_ids=list(range(64))).worker == "w0"
+
+
 def test_foreign_remove_worker_is_permission_denied_but_admin_may(pki, tls_router):
     owner = RouterClient(tls_router.address, tls=pki.issue("tenant-a"))
     stranger = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
@@ -202,7 +217,7 @@ def test_one_certificate_cannot_admit_workers_without_end(pki, tls_router, monke
     err = refused(greedy.register_worker, "a2", card())
     assert err.code is Code.RESOURCE_EXHAUSTED and "tenant-a" in err.message
     greedy.register_worker("a1", card(address="10.0.0.9:8000"))  # its own again: a restart
-    other.register_worker("b0", card())
+    other.register_worker("b0", card(namespace="b-ns"))  # its own set
     greedy.remove_worker("a0")
     greedy.register_worker("a2", card())
 
