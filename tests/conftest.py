@@ -25,9 +25,11 @@ def need_nixl() -> None:
 class ServerThread:
     """Runs a real StoreServer (gRPC on 127.0.0.1, free port) on its own event loop."""
 
-    def __init__(self, **config):
+    def __init__(self, router=None, **config):
+        """``router``: a ServedRouter to embed (as ``kvstore serve`` does); ``config``:
+        ServerConfig fields."""
         self.loop = asyncio.new_event_loop()
-        self.server = StoreServer(ServerConfig(port=0, **config))
+        self.server = StoreServer(ServerConfig(port=0, **config), router)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.port = self.run(self.server.start())

@@ -11,6 +11,7 @@ import sys
 
 from kvstore import __version__
 from kvstore.wire import sizes
+from kvstore.wire.principal import Tenancy, TenantBinding
 
 
 def parse_size(text: str) -> int:
@@ -146,14 +147,17 @@ def etcd_config(args: argparse.Namespace):
     return EtcdConfig.parse(args.etcd, args.etcd_ttl, args.etcd_prefix, tls)
 
 
-def check_admins(security) -> None:
-    """--admin names certificate CNs: ValueError without TLS, where it would do
-    nothing (every caller is an admin already)."""
-    if security.admins and security.tls is None:
-        raise ValueError(
-            "--admin names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key "
-            "(without TLS every caller is an admin already)"
-        )
+def check_identity_flags(security) -> None:
+    """--admin and --tenant name certificate CNs: ValueError without TLS, where
+    they would do nothing (every caller is an admin already), and when one
+    namespace is bound to two CNs."""
+    Tenancy(security.tenants)
+    for flag, given in (("--admin", security.admins), ("--tenant", security.tenants)):
+        if given and security.tls is None:
+            raise ValueError(
+                f"{flag} names certificate CNs: it needs --tls-ca/--tls-cert/--tls-key "
+                "(without TLS every caller is an admin already)"
+            )
 
 
 def add_tls(p, server: bool = False) -> None:
@@ -180,12 +184,32 @@ def add_tls(p, server: bool = False) -> None:
         "namespace, Clear of all, every event (repeatable; with TLS)",
     )
     p.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        type=tenant_binding,
+        metavar="CN=NAMESPACE",
+        help="a tenant's client certificate CN bound to its client namespace: only "
+        "that certificate (or an admin) registers store instances there and admits "
+        "router workers whose card names it, even before it first does, and it "
+        "claims no namespace but those bound to it (repeatable; split at the last "
+        "'='; with TLS; default: a namespace is the first claimer's)",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
         help="allow a non-loopback --host without TLS, and a UCX peer port without "
         "--peer-secret-file under TLS or on such a host (logs a warning): anyone who "
         "reaches the ports may register, remove, clear and read anything",
     )
+
+
+def tenant_binding(value: str) -> TenantBinding:
+    """One --tenant value (argparse type): CN=NAMESPACE."""
+    try:
+        return TenantBinding.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def tls_files(args: argparse.Namespace):
@@ -505,11 +529,12 @@ async def _serve(args) -> None:
             admins=tuple(args.admin),
             stores=stores.cns,
             store_nodes=stores.bound,
+            tenants=tuple(args.tenant),
             insecure=args.insecure,
             peer_secret=_peer_secret(args),
         )
         config.security.check_exposure(config.host, config.insecure)
-        check_admins(config.security)
+        check_identity_flags(config.security)
         config.check_peer_exposure()
         router = None
         if not args.no_router and not args.router:

@@ -22,7 +22,7 @@ from kvstore.cli import (
     add_etcd,
     add_metrics,
     add_tls,
-    check_admins,
+    check_identity_flags,
     etcd_config,
     port_number,
     tls_files,
@@ -251,7 +251,9 @@ def security(args: argparse.Namespace) -> Security:
     when a TLS flag is missing, --store-cn comes without TLS, or a non-loopback
     --host has no TLS and no --insecure."""
     stores = store_cns(args.store_cn, args.store_node)
-    result = Security(tls_files(args), tuple(args.admin), stores.cns, stores.bound)
+    result = Security(
+        tls_files(args), tuple(args.admin), stores.cns, stores.bound, tuple(args.tenant)
+    )
     result.check_exposure(args.host, args.insecure)
     check_cn_flags(result)
     return result
@@ -288,7 +290,7 @@ def check_cn_flags(served: Security) -> None:
             "--store-cn and --store-node name certificate CNs: they need "
             "--tls-ca/--tls-cert/--tls-key"
         )
-    check_admins(served)
+    check_identity_flags(served)
     if served.tls is not None and not served.stores:
         log.warning(
             "no --store-cn: any certificate of the CA may act as a store node here "

@@ -58,7 +58,15 @@ from kvstore.wire.errors import exists, invalid, not_found
 from kvstore.wire.events import GPU_TIER, STORED, StoreEvent
 from kvstore.wire.names import check_final_namespace, check_name, is_final_namespace, is_name
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, check_store, denied
+from kvstore.wire.principal import (
+    LOCAL,
+    Principal,
+    Tenancy,
+    check_owner,
+    check_quota,
+    check_store,
+    denied,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,10 @@ class RouterConfig:
     # certificate (or an admin) may advertise or publish as it, and a CN bound
     # to some node ids as no other.
     node_owners: dict[str, str] = field(default_factory=dict)
+    # Client namespaces bound to tenants' CNs (--tenant CN=NAMESPACE): only that
+    # certificate (or an admin) admits workers whose card names it, and a CN
+    # bound to some namespaces admits into no other.
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,7 @@ class Router:
         check_name("name", name)
         validate_card(card)
         self.config.events_allow.check(card.kv_events_endpoint)
+        self.config.tenancy.check("card.namespace", card.namespace, caller)
         with self._lock:
             current = self.admission.workers.get(name)
             if generation and current is not None and current.ref.generation == generation:

@@ -52,7 +52,7 @@ from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
 from kvstore.wire.names import check_name
-from kvstore.wire.principal import node_owners
+from kvstore.wire.principal import Tenancy, node_owners
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -91,12 +91,14 @@ class ServedRouter:
         ``security``: the server's TLS and admins (who callers are; the store
         feeds present the same credentials); its store CNs (``--store-cn``) join
         the core's trusted stores, which may relay GPU-tier events for any
-        tenant's workers attached to the node they publish as. Call it from
-        inside the running event loop (the feeds are tasks on it).
+        tenant's workers attached to the node they publish as; its tenant
+        bindings (``--tenant``) join the core's. Call it from inside the
+        running event loop (the feeds are tasks on it).
         """
         config = self.router.config
         config.store_cns = config.store_cns | frozenset(security.stores)
         config.node_owners = config.node_owners | node_owners(security.store_nodes)
+        config.tenancy = Tenancy([*config.tenancy.bindings, *security.tenants])
         if self.etcd_config is None:
             service = RouterService(self.router, security)
         else:
@@ -169,6 +171,7 @@ class ClusterRouterService(RouterService):
             validate_card(card)
             self.router.config.events_allow.check(card.kv_events_endpoint)
             caller = self.security.principal(context)
+            self.router.config.tenancy.check("card.namespace", card.namespace, caller)
             self.router.check_worker_quota(name, caller, card)
             outcome = await self.replica.admit(name, card, caller)
             if isinstance(outcome, Refused):

@@ -42,7 +42,7 @@ from kvstore.wire.devices import Device
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.peers import PeerPrefix
-from kvstore.wire.principal import NodeBinding
+from kvstore.wire.principal import NodeBinding, Tenancy, TenantBinding
 from kvstore.wire.sizes import format_size
 from kvstore.wire.tls import TlsFiles
 
@@ -88,13 +88,14 @@ class ServerConfig:
     admins: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # the embedded router's store CNs; () = any caller
     store_nodes: tuple[NodeBinding, ...] = ()  # of them, those bound to node ids
+    tenants: tuple[TenantBinding, ...] = ()  # CNs bound to client namespaces (store and router)
     insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
     # The cluster secret every UCX peer proves (docs/design.md §8); None = no handshake.
     peer_secret: PeerSecret | None = None
 
     @property
     def security(self) -> Security:
-        return Security(self.tls, self.admins, self.stores, self.store_nodes)
+        return Security(self.tls, self.admins, self.stores, self.store_nodes, self.tenants)
 
     def check_peer_exposure(self) -> None:
         """The UCX peer port without a secret is for loopback-only, plaintext use:
@@ -169,7 +170,13 @@ class StoreServer:
             )
         copiers = {d: copier_for(d) for d in self.devices}
         self.node = StoreNode(
-            self.registry, self.index, copiers, fetcher, source, gpu_blocks=config.gpu_blocks
+            self.registry,
+            self.index,
+            copiers,
+            fetcher,
+            source,
+            gpu_blocks=config.gpu_blocks,
+            tenancy=Tenancy(config.tenants),
         )
         self.service = KVStoreService(self.node, self.peer_server, config.security, self.sealed)
         self.health = health.aio.HealthServicer()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.wire.errors import Code, KVError
-from kvstore.wire.principal import LOCAL, NodeBinding, Principal
+from kvstore.wire.principal import LOCAL, NodeBinding, Principal, TenantBinding
 from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,16 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class Security:
-    """TLS files (None = plaintext), the CNs trusted as admin and, on a router,
-    the CNs of its store nodes."""
+    """TLS files (None = plaintext), the CNs trusted as admin, the CNs bound
+    to client namespaces and, on a router, the CNs of its store nodes."""
 
     tls: TlsFiles | None = None
     admins: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # CNs that may act as store nodes; () = every caller
     # On a router: store CNs bound to the node ids they publish as (--store-node CN=NODE_ID)
     store_nodes: tuple[NodeBinding, ...] = ()
+    # Tenants' CNs bound to their client namespaces (--tenant CN=NAMESPACE)
+    tenants: tuple[TenantBinding, ...] = ()
 
     def check_exposure(self, host: str, insecure: bool) -> None:
         """Plaintext on a non-loopback address: ValueError unless ``insecure``,

@@ -44,7 +44,7 @@ from kvstore.wire.limits import (
     MAX_WAIT_MS,
 )
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota
+from kvstore.wire.principal import LOCAL, Principal, Tenancy, check_owner, check_quota
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,11 @@ class StoreNode:
         source: StoreSource | None = None,
         *,
         gpu_blocks: bool = False,
+        tenancy: Tenancy | None = None,
     ):
         """``copiers``: the copy engine of each device of ``index``'s pools;
-        ``gpu_blocks``: GPU pools copy by blocks too (host pools always do)."""
+        ``gpu_blocks``: GPU pools copy by blocks too (host pools always do);
+        ``tenancy``: the client namespaces bound to certificates (``--tenant``)."""
         self.registry = registry
         self.index = index
         self.copiers = copiers
@@ -121,7 +123,7 @@ class StoreNode:
         self.fetcher = fetcher
         self.source = source
         self.counters = Counters()
-        self.tenants = Tenants()
+        self.tenants = Tenants(tenancy)
 
     # ---------------------------------------------------------- registration
 

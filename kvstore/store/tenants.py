@@ -1,24 +1,30 @@
 """Which principal owns each client namespace: the store's tenant scoping.
 
 The first principal to register an instance in a client namespace owns it,
-for the life of the server. Another principal (not admin) may not register
-there (it would read and overwrite the owner's blocks), nor query, prefetch,
-clear or watch events of its final namespaces. The anonymous local caller
-(no TLS) is an admin: without TLS nothing is scoped, as before.
+for the life of the server; a namespace bound by ``--tenant CN=NAMESPACE``
+is that certificate's alone from the start (``Tenancy``). Another principal
+(not admin) may not register there (it would read and overwrite the owner's
+blocks), nor query, prefetch, clear or watch events of its final namespaces.
+The anonymous local caller (no TLS) is an admin: without TLS nothing is
+scoped, as before.
 """
 
 from __future__ import annotations
 
 from kvstore.wire.names import client_namespace_of
-from kvstore.wire.principal import Principal, check_owner, denied
+from kvstore.wire.principal import Principal, Tenancy, check_owner, denied
 
 
 class Tenants:
-    def __init__(self):
+    def __init__(self, tenancy: Tenancy | None = None):
+        """``tenancy``: the ``--tenant`` bindings, judged before first claims."""
+        self.tenancy = tenancy or Tenancy()
         self._owners: dict[str, str] = {}  # client namespace -> principal name
 
     def check_register(self, client_namespace: str, caller: Principal) -> None:
-        """PERMISSION_DENIED when ``client_namespace`` belongs to another principal."""
+        """PERMISSION_DENIED when ``client_namespace`` is bound (``--tenant``) to,
+        or was claimed by, another principal."""
+        self.tenancy.check("client_namespace", client_namespace, caller)
         owner = self._owners.get(client_namespace)
         if owner is not None:
             check_owner(f"client_namespace {client_namespace!r}", owner, caller)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError, exhausted
-from kvstore.wire.names import is_name
+from kvstore.wire.names import NAMESPACE_RE, is_client_namespace, is_name
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,79 @@ class NodeBinding(NamedTuple):
     def parse(cls, value: str) -> NodeBinding:
         """``CN=NODE_ID``, split at the last ``=`` (a CN may hold one, a node id
         not); ValueError naming what is wrong."""
-        cn, sep, node_id = value.rpartition("=")
-        if not sep or not cn or not node_id:
-            raise ValueError(f"expected CN=NODE_ID, got {value!r}")
+        cn, node_id = _split_binding(value, "NODE_ID")
         if not is_name(node_id):
             raise ValueError(
                 f"node id {node_id[:64]!r}: must be 1-{limits.MAX_NAME_LEN} printable characters"
             )
         return cls(cn, node_id)
+
+
+def _split_binding(value: str, what: str) -> tuple[str, str]:
+    """``CN=<what>`` split at the last ``=`` (a CN may hold one, what is bound
+    not); ValueError when either side is missing."""
+    cn, sep, bound = value.rpartition("=")
+    if not sep or not cn or not bound:
+        raise ValueError(f"expected CN={what}, got {value!r}")
+    return cn, bound
+
+
+class TenantBinding(NamedTuple):
+    """A tenant's certificate bound to a client namespace (``--tenant
+    CN=NAMESPACE``); see :class:`Tenancy`."""
+
+    cn: str
+    namespace: str
+
+    @classmethod
+    def parse(cls, value: str) -> TenantBinding:
+        """``CN=NAMESPACE``, split at the last ``=``; ValueError naming what is wrong."""
+        cn, namespace = _split_binding(value, "NAMESPACE")
+        if not is_client_namespace(namespace):
+            raise ValueError(
+                f"namespace {namespace[:64]!r}: must match {NAMESPACE_RE.pattern} "
+                "(a client namespace)"
+            )
+        return cls(cn, namespace)
+
+
+class Tenancy:
+    """The ``--tenant`` bindings, checked wherever a principal claims a client
+    namespace (a store registration, a router admission): a bound namespace is
+    its CN's alone, whoever comes first, and a bound CN claims no namespace
+    but its own; an admin may act in any. Without bindings a namespace is its
+    first claimer's (first come, so a stranger can take a tenant's namespace
+    before the tenant does: binding it is the operator's remedy)."""
+
+    def __init__(self, bindings: Iterable[TenantBinding] = ()):
+        self.bindings = tuple(bindings)
+        self._owners: dict[str, str] = {}  # namespace -> the CN bound to it
+        self._namespaces: dict[str, list[str]] = {}  # CN -> the namespaces bound to it
+        for cn, namespace in self.bindings:
+            if self._owners.setdefault(namespace, cn) != cn:
+                raise ValueError(
+                    f"namespace {namespace!r} is bound to two certificates: "
+                    f"{self._owners[namespace]!r} and {cn!r}"
+                )
+            self._namespaces.setdefault(cn, []).append(namespace)
+
+    def check(self, field_name: str, namespace: str, caller: Principal) -> None:
+        """PERMISSION_DENIED, naming ``field_name``, when ``caller`` may not
+        claim client namespace ``namespace``."""
+        if caller.admin:
+            return
+        owner = self._owners.get(namespace)
+        if owner is not None and owner != caller.name:
+            raise denied(
+                f"{field_name} {namespace!r} is bound to certificate {owner!r} "
+                f"(--tenant {owner}={namespace}), not to {caller}"
+            )
+        mine = self._namespaces.get(caller.name)
+        if owner is None and mine:
+            raise denied(
+                f"{field_name} {namespace!r}: {caller} is bound to client namespace(s) "
+                f"{sorted(mine)} (--tenant), not to this one"
+            )
 
 
 def node_owners(bindings: Iterable[NodeBinding]) -> dict[str, str]:

@@ -28,7 +28,7 @@ from kvstore.service.tls import Security
 from kvstore.testing.pki import Pki
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
-from kvstore.wire.principal import NodeBinding
+from kvstore.wire.principal import NodeBinding, TenantBinding
 from tests.membership.conftest import RouterThread, etcd_keys, etcd_read
 from tests.router.conftest import card
 from tests.security.conftest import ADMIN
@@ -307,6 +307,27 @@ def test_workers_per_certificate_are_capped_on_etcd_too(
     assert a[1].register_worker("a0", card(address="10.0.0.1:8001")).generation  # its own
     assert b[0].register_worker("b0", card(worker_type="prefill")).generation  # b's own set
     assert clients[ADMIN][1].register_worker("c0", card()).generation  # an admin: no cap
+
+
+def test_a_namespace_bound_to_a_tenant_is_refused_to_others_before_etcd(etcd_config, pki):
+    """With --tenant tenant-a=a-ns a replica refuses another certificate's card
+    naming a-ns (and tenant-a's naming another namespace) with
+    PERMISSION_DENIED before anything reaches etcd, though nobody claimed it."""
+    bound = (TenantBinding("tenant-a", "a-ns"),)
+    replica = RouterThread(etcd_config, security=Security(pki.server, tenants=bound))
+    a, b = (RouterClient(replica.address, tls=pki.issue(cn)) for cn in ("tenant-a", "tenant-b"))
+    try:
+        err = refused(b.register_worker, "squat", card(namespace="a-ns"))
+        assert err.code is Code.PERMISSION_DENIED and "card.namespace 'a-ns'" in err.message
+        err = refused(a.register_worker, "elsewhere", card(namespace="b-ns"))
+        assert err.code is Code.PERMISSION_DENIED and "(--tenant)" in err.message
+        assert not any(k.startswith(("workers/", "worksets/")) for k in etcd_keys(etcd_config))
+        assert a.register_worker("w-a", card(namespace="a-ns")).generation
+        assert b.register_worker("w-b", card(namespace="b-ns")).generation
+    finally:
+        a.close()
+        b.close()
+        replica.stop()
 
 
 def test_a_replica_told_its_store_cns_lets_no_other_certificate_claim_a_node(etcd_config, pki):

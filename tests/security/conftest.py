@@ -25,15 +25,23 @@ def tls_router(pki):
     r.stop()
 
 
-@pytest.fixture
-def tls_store(pki):
-    s = ServerThread(
+def tls_store_thread(pki, router=None, **config) -> ServerThread:
+    """A host-memory store server demanding client certificates of ``pki``
+    (ADMIN an admin); ``config``: further ServerConfig fields."""
+    return ServerThread(
+        router,
         pool_size=64 << 20,
         device="cpu",
         slab_bytes=4 << 20,
         transfer=False,
         tls=pki.server,
         admins=(ADMIN,),
+        **config,
     )
+
+
+@pytest.fixture
+def tls_store(pki):
+    s = tls_store_thread(pki)
     yield s
     s.stop()

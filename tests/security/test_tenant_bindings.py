@@ -1,0 +1,79 @@
+"""--tenant CN=NAMESPACE over mutual TLS: a bound client namespace is its
+certificate's alone, on the store and on the router it embeds, from the start
+(not only once its tenant has claimed it), and a bound certificate claims no
+other namespace; an admin may act in any."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.client.router_client import RouterClient
+from kvstore.router.core import Router, RouterConfig
+from kvstore.service.router_server import ServedRouter
+from kvstore.wire.errors import Code, KVError
+from kvstore.wire.principal import Principal, Tenancy, TenantBinding
+from tests.router.conftest import card
+from tests.security.conftest import ADMIN, tls_store_thread
+from tests.security.test_store_auth import Rank, callers, refused
+
+BOUND = TenantBinding("tenant-a", "a-ns")
+
+
+@pytest.fixture
+def bound_store(pki):
+    s = tls_store_thread(pki, ServedRouter(Router(RouterConfig())), tenants=(BOUND,))
+    yield s
+    s.stop()
+
+
+def test_a_bound_namespace_is_its_tenants_before_it_claims_it(pki, bound_store):
+    """Before: a client namespace (store) and a WorkerSet (router) were their
+    first claimer's: tenant-b, registering first in tenant-a's namespace, kept
+    tenant-a out of it. Now tenant-b is PERMISSION_DENIED there from the start,
+    naming the field and the binding; tenant-a claims it and no other."""
+    store = callers(pki, bound_store.address)
+    routers = {
+        cn: RouterClient(bound_store.address, tls=pki.issue(cn))
+        for cn in ("tenant-a", "tenant-b", ADMIN)
+    }
+    err = refused(Rank, store.b, "squat", "a-ns")
+    assert err.code is Code.PERMISSION_DENIED
+    assert "client_namespace 'a-ns' is bound to certificate 'tenant-a'" in err.message
+    err = refused(routers["tenant-b"].register_worker, "squat", card(namespace="a-ns"))
+    assert err.code is Code.PERMISSION_DENIED
+    assert "card.namespace 'a-ns' is bound to certificate 'tenant-a'" in err.message
+    assert routers["tenant-b"].stats().workers == 0
+    # tenant-a is confined to its namespace
+    err = refused(Rank, store.a, "elsewhere", "b-ns")
+    assert err.code is Code.PERMISSION_DENIED and "['a-ns'] (--tenant)" in err.message
+    err = refused(routers["tenant-a"].register_worker, "elsewhere", card(namespace="b-ns"))
+    assert err.code is Code.PERMISSION_DENIED and "card.namespace 'b-ns'" in err.message
+    ranks = [Rank(store.a, "a0", "a-ns"), Rank(store.b, "b0", "b-ns")]  # unbound: first come
+    try:
+        routers["tenant-a"].register_worker("w-a", card(namespace="a-ns"))
+        routers[ADMIN].register_worker("w-ops", card(namespace="b-ns"))
+        assert routers[ADMIN].stats().workers == 2
+    finally:
+        for rank in ranks:
+            rank.close()
+        for client in (*store, *routers.values()):
+            client.close()
+
+
+def test_the_router_core_checks_the_binding_before_anything_is_admitted():
+    router = Router(RouterConfig(tenancy=Tenancy([BOUND])))
+    a, b = Principal("tenant-a"), Principal("tenant-b")
+    with pytest.raises(KVError) as info:
+        router.register_worker("squat", card(namespace="a-ns"), caller=b)
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert router.worker_generations() == {}
+    router.register_worker("w-a", card(namespace="a-ns"), caller=a)
+    router.register_worker("w-b", card(namespace="b-ns"), caller=b)
+    router.register_worker("w-ops", card(namespace="a-ns"), caller=Principal(ADMIN, admin=True))
+    assert set(router.worker_generations()) == {"w-a", "w-b", "w-ops"}
+
+
+def test_one_namespace_bound_to_two_certificates_is_refused():
+    with pytest.raises(ValueError, match="namespace 'a-ns' is bound to two certificates"):
+        Tenancy([BOUND, TenantBinding("tenant-b", "a-ns")])
+    assert TenantBinding.parse("CN=t,O=x=a-ns") == TenantBinding("CN=t,O=x", "a-ns")
