@@ -4,7 +4,8 @@
                                          / remove_peer
     WorkerMirror  worksets/.../members/<worker>
                                       -> register_worker(name, card, generation=mod_revision,
-                                                         caller=the owner etcd records)
+                                                         caller=the owner etcd records,
+                                                         set_owner=its set card's owner)
                                          / remove_worker; a set that lost its last member
                                          is handed to ``on_empty`` (the replica dissolves it)
 
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from kvstore.membership.etcd import Change, Entry
-from kvstore.membership.layout import Layout, MemberRecord, SetId, StoreRecord
+from kvstore.membership.layout import Layout, MemberRecord, SetCard, SetId, StoreRecord
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.errors import KVError
 from kvstore.wire.principal import Principal
@@ -57,7 +58,12 @@ class RouterCore(Protocol):
     def peer_generations(self) -> dict[str, int]: ...
 
     def register_worker(
-        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = ...
+        self,
+        name: str,
+        card: WorkerCard,
+        generation: int = 0,
+        caller: Principal = ...,
+        set_owner: str | None = None,
     ) -> object: ...
 
     def remove_worker(self, name: str, generation: int = 0) -> object: ...
@@ -149,6 +155,7 @@ class WorkerMirror:
         self.on_member = on_member  # every member change, after it applied
         self.on_listed = on_listed  # every listing, after it applied
         self._members: dict[str, tuple[SetId, int]] = {}  # name -> (set, generation) applied
+        self._set_owners: dict[SetId, str] = {}  # what each set's card in etcd names its owner
         self.revision = 0  # the latest admission (member put) applied, refused ones included
         self._tick = asyncio.Event()
 
@@ -159,6 +166,7 @@ class WorkerMirror:
     def reset(self, entries: list[Entry]) -> None:
         listed: dict[str, tuple[SetId, int, MemberRecord]] = {}
         cards = set()
+        self._set_owners.clear()
         # etcd's revisions, not a maximum kept across listings: etcd that lost its
         # data counts from 1 again, and readers wait for its admissions
         self.revision = max((entry.mod_revision for entry in entries), default=0)
@@ -169,6 +177,7 @@ class WorkerMirror:
             set_id, name = parsed
             if name is None:
                 cards.add(set_id)
+                self._card_changed(set_id, entry)
                 continue
             record = _decode(MemberRecord.decode, entry)
             if record is not None:
@@ -185,9 +194,12 @@ class WorkerMirror:
 
     def changed(self, change: Change) -> None:
         parsed = self.layout.parse_workset_key(change.entry.key)
-        if parsed is None or parsed[1] is None:
-            return  # a card: admission reads it, the core needs no copy
+        if parsed is None:
+            return
         set_id, name = parsed
+        if name is None:  # a card: its owner is what the core's set needs of it
+            self._card_changed(set_id, None if change.deleted else change.entry)
+            return
         if change.deleted:
             if self._members.get(name, (None, 0))[0] == set_id:
                 self._remove(name)
@@ -201,12 +213,24 @@ class WorkerMirror:
         self.on_member(name, change)
         self._changed()
 
+    def _card_changed(self, set_id: SetId, entry: Entry | None) -> None:
+        """A set's card was written (``entry``) or deleted (None). Its owner is
+        etcd's word on who may join and route to the set: the core takes it
+        with the next member applied (a card is written in the transaction of
+        the member that fixes it, before that member's key)."""
+        card = _decode(SetCard.decode, entry) if entry is not None else None
+        if card is None:
+            self._set_owners.pop(set_id, None)
+        else:
+            self._set_owners[set_id] = card.owner
+
     def _admit(self, name: str, set_id: SetId, generation: int, record: MemberRecord) -> None:
         if self._members.get(name) == (set_id, generation):
             return
         try:  # etcd decided, ownership included: the core applies it as an admin would
             owner = Principal(record.owner, admin=True)
-            self.router.register_worker(name, record.card, generation, owner)
+            set_owner = self._set_owners.get(set_id)
+            self.router.register_worker(name, record.card, generation, owner, set_owner)
         except KVError as exc:  # a card etcd holds but this core refuses: say so, go on
             log.error("worker %s (generation %d) from etcd not admitted: %s", name, generation, exc)
             if name in self._members:  # its older generation is no longer the worker

@@ -107,7 +107,12 @@ class Admission:
         self._next_generation = 1
 
     def admit(
-        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = LOCAL
+        self,
+        name: str,
+        card: WorkerCard,
+        generation: int = 0,
+        caller: Principal = LOCAL,
+        set_owner: str | None = None,
     ) -> tuple[Worker, Worker | None]:
         """Admit ``card`` as worker ``name`` for ``caller``; return (new worker, replaced one).
 
@@ -119,6 +124,8 @@ class Admission:
         may join it; judged before the checksum, so a stranger learns nothing
         of the set's card).
         ``generation``: one given by etcd (else the next of this router's counter).
+        ``set_owner``: the set's owner as etcd's card records it (else the set's
+        first member's owner, ``caller``'s when it makes the set).
         """
         checksum = card_checksum(card)
         key = key_of(card)
@@ -157,6 +164,8 @@ class Admission:
         wset = self.sets.get(key)
         if wset is None:
             wset = self.sets[key] = WorkerSet(key, checksum, card, caller.name)
+        if set_owner is not None:
+            wset.owner = set_owner
         wset.members[name] = worker
         self.workers[name] = worker
         return worker, old

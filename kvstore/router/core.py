@@ -167,14 +167,20 @@ class Router:
     # -- workers -----------------------------------------------------------
 
     def register_worker(
-        self, name: str, card: WorkerCard, generation: int = 0, caller: Principal = LOCAL
+        self,
+        name: str,
+        card: WorkerCard,
+        generation: int = 0,
+        caller: Principal = LOCAL,
+        set_owner: str | None = None,
     ) -> Worker:
         """Admit ``card`` as ``name`` (replacing its previous generation).
 
         ``generation``: the one etcd gave this admission (replicas on etcd);
         admitting the generation already current changes nothing. ``caller``
         owns the name while it is admitted: another principal (not admin) is
-        PERMISSION_DENIED.
+        PERMISSION_DENIED. ``set_owner``: the owner etcd's card gives the
+        worker's set (replicas on etcd; else the set's first member's owner).
         """
         check_name("name", name)
         validate_card(card)
@@ -184,7 +190,7 @@ class Router:
             current = self.admission.workers.get(name)
             if generation and current is not None and current.ref.generation == generation:
                 return current
-            worker, old = self.admission.admit(name, card, generation, caller)
+            worker, old = self.admission.admit(name, card, generation, caller, set_owner)
             if old is not None:
                 self._forget(old)
             owing = self.peers.admitted(name)

@@ -154,6 +154,24 @@ def test_a_worker_set_is_its_first_members_owners_on_every_replica(etcd_config, 
     assert set_owner(etcd_config) == "tenant-b"
 
 
+def test_a_replica_that_lists_a_set_takes_its_owner_from_etcd(etcd_config, pki, clients):
+    """A replica started later lists the set's members in key order. Before, its
+    core's set belonged to whichever member it applied first: here an admin's
+    "alpha", which joined tenant-a's set, so tenant-a's routes through that
+    replica were NOT_FOUND. Now the set's owner is its card's in etcd."""
+    a, admin = clients["tenant-a"], clients[ADMIN]
+    a[0].register_worker("zeta", card())
+    admin[0].register_worker("alpha", card())
+    late = RouterThread(etcd_config, security=Security(pki.server, admins=(ADMIN,)))
+    mine = RouterClient(late.address, tls=pki.issue("tenant-a"))
+    try:
+        wait_until(lambda: set(generations(late)) == {"alpha", "zeta"})
+        assert mine.route("llama-8b", token_ids=list(range(64))).worker in ("alpha", "zeta")
+    finally:
+        mine.close()
+        late.stop()
+
+
 def test_a_set_card_left_by_its_last_member_passes_to_the_next_first_member(etcd_config):
     """A set's card outlives its members when nobody dissolved it (the replica
     that emptied the set stopped first). The set is empty, so it is anyone's:
