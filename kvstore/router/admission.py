@@ -27,7 +27,7 @@ the old generation is dropped by the router.
 
 This is the embedded default. Router replicas on etcd make the same decision
 in etcd transactions (``kvstore/membership/worksets.py``) and apply what etcd
-admitted here with the generation etcd gave it (``admit(..., generation=)``),
+admitted here with the generation etcd gave it (``admit(..., decided=)``),
 refusing with :func:`refusal`'s words.
 """
 
@@ -60,6 +60,14 @@ class WorkerRef(NamedTuple):
 
     name: str
     generation: int
+
+
+class Decided(NamedTuple):
+    """An admission etcd decided: the generation it gave, and the owner the
+    set's card names (None when no card was seen)."""
+
+    generation: int
+    set_owner: str | None = None
 
 
 @dataclass
@@ -107,12 +115,7 @@ class Admission:
         self._next_generation = 1
 
     def admit(
-        self,
-        name: str,
-        card: WorkerCard,
-        generation: int = 0,
-        caller: Principal = LOCAL,
-        set_owner: str | None = None,
+        self, name: str, card: WorkerCard, caller: Principal = LOCAL, decided: Decided | None = None
     ) -> tuple[Worker, Worker | None]:
         """Admit ``card`` as worker ``name`` for ``caller``; return (new worker, replaced one).
 
@@ -123,10 +126,11 @@ class Admission:
         members and belongs to another principal (only its owner or an admin
         may join it; judged before the checksum, so a stranger learns nothing
         of the set's card).
-        ``generation``: one given by etcd (else the next of this router's counter).
-        ``set_owner``: the set's owner as etcd's card records it (else the set's
-        first member's owner, ``caller``'s when it makes the set).
+        ``decided``: what etcd decided (replicas on etcd): the generation, else
+        the next of this router's counter, and the set's owner, else the set's
+        first member's owner (``caller``'s when it makes the set).
         """
+        generation = decided.generation if decided is not None else 0
         checksum = card_checksum(card)
         key = key_of(card)
         domain = domain_of(card, checksum, self.algorithm)
@@ -164,8 +168,8 @@ class Admission:
         wset = self.sets.get(key)
         if wset is None:
             wset = self.sets[key] = WorkerSet(key, checksum, card, caller.name)
-        if set_owner is not None:
-            wset.owner = set_owner
+        if decided is not None and decided.set_owner is not None:
+            wset.owner = decided.set_owner
         wset.members[name] = worker
         self.workers[name] = worker
         return worker, old

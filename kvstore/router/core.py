@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvstore.router.admission import Admission, Worker, WorkerRef, WorkerSetKey
+from kvstore.router.admission import Admission, Decided, Worker, WorkerRef, WorkerSetKey
 from kvstore.router.domains import DomainIndexes
 from kvstore.router.drops import DropCause, EventDrops
 from kvstore.router.endpoints import EndpointAllowList
@@ -190,7 +190,8 @@ class Router:
             current = self.admission.workers.get(name)
             if generation and current is not None and current.ref.generation == generation:
                 return current
-            worker, old = self.admission.admit(name, card, generation, caller, set_owner)
+            decided = Decided(generation, set_owner) if generation else None
+            worker, old = self.admission.admit(name, card, caller, decided)
             if old is not None:
                 self._forget(old)
             owing = self.peers.admitted(name)
