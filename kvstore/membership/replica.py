@@ -106,16 +106,16 @@ class RouterReplica:
     # -- workers -----------------------------------------------------------
 
     async def admit(
-        self, name: str, card: WorkerCard, caller: Principal = LOCAL
+        self, name: str, card: WorkerCard, caller: Principal = LOCAL, set_owner: str | None = None
     ) -> Admitted | Refused:
         """Admit a validated ``card`` as ``name`` for ``caller`` through etcd;
         UNAVAILABLE when etcd does not answer, PERMISSION_DENIED when the name is
-        admitted for another principal."""
+        admitted for another principal. ``set_owner``: see ``WorkerSets.admit``."""
         checksum = card_checksum(card)
         lease, outcome = await under_new_lease(
             self.etcd,
             self.keeper,
-            partial(self.worksets.admit, name, card, checksum, caller=caller),
+            partial(self.worksets.admit, name, card, checksum, caller=caller, set_owner=set_owner),
             f"worker {name}",
         )
         if isinstance(outcome, Refused):
@@ -125,7 +125,7 @@ class RouterReplica:
         keys = KeyLease(
             self.etcd,
             self.keeper,
-            partial(self._readmit, name, card, checksum, caller),
+            partial(self._readmit, name, card, checksum, caller, set_owner),
             f"worker {name}",
             on_registered=lambda _generation: self._verify_soon(name, held),
             on_lost=partial(self._let_go, name),
@@ -146,12 +146,18 @@ class RouterReplica:
         return False
 
     async def _readmit(
-        self, name: str, card: WorkerCard, checksum: str, caller: Principal, lease: int
+        self,
+        name: str,
+        card: WorkerCard,
+        checksum: str,
+        caller: Principal,
+        set_owner: str | None,
+        lease: int,
     ) -> int:
         # only while nobody admitted the name meanwhile (the worker re-registered
         # elsewhere: that admission is the worker now, not this replica's old card)
         outcome = await self.worksets.admit(
-            name, card, checksum, lease, caller, unclaimed_only=True
+            name, card, checksum, lease, caller, set_owner=set_owner, unclaimed_only=True
         )
         if isinstance(outcome, Refused):
             raise KVError(

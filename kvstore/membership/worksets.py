@@ -53,7 +53,7 @@ from kvstore.membership.etcd import (
 from kvstore.membership.layout import Layout, MemberRecord, NameClaim, SetCard, SetId
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.errors import precondition, unavailable
-from kvstore.wire.principal import LOCAL, Principal, check_owner
+from kvstore.wire.principal import LOCAL, Principal, check_owner, set_taken
 
 MAX_ATTEMPTS = 32
 
@@ -107,13 +107,16 @@ class WorkerSets:
         lease: int,
         caller: Principal = LOCAL,
         *,
+        set_owner: str | None = None,
         unclaimed_only: bool = False,
     ) -> Admitted | Refused:
         """Admit ``card`` (checksum ``checksum``, validated) as worker ``name``
         under ``lease`` for ``caller``, replacing its earlier admission.
         PERMISSION_DENIED, nothing written, when ``name`` is admitted for
         another principal, or the set has members and belongs to another
-        principal, and ``caller`` is not an admin. ``unclaimed_only`` (a
+        principal, and ``caller`` is not an admin. ``set_owner``: whom a set
+        this admission makes (or takes over empty) belongs to, when not
+        ``caller`` (the CN a ``--tenant`` binding names for its namespace). ``unclaimed_only`` (a
         replica admitting again what its lost lease held): FAILED_PRECONDITION,
         nothing written, when the name was admitted again meanwhile."""
         set_id = SetId.of(card)
@@ -128,8 +131,8 @@ class WorkerSets:
                 check_owner(f"worker name {name!r}", owner, caller)
             others = [m for m in view.members if m.key != mine]
             fixed = SetCard.decode(view.card.value) if view.card is not None else None
-            if fixed is not None and others:
-                check_owner(f"WorkerSet {set_id}", fixed.owner, caller)
+            if fixed is not None and others and not caller.may_act_for(fixed.owner):
+                raise set_taken(set_id)
             differs = fixed is None or (fixed.checksum, fixed.hash_format) != (
                 checksum,
                 card.hash_format,
@@ -137,7 +140,8 @@ class WorkerSets:
             if fixed is not None and others and differs:
                 return Refused(fixed.card, fixed.checksum, len(others))
             # An empty set is anyone's: its card (checksum and owner) is written anew.
-            refix = differs or (not others and fixed is not None and fixed.owner != caller.name)
+            owner = set_owner or caller.name
+            refix = differs or (not others and fixed is not None and fixed.owner != owner)
             compare = [
                 modified_at(layout.card(set_id), view.card.mod_revision if view.card else 0),
                 modified_at(layout.worker(name), view.claim.mod_revision if view.claim else 0),
@@ -154,7 +158,7 @@ class WorkerSets:
                 ops.append(
                     put(
                         layout.card(set_id),
-                        SetCard(checksum, card.hash_format, card, caller.name).encode(),
+                        SetCard(checksum, card.hash_format, card, owner).encode(),
                     )
                 )
             ops.append(put(layout.worker(name), NameClaim(set_id, caller.name).encode(), lease))

@@ -33,6 +33,7 @@ refusing with :func:`refusal`'s words.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,7 +42,14 @@ from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, card_checksum, describe_difference, differences
 from kvstore.wire.errors import KVError, not_found, precondition
 from kvstore.wire.names import check_name
-from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, owned_by
+from kvstore.wire.principal import (
+    LOCAL,
+    Principal,
+    check_owner,
+    check_quota,
+    owned_by,
+    set_taken,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -107,8 +115,15 @@ class Admission:
     """The admitted workers and their WorkerSets. Not thread-safe on its own:
     the router calls it under its lock so each decision is atomic."""
 
-    def __init__(self, algorithm: IdentityAlgorithm = IdentityAlgorithm.R2):
+    def __init__(
+        self,
+        algorithm: IdentityAlgorithm = IdentityAlgorithm.R2,
+        bound_owner: Callable[[str], str | None] = lambda _namespace: None,
+    ):
+        """``bound_owner``: the CN a client namespace is bound to (``--tenant``),
+        or None; a set made there is that CN's, whoever admits its first member."""
         self.algorithm = algorithm
+        self.bound_owner = bound_owner
         self.sets: dict[WorkerSetKey, WorkerSet] = {}
         self.workers: dict[str, Worker] = {}
         self.rejected = 0
@@ -142,8 +157,8 @@ class Admission:
         wset = self.sets.get(key)
         # Judge against the set as it would be without the generation we replace.
         others = 0 if wset is None else len(wset.members) - (old is not None and old.key == key)
-        if wset is not None and others > 0:
-            check_owner(f"WorkerSet {key}", wset.owner, caller)
+        if wset is not None and others > 0 and not caller.may_act_for(wset.owner):
+            raise set_taken(key)
         if (
             wset is not None
             and others > 0
@@ -167,7 +182,8 @@ class Admission:
         )
         wset = self.sets.get(key)
         if wset is None:
-            wset = self.sets[key] = WorkerSet(key, checksum, card, caller.name)
+            owner = self.bound_owner(card.namespace) or caller.name
+            wset = self.sets[key] = WorkerSet(key, checksum, card, owner)
         if decided is not None and decided.set_owner is not None:
             wset.owner = decided.set_owner
         wset.members[name] = worker

@@ -134,7 +134,7 @@ class Router:
     ):
         self.config = config or RouterConfig()
         self.clock = clock
-        self.admission = Admission(self.config.identity)
+        self.admission = Admission(self.config.identity, self._bound_owner)
         self.domains = DomainIndexes()
         self.peers = Peers()
         self.relays = RelayLedger()
@@ -165,6 +165,9 @@ class Router:
             fn(admitted, removed)
 
     # -- workers -----------------------------------------------------------
+
+    def _bound_owner(self, namespace: str) -> str | None:
+        return self.config.tenancy.owner(namespace)  # the config's tenancy is set late
 
     def register_worker(
         self,

@@ -173,7 +173,8 @@ class ClusterRouterService(RouterService):
             caller = self.security.principal(context)
             self.router.config.tenancy.check("card.namespace", card.namespace, caller)
             self.router.check_worker_quota(name, caller, card)
-            outcome = await self.replica.admit(name, card, caller)
+            bound = self.router.config.tenancy.owner(card.namespace)
+            outcome = await self.replica.admit(name, card, caller, bound)
             if isinstance(outcome, Refused):
                 self.router.record_rejected()
                 raise refusal(

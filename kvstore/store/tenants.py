@@ -30,9 +30,15 @@ class Tenants:
             check_owner(f"client_namespace {client_namespace!r}", owner, caller)
 
     def claim(self, client_namespace: str, caller: Principal) -> None:
-        """``caller`` registered in ``client_namespace``: it owns it if nobody did."""
-        if caller.name:  # the anonymous local caller claims nothing (it may do anything)
-            self._owners.setdefault(client_namespace, caller.name)
+        """``caller`` registered in ``client_namespace``: it owns it if nobody did
+        (a bound namespace is its binding's CN's). An admin claims nothing: it
+        may act anywhere, and its registration must not lock the namespace's
+        tenant out."""
+        owner = self.tenancy.owner(client_namespace)
+        if owner is None and not caller.admin:
+            owner = caller.name
+        if owner:
+            self._owners.setdefault(client_namespace, owner)
 
     def may_see(self, final_namespace: str, caller: Principal) -> bool:
         """May ``caller`` see (query, clear, watch) final namespace ``final_namespace``?"""

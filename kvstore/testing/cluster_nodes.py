@@ -52,6 +52,7 @@ from kvstore.service.router_server import ServedRouter, serve_router
 from kvstore.service.sealed import HASHES_PER_EVENT, Listed
 from kvstore.wire.card import WorkerCard
 from kvstore.wire.events import GPU_TIER, STORE_TIER, STORED, StoreEvent
+from kvstore.wire.names import client_namespace_of
 
 FINAL_NAMESPACE = "cluster.0123456789abcdef"
 MODEL = "cluster-bench"
@@ -95,6 +96,7 @@ class ClusterShape:
             BLOCK_SIZE,
             context_length=1 << 20,
             node_id=self.node(self.node_of(j)),
+            namespace=client_namespace_of(FINAL_NAMESPACE),
             final_namespace=FINAL_NAMESPACE,
         )
 

@@ -34,6 +34,7 @@ from kvstore.wire.names import (
     check_final_namespace,
     check_name,
     check_token,
+    client_namespace_of,
     is_client_namespace,
 )
 
@@ -267,6 +268,13 @@ def _check_namespaces(card: WorkerCard) -> None:
         )
     if card.final_namespace:
         check_final_namespace("card.final_namespace", card.final_namespace)
+        if client_namespace_of(card.final_namespace) != card.namespace:
+            # the router looks the worker's store blocks up by it: another client
+            # namespace's would show its tenant's cached prefixes in this card's routes
+            raise invalid(
+                f"card.final_namespace: {card.final_namespace!r} is not of card.namespace "
+                f"{card.namespace!r} (a final namespace is '<namespace>.<fingerprint>')"
+            )
 
 
 _CHECKS: tuple[Callable[[WorkerCard], None], ...] = (

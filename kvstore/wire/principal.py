@@ -51,6 +51,16 @@ def denied(message: str) -> KVError:
     return KVError(Code.PERMISSION_DENIED, message)
 
 
+def set_taken(key: object) -> KVError:
+    """PERMISSION_DENIED: the WorkerSet ``key`` has members and another owner.
+    The owner is not named: a Route hides another's sets, and a refusal need
+    not tell more than that the set is taken."""
+    return denied(
+        f"WorkerSet {key} has members another certificate admitted: only it (or an "
+        "admin) may join the set; admit your workers under a namespace of your own"
+    )
+
+
 def check_owner(what: str, owner: str, caller: Principal) -> None:
     """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
     if not caller.may_act_for(owner):
@@ -124,6 +134,10 @@ class Tenancy:
                     f"{self._owners[namespace]!r} and {cn!r}"
                 )
             self._namespaces.setdefault(cn, []).append(namespace)
+
+    def owner(self, namespace: str) -> str | None:
+        """The CN ``namespace`` is bound to, or None."""
+        return self._owners.get(namespace)
 
     def check(self, field_name: str, namespace: str, caller: Principal) -> None:
         """PERMISSION_DENIED, naming ``field_name``, when ``caller`` may not

@@ -332,19 +332,25 @@ def test_a_namespace_bound_to_a_tenant_is_refused_to_others_before_etcd(etcd_con
     naming a-ns (and tenant-a's naming another namespace) with
     PERMISSION_DENIED before anything reaches etcd, though nobody claimed it."""
     bound = (TenantBinding("tenant-a", "a-ns"),)
-    replica = RouterThread(etcd_config, security=Security(pki.server, tenants=bound))
-    a, b = (RouterClient(replica.address, tls=pki.issue(cn)) for cn in ("tenant-a", "tenant-b"))
+    security = Security(pki.server, admins=(ADMIN,), tenants=bound)
+    replica = RouterThread(etcd_config, security=security)
+    a, b, admin = (
+        RouterClient(replica.address, tls=pki.issue(cn)) for cn in ("tenant-a", "tenant-b", ADMIN)
+    )
     try:
         err = refused(b.register_worker, "squat", card(namespace="a-ns"))
         assert err.code is Code.PERMISSION_DENIED and "card.namespace 'a-ns'" in err.message
         err = refused(a.register_worker, "elsewhere", card(namespace="b-ns"))
         assert err.code is Code.PERMISSION_DENIED and "(--tenant)" in err.message
         assert not any(k.startswith(("workers/", "worksets/")) for k in etcd_keys(etcd_config))
+        # an admin's first member makes the set the bound tenant's, not the admin's
+        assert admin.register_worker("ops0", card(namespace="a-ns")).generation
+        assert set_owner(etcd_config) == "tenant-a"
         assert a.register_worker("w-a", card(namespace="a-ns")).generation
         assert b.register_worker("w-b", card(namespace="b-ns")).generation
     finally:
-        a.close()
-        b.close()
+        for client in (a, b, admin):
+            client.close()
         replica.stop()
 
 

@@ -19,6 +19,7 @@ from kvstore.router.core import Router, RouterConfig
 from kvstore.service.router_server import FeedSpecs, ServedRouter
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire.card import WorkerCard
+from kvstore.wire.names import client_namespace_of
 
 BASE = WorkerCard(
     display_name="llama-8b",
@@ -36,7 +37,10 @@ BASE = WorkerCard(
 
 
 def card(**changes) -> WorkerCard:
-    """BASE with ``changes``; lists and dicts are copied so tests cannot share them."""
+    """BASE with ``changes``; lists and dicts are copied so tests cannot share them.
+    A ``final_namespace`` given alone brings its client namespace as ``namespace``."""
+    if "." in changes.get("final_namespace", "") and "namespace" not in changes:
+        changes["namespace"] = client_namespace_of(changes["final_namespace"])
     c = replace(BASE, **changes)
     c.aliases, c.needs, c.multimodal = list(c.aliases), list(c.needs), list(c.multimodal)
     c.extra_files = dict(c.extra_files)

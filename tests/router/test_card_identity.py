@@ -169,6 +169,8 @@ def test_each_field_is_an_input_or_explicitly_not(name):
         ({"lora": True}, "card.lora_base"),
         ({"hash_format": "bad format"}, "card.hash_format"),
         ({"final_namespace": "tenant"}, "card.final_namespace"),
+        # another client namespace's store blocks would show in this card's routes
+        ({"namespace": "b-ns", "final_namespace": "a-ns.0123456789abcdef"}, "card.final_namespace"),
         ({"extra_files": {"/a/x": "1", "/b/x": "2"}}, "card.extra_files"),
         ({"aliases": [f"a{i}" for i in range(65)]}, "card.aliases"),
     ],

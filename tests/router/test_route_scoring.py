@@ -173,12 +173,15 @@ def random_router(seed: int) -> tuple[Router, list[int], random.Random]:
     workers = []
     for i in range(rnd.randint(1, 12)):
         c = card(
+            namespace="tenant",
             component=rnd.choice(("backend", "other")),
             node_id=rnd.choice(NODES),
             final_namespace=rnd.choice(NAMESPACES),
         )
         workers.append(router.register_worker(f"w{i}", c))
-    router.register_worker("p", card(worker_type="prefill", component="backend"))
+    router.register_worker(
+        "p", card(namespace="tenant", worker_type="prefill", component="backend")
+    )
     for w in [*workers, router.worker(router.admission.workers["p"].ref)]:
         for tier in (GPU_TIER, STORE_TIER):
             if rnd.random() < 0.6:

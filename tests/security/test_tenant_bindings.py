@@ -77,3 +77,42 @@ def test_one_namespace_bound_to_two_certificates_is_refused():
     with pytest.raises(ValueError, match="namespace 'a-ns' is bound to two certificates"):
         Tenancy([BOUND, TenantBinding("tenant-b", "a-ns")])
     assert TenantBinding.parse("CN=t,O=x=a-ns") == TenantBinding("CN=t,O=x", "a-ns")
+
+
+def test_an_admin_acting_in_a_bound_namespace_does_not_lock_its_tenant_out(pki, bound_store):
+    """Before: an admin's store registration claimed the bound namespace for the
+    admin's CN, and an admin's first worker made the router's set the admin's:
+    the bound tenant was then PERMISSION_DENIED in its own namespace (found by
+    review). Now an admin claims nothing on the store and a set made in a bound
+    namespace is its tenant's, whoever admits its first member."""
+    store = callers(pki, bound_store.address)
+    tenant = RouterClient(bound_store.address, tls=pki.issue("tenant-a"))
+    admin = RouterClient(bound_store.address, tls=pki.issue(ADMIN))
+    ranks = [Rank(store.admin, "ops-inst", "a-ns")]
+    try:
+        ranks.append(Rank(store.a, "a-inst", "a-ns"))
+        admin.register_worker("ops0", card(namespace="a-ns"))
+        tenant.register_worker("a0", card(namespace="a-ns"))
+        routed = {tenant.route("llama-8b", token_ids=[1], track=False).worker for _ in range(8)}
+        assert routed <= {"ops0", "a0"} and routed
+    finally:
+        for rank in ranks:
+            rank.close()
+        for client in (*store, tenant, admin):
+            client.close()
+
+
+def test_an_admins_store_registration_claims_no_namespace(pki, tls_store):
+    """Without bindings too: a namespace an admin registered in first is still
+    the first tenant's to claim."""
+    store = callers(pki, tls_store.address)
+    ranks = [Rank(store.admin, "ops-inst", "x-ns")]
+    try:
+        ranks.append(Rank(store.b, "b-inst", "x-ns"))
+        err = refused(Rank, store.a, "a-inst", "x-ns")
+        assert err.code is Code.PERMISSION_DENIED and "tenant-b" in err.message
+    finally:
+        for rank in ranks:
+            rank.close()
+        for client in store:
+            client.close()
