@@ -23,7 +23,6 @@ import itertools
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import threading
@@ -36,6 +35,7 @@ import numpy as np
 
 from kvstore.copy.plan import Pieces, check_disjoint, split_pieces
 from kvstore.copy.table import BlockArgs, RegionTable
+from kvstore.private_dir import is_private, private_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -508,16 +508,16 @@ def _build_native() -> Path:
 
     Code loaded into the server must be ours: the directory and the library are
     used only when this user owns them and nobody else can write them
-    (:func:`_private`); a planted or tampered file is rebuilt, never loaded.
+    (:func:`is_private`); a planted or tampered file is rebuilt, never loaded.
     """
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler on PATH")
     digest = hashlib.sha256(f"{cc}\n{_C_SOURCE}".encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
+    out_dir = private_cache_dir("the host copy helper")
     target = out_dir / f"hostcopy-{digest}.so"
     if target.exists() or target.is_symlink():
-        if _private(target, directory=False):
+        if is_private(target, directory=False):
             return target
         log.warning("kvstore: %s is not this user's private file; rebuilding it", target)
         target.unlink()
@@ -530,36 +530,3 @@ def _build_native() -> Path:
         os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: concurrent builders all end with a whole file
     return target
-
-
-def _cache_dir() -> Path:
-    """The first private directory of: $KVSTORE_CACHE_DIR (or $XDG_CACHE_HOME/kvstore,
-    ~/.cache/kvstore), then $TMPDIR/kvstore-<uid>; created with mode 0700.
-
-    A directory that exists but is not private (another owner, writable by group
-    or others, a symlink) is skipped: in a shared temp directory anyone could
-    have made it first.
-    """
-    home = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstore"
-    )
-    refused = []
-    for path in (Path(home), Path(tempfile.gettempdir()) / f"kvstore-{os.getuid()}"):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700, exist_ok=True)
-        except OSError as err:
-            refused.append(f"{path}: {err}")
-            continue
-        if _private(path, directory=True):
-            return path
-        refused.append(f"{path}: not a directory owned by uid {os.getuid()} and closed to others")
-    raise OSError("no private cache directory for the host copy helper: " + "; ".join(refused))
-
-
-def _private(path: Path, directory: bool) -> bool:
-    """``path`` itself (not a link) is a directory / regular file of this user that
-    neither group nor others can write."""
-    st = os.lstat(path)
-    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
-    return kind and st.st_uid == os.getuid() and not st.st_mode & 0o022

@@ -5,30 +5,53 @@ fingerprint covers shapes, not weights: two checkpoints of one architecture
 (a fine-tune, another revision) would load each other's KV and silently
 produce wrong output. Both connectors put this digest in their client
 namespace. It covers the checkpoint's ``config.json``, revision and
-quantisation, and for every weights file its name, size and three 1 MiB
-samples (start, middle, end): a fine-tune changes every tensor, so it changes
-the samples, and the digest of a 100 GB checkpoint still takes milliseconds.
-A hub id with no local snapshot is digested by its name, revision and
-quantisation only.
+quantisation, the engine settings that change the weights or the KV without
+changing the files (``variant``: random "dummy" weights, config overrides such
+as a RoPE scaling, the compute dtype), and every byte of every weights file.
+
+Every byte, because a fine-tune need not touch every tensor (frozen
+embeddings or layers, an abliterated or merged model keep names, sizes and
+most bytes), so samples could miss it. Reading a large checkpoint takes time
+(disk speed; blake3 hashes on every core), so a file's digest is kept in this
+user's private cache directory (:mod:`kvstore.private_dir`), keyed by the
+file's path, device, inode, size and modification time: an engine reads the
+checkpoint once a host, and a file changed in any of those is read again. A
+hub id with no local snapshot is digested by its name, revision, quantisation
+and variant only.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import blake3
 
-SAMPLE = 1 << 20
+from kvstore.private_dir import is_private, private_cache_dir
+
+log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_HEX = 16
+FILE_DIGEST_BYTES = 32
+CACHE_SUBDIR = "checkpoint-digests"
 
 
 def checkpoint_digest(
-    model_path: str, revision: str | None = None, quantization: str | None = None
+    model_path: str,
+    revision: str | None = None,
+    quantization: str | None = None,
+    variant: Sequence[str] = (),
 ) -> str:
-    """Hex digest of a checkpoint: config, revision, quantisation, sampled weights."""
+    """Hex digest of a checkpoint: config, revision, quantisation, ``variant``
+    (engine settings that change weights or KV, as ``name=value`` strings),
+    and the content of every weights file."""
     h = blake3.blake3()
-    for part in (revision or "", quantization or ""):
+    for part in (revision or "", quantization or "", *variant):
         h.update(part.encode() + b"\0")
     root = Path(model_path)
     if not root.is_dir():  # a hub id without a local snapshot: name and revision only
@@ -39,14 +62,92 @@ def checkpoint_digest(
         h.update(config.read_bytes())
     for path in sorted(root.iterdir()):
         if path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
-            _sample(h, path)
+            h.update(f"{path.name}\0".encode() + file_digest(path))
     return h.hexdigest()[:DIGEST_HEX]
 
 
-def _sample(h: blake3.blake3, path: Path) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}\0{size}\0".encode())
-    with path.open("rb") as f:
-        for at in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
-            f.seek(at)
-            h.update(f.read(SAMPLE))
+def variant_of(
+    load_format: object = None, overrides: object = None, dtype: object = None
+) -> list[str]:
+    """The ``variant`` of :func:`checkpoint_digest` from an engine's settings:
+    random ("dummy") weights, model config overrides (canonical JSON; a RoPE
+    scaling changes every K), and the compute dtype when it is set. Other load
+    formats read the same weights and change nothing."""
+    parts = []
+    if str(load_format or "").lower() == "dummy":
+        parts.append("load_format=dummy")
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError:
+            pass  # digested as written
+    if overrides:  # {} (the engines' default) overrides nothing
+        parts.append("overrides=" + json.dumps(overrides, sort_keys=True, default=_stable))
+    if dtype and str(dtype) != "auto":
+        parts.append(f"dtype={str(dtype).removeprefix('torch.')}")
+    return parts
+
+
+def _stable(value: object) -> str:
+    """A value JSON cannot write, as every process of an engine writes it (a
+    function by its qualified name: its repr holds an address, and ranks whose
+    namespaces disagree never seal)."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return str(value)
+
+
+def file_digest(path: Path) -> bytes:
+    """blake3 of ``path``'s content, from the private cache when the file's
+    identity (path, device, inode, size, mtime) is unchanged since it was read."""
+    st = path.stat()
+    identity = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+    cached = _cache_entry(identity)
+    if cached is not None:
+        try:
+            if is_private(cached, directory=False):
+                digest = cached.read_bytes()
+                if len(digest) == FILE_DIGEST_BYTES:
+                    return digest
+        except OSError:
+            pass  # absent or unreadable: read the file
+    started = time.monotonic()
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if st.st_size:
+        h.update_mmap(path)
+    digest = h.digest()
+    elapsed = time.monotonic() - started
+    if elapsed > 1.0:
+        log.info(
+            "kvstore: read %s (%.1f GB) in %.1f s to digest it; kept until it changes",
+            path,
+            st.st_size / 1e9,
+            elapsed,
+        )
+    if cached is not None:
+        _keep(cached, digest)
+    return digest
+
+
+def _cache_entry(identity: str) -> Path | None:
+    """Where the digest of the file ``identity`` is kept (None: no private cache)."""
+    try:
+        root = private_cache_dir("checkpoint digests") / CACHE_SUBDIR
+        root.mkdir(mode=0o700, exist_ok=True)
+        if not is_private(root, directory=True):
+            return None
+    except OSError as err:
+        log.warning("kvstore: checkpoint digests are not cached: %s", err)
+        return None
+    return root / blake3.blake3(identity.encode()).hexdigest()
+
+
+def _keep(entry: Path, digest: bytes) -> None:
+    """Write ``digest`` to ``entry`` whole (a temporary file renamed over it)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=entry.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(digest)
+        os.replace(tmp, entry)
+    except OSError as err:
+        log.warning("kvstore: checkpoint digest not cached at %s: %s", entry, err)

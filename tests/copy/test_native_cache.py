@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from kvstore.copy import host
+from kvstore.private_dir import private_cache_dir
 
 OTHER_UID = 65534  # nobody
 
@@ -33,7 +34,7 @@ def cache_env(tmp_path, monkeypatch):
 
 
 def test_a_fresh_fallback_directory_is_private(cache_env):
-    path = host._cache_dir()
+    path = private_cache_dir("the host copy helper")
     assert path == cache_env
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
 
@@ -43,7 +44,7 @@ def test_a_directory_planted_by_another_user_is_refused(cache_env):
     cache_env.mkdir(mode=0o755)
     os.chown(cache_env, OTHER_UID, OTHER_UID)
     with pytest.raises(OSError, match="no private cache directory"):
-        host._cache_dir()
+        private_cache_dir("the host copy helper")
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o722])
@@ -51,14 +52,14 @@ def test_a_directory_others_can_write_is_refused(cache_env, mode):
     cache_env.mkdir()
     os.chmod(cache_env, mode)
     with pytest.raises(OSError, match="closed to others"):
-        host._cache_dir()
+        private_cache_dir("the host copy helper")
 
 
 def test_a_symlinked_directory_is_refused(cache_env, tmp_path):
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     cache_env.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(OSError, match="no private cache directory"):
-        host._cache_dir()
+        private_cache_dir("the host copy helper")
 
 
 def test_a_planted_library_is_rebuilt_never_loaded(cache_env, tmp_path):
@@ -73,9 +74,10 @@ def test_a_planted_library_is_rebuilt_never_loaded(cache_env, tmp_path):
     cache_env.mkdir(mode=0o700)
     probe = (
         "from kvstore.copy import host; import hashlib, os, shutil;"
+        "from kvstore.private_dir import private_cache_dir;"
         "cc = os.environ.get('CC') or shutil.which('cc') or shutil.which('gcc');"
         "d = hashlib.sha256(f'{cc}\\n{host._C_SOURCE}'.encode()).hexdigest()[:16];"
-        "print(host._cache_dir() / f'hostcopy-{d}.so')"
+        "print(private_cache_dir('the host copy helper') / f'hostcopy-{d}.so')"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     target = subprocess.run(

@@ -20,7 +20,9 @@ import importlib.machinery
 import importlib.util
 import multiprocessing as mp
 import os
+import signal
 import sys
+import time
 import traceback
 
 import pytest
@@ -171,7 +173,9 @@ class SGLangRank:
     """One SGLang scheduler process's storage side: per (kind, layout) a host pool and the
     backend SGLang's factory builds for it, attached as ``HiCacheController`` does."""
 
-    def __init__(self, address, model, tp_rank, tp_size, pools, instance=None, retry_s=5.0):
+    def __init__(
+        self, address, model, tp_rank, tp_size, pools, instance=None, retry_s=5.0, timeout_s=5.0
+    ):
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -185,6 +189,7 @@ class SGLangRank:
                 "allocator": "shm",
                 "address": address,
                 "retry_s": retry_s,
+                "timeout_s": timeout_s,
                 "seal_timeout_s": 30,
             }
             if instance is not None:
@@ -257,6 +262,10 @@ class SGLangRank:
 
     def exists(self, key: str, keys: list[str]) -> int:
         return self.ranks[key][1].batch_exists(keys)
+
+    def skipped(self, key: str) -> int:
+        """Calls that skipped an unreachable store instead of waiting on it."""
+        return self.ranks[key][1].link.skipped
 
     def copy_get(self, key: str, keys: list[str]) -> list[str | None]:
         """SGLang's copying path: batch_get into flat dummy pages; digests of what came back."""
@@ -559,3 +568,75 @@ def test_store_down_is_a_miss_then_it_comes_back(workdir, ranks, sglang_keys):
         assert r.digest(key, [1, 2]) == want
     finally:
         s.kill()
+
+
+def test_a_store_that_hangs_costs_one_deadline_then_is_skipped(workdir, ranks, sglang_keys):
+    """Before: a store that stopped answering (SIGSTOP: a swap storm, a long
+    pause) cost every call its whole deadline, a query 5 s, then a Save 60 s
+    and a Load more, while SGLang's backup and prefetch threads held their host
+    pages (found by review: 57 s). Now one unanswered call marks it unreachable:
+    the calls after it skip the store (a failed save, a miss) until retry_s has
+    passed and a prefix query finds it answering, then pages round-trip again."""
+    keys = sglang_keys["q"][:2]
+    s = StoreProcess(workdir, "sglang-frozen")
+    key = "mha/page_first"
+    try:
+        r = ranks(s.address, "m", 0, 1, [("mha", "page_first")], "frozen", 1.0, 1.0)
+        assert r.ready(30)
+        r.fill(key, [1, 2], seed=3)
+        want = r.digest(key, [1, 2])
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        assert r.exists(key, keys) == 0  # unanswered: DEADLINE_EXCEEDED after timeout_s
+        assert r.set(key, keys, [1, 2]) == [False, False]
+        assert r.get(key, keys, [3, 4]) == [False, False]
+        assert r.skipped(key) == 2  # neither waited on the store
+        os.kill(s.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while r.set(key, keys, [1, 2]) != [True, True]:  # the probe finds it, or re-registers
+            assert time.monotonic() < deadline, "the store was not used again"
+            time.sleep(0.2)
+        assert r.exists(key, keys) == 2
+        assert r.get(key, keys, [3, 4]) == [True, True]
+        assert r.digest(key, [3, 4]) == want
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+        s.kill()
+
+
+def test_server_arguments_that_change_weights_or_kv_change_the_namespace(tmp_path, monkeypatch):
+    """Before: the namespace digested --model-path, --revision and --quantization
+    only, so an engine on --load-format dummy (random weights) or with a
+    --json-model-override-args RoPE scaling over the production engine's
+    checkpoint shared its pages (found by review). Now those and --dtype are
+    in the digest, read from SGLang's real ServerArgs as its runtime context
+    gives them to a scheduler process."""
+    from tests.engines.conftest import need
+
+    need("sglang")
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kvstore.integrations.sglang.storage import _checkpoint_digest
+
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    rope = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
+    engines = {
+        "production": {},
+        "dummy": {"load_format": "dummy"},
+        "rope": {"json_model_override_args": rope},
+        "fp16": {"dtype": "float16"},
+        "safetensors": {"load_format": "safetensors"},  # the same weights
+    }
+    digests = {}
+    for name, args in engines.items():
+        # what the scheduler's context answers (setting it here would build its
+        # model-config bags, which import torchvision: .venv-engines drops it)
+        server_args = ServerArgs(model_path=str(model), **args)
+        monkeypatch.setattr(runtime_context, "get_server_args", lambda a=server_args: a)
+        digests[name] = _checkpoint_digest()
+    assert len({digests[n] for n in ("production", "dummy", "rope", "fp16")}) == 4
+    assert digests["safetensors"] == digests["production"]

@@ -242,8 +242,14 @@ def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
     config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, engine_id="e"),
         model_config=SimpleNamespace(
-            served_model_name="m", model="/nonexistent/m", revision=None, quantization=None
+            served_model_name="m",
+            model="/nonexistent/m",
+            revision=None,
+            quantization=None,
+            hf_overrides={},
+            dtype="bfloat16",
         ),
+        load_config=SimpleNamespace(load_format="auto"),
         parallel_config=parallel,
         cache_config=SimpleNamespace(block_size=32, prefix_caching_hash_algo="sha256"),
     )

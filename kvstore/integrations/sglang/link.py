@@ -4,12 +4,21 @@ Plain Python (no SGLang import). The store is a cache, so nothing here
 raises into SGLang: when the store cannot be reached the rank serves without
 it (queries miss, loads and saves report failure, SGLang recomputes), logs
 it once, and re-registers in the background until the store is back.
+
+A store that hangs rather than dies (stopped, swapping, partitioned) answers
+nothing until the deadlines pass, and SGLang's prefetch and backup threads
+would wait out each one (a minute a Save) holding host pages. So once a call
+failed for want of an answer (UNAVAILABLE, DEADLINE_EXCEEDED), calls skip the
+store, as a miss or a failed save, for ``retry_s``; then one caller asks it a
+prefix query (``timeout_s``) before its own call goes, while the others keep
+skipping. ``skipped`` counts the calls that did not wait.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kvstore.client.kept_rank import KeptRank
 from kvstore.client.store_client import KVLayer, RankSession, StoreClient, request_chunks
@@ -18,6 +27,8 @@ from kvstore.wire.errors import Code, KVError
 from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 
 log = logging.getLogger(__name__)
+UNANSWERED = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # the store, not the request
+PROBE_KEY = 1  # any key: the probe asks whether the store answers, not what it holds
 
 
 class RankLink:
@@ -48,6 +59,9 @@ class RankLink:
         )
         self._lock = threading.Lock()
         self._failing = False
+        self._unreachable_until = 0.0  # monotonic: skip the store until then
+        self._probing = False  # one caller is finding out whether it answers again
+        self.skipped = 0
 
     def start(self) -> None:
         """Register and wait for the seal once; keep trying in the background."""
@@ -68,7 +82,7 @@ class RankLink:
     def save(self, pairs: list[tuple[int, int]]) -> bool:
         """Copy (key, page) pairs of this rank into the store; True when all are stored."""
         session = self._rank.live()
-        if session is None:
+        if session is None or not self._reachable():
             return False
         try:
             for chunk in request_chunks(pairs):
@@ -83,7 +97,7 @@ class RankLink:
         """Copy the longest stored prefix of (key, page) pairs into this rank's pages;
         the number of pages loaded (a prefix of ``pairs``)."""
         session = self._rank.live()
-        if session is None or not pairs:
+        if session is None or not pairs or not self._reachable():
             return 0
         try:
             done = 0
@@ -114,7 +128,7 @@ class RankLink:
     def query(self, keys: list[int]) -> int:
         """Length of the longest stored prefix of ``keys`` (0 while not registered)."""
         session = self._rank.live()
-        if session is None or not keys:
+        if session is None or not keys or not self._reachable():
             return 0
         try:
             n = self._prefix(keys)
@@ -137,10 +151,35 @@ class RankLink:
 
     # ------------------------------------------------------------------ health
 
+    def _reachable(self) -> bool:
+        """May this call go to the store? No while it is unreachable (the call
+        skips it); after ``retry_s``, yes for the one caller whose prefix query
+        it answers (see the module docstring)."""
+        with self._lock:
+            if not self._unreachable_until:
+                return True
+            if self._probing or time.monotonic() < self._unreachable_until:
+                self.skipped += 1
+                return False
+            self._probing = True
+        try:
+            self.client.query(self._rank.final_namespace, [PROBE_KEY])
+        except KVError as err:
+            self._failed("query", err)
+            return False
+        finally:
+            with self._lock:
+                self._probing = False
+        self._recovered()
+        return True
+
     def _failed(self, op: str, err: KVError) -> None:
-        """Log the first failure after a success as a warning, the rest at debug."""
+        """Log the first failure after a success as a warning, the rest at debug;
+        a store that did not answer is skipped for ``retry_s``."""
         with self._lock:
             first, self._failing = not self._failing, True
+            if err.code in UNANSWERED:
+                self._unreachable_until = time.monotonic() + self.retry_s
         i = self.identity
         (log.warning if first else log.debug)(
             "kvstore: %s for rank %d of %s at %s failed (%s); SGLang recomputes what the "
@@ -156,6 +195,7 @@ class RankLink:
     def _recovered(self) -> None:
         with self._lock:
             was, self._failing = self._failing, False
+            self._unreachable_until = 0.0
         if was:
             log.info("kvstore: store %s answers again", self.client.address)
 

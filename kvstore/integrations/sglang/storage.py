@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client.store_client import StoreClient
-from kvstore.integrations.checkpoint import checkpoint_digest
+from kvstore.integrations.checkpoint import checkpoint_digest, variant_of
 from kvstore.integrations.sglang.identity import (
     RankIdentity,
     client_namespace,
@@ -391,7 +391,12 @@ def _checkpoint_digest() -> str | None:
     model_path = _server_arg("model_path")
     if not model_path:
         return None
-    return checkpoint_digest(str(model_path), _server_arg("revision"), _server_arg("quantization"))
+    variant = variant_of(
+        _server_arg("load_format"), _server_arg("json_model_override_args"), _server_arg("dtype")
+    )
+    return checkpoint_digest(
+        str(model_path), _server_arg("revision"), _server_arg("quantization"), variant
+    )
 
 
 def _server_arg(name: str) -> Any:

@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client.store_client import RankSpec, StoreClient
+from kvstore.integrations.checkpoint import variant_of
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
@@ -110,6 +111,9 @@ class Settings:
                 quantization=model.quantization,
                 override=extra.get("namespace"),
                 model_digest=extra.get("model_digest"),
+                variant=variant_of(
+                    vllm_config.load_config.load_format, model.hf_overrides, model.dtype
+                ),
             ),
             block_size=vllm_config.cache_config.block_size,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,

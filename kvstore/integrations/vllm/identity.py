@@ -9,7 +9,9 @@ namespace a connector registers names the weights:
     <served model name>-<16 hex digits of a digest of the checkpoint>
 
 The digest (:mod:`kvstore.integrations.checkpoint`) covers the checkpoint's
-config, revision, quantisation and samples of every weights file.
+config, revision, quantisation, every weights file's content, and the engine
+settings that change weights or KV without changing files (dummy weights,
+``hf_overrides``, the compute dtype).
 ``kv_connector_extra_config`` may set ``namespace`` (the whole client
 namespace) or ``model_digest`` (the part after the name) instead.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 import blake3
 
@@ -52,12 +55,14 @@ def client_namespace(
     quantization: str | None = None,
     override: str | None = None,
     model_digest: str | None = None,
+    variant: Sequence[str] = (),
 ) -> str:
-    """The client namespace of a model's blocks (see the module docstring)."""
+    """The client namespace of a model's blocks (see the module docstring);
+    ``variant``: :func:`kvstore.integrations.checkpoint.variant_of`."""
     if override:
         return override
     name = _UNSAFE.sub("-", model_name.rsplit("/", 1)[-1]).strip("-")[:MAX_NAME] or "model"
-    digest = model_digest or checkpoint_digest(model_path, revision, quantization)
+    digest = model_digest or checkpoint_digest(model_path, revision, quantization, variant)
     return f"{name}-{_UNSAFE.sub('-', digest)[:DIGEST_HEX]}"
 
 
