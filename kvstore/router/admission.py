@@ -99,7 +99,7 @@ class WorkerSet:
     key: WorkerSetKey
     checksum: str
     reference: WorkerCard  # the first admitted card: names what a misfit differs in
-    owner: str = ""  # the principal that admitted its first member ("" = anonymous local)
+    owner: str = ""  # who admitted its first member, or its namespace's --tenant CN ("" = local)
     members: dict[str, Worker] = field(default_factory=dict)
 
     @property

@@ -165,8 +165,9 @@ class RankLink:
         try:
             self.client.query(self._rank.final_namespace, [PROBE_KEY])
         except KVError as err:
-            self._failed("query", err)
-            return False
+            if err.code in UNANSWERED:
+                self._failed("query", err)
+                return False  # an answer, even a refusal, says the store is there
         finally:
             with self._lock:
                 self._probing = False
