@@ -22,12 +22,14 @@ and variant only.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import blake3
@@ -99,34 +101,66 @@ def _stable(value: object) -> str:
 
 def file_digest(path: Path) -> bytes:
     """blake3 of ``path``'s content, from the private cache when the file's
-    identity (path, device, inode, size, mtime) is unchanged since it was read."""
+    identity (path, device, inode, size, mtime) is unchanged since it was read.
+    One process of the host reads a file at a time (a lock beside its entry):
+    an engine's ranks start together, and the others then take its digest."""
     st = path.stat()
     identity = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
-    cached = _cache_entry(identity)
-    if cached is not None:
-        try:
-            if is_private(cached, directory=False):
-                digest = cached.read_bytes()
-                if len(digest) == FILE_DIGEST_BYTES:
-                    return digest
-        except OSError:
-            pass  # absent or unreadable: read the file
+    entry = _cache_entry(identity)
+    if entry is None:
+        return _read_digest(path, st.st_size)
+    digest = _kept(entry)
+    if digest is not None:
+        return digest
+    with _locked(entry.with_suffix(".lock")):
+        digest = _kept(entry)  # another process may have read it meanwhile
+        if digest is None:
+            digest = _read_digest(path, st.st_size)
+            _keep(entry, digest)
+    return digest
+
+
+def _read_digest(path: Path, size: int) -> bytes:
     started = time.monotonic()
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    if st.st_size:
+    if size:
         h.update_mmap(path)
-    digest = h.digest()
     elapsed = time.monotonic() - started
     if elapsed > 1.0:
         log.info(
             "kvstore: read %s (%.1f GB) in %.1f s to digest it; kept until it changes",
             path,
-            st.st_size / 1e9,
+            size / 1e9,
             elapsed,
         )
-    if cached is not None:
-        _keep(cached, digest)
-    return digest
+    return h.digest()
+
+
+def _kept(entry: Path) -> bytes | None:
+    """The digest kept at ``entry``, if this user alone could have written it."""
+    try:
+        if is_private(entry, directory=False):
+            digest = entry.read_bytes()
+            if len(digest) == FILE_DIGEST_BYTES:
+                return digest
+    except OSError:
+        pass  # absent or unreadable: the file is read
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` between processes (none when it cannot be made)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _cache_entry(identity: str) -> Path | None:

@@ -27,6 +27,10 @@ def cache_dir(tmp_path, monkeypatch):
     return path / CACHE_SUBDIR
 
 
+def entries(cache_dir):
+    return [p for p in cache_dir.iterdir() if p.suffix != ".lock"]
+
+
 def checkpoint(root, tweak_at: int | None = None):
     root.mkdir()
     (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
@@ -51,7 +55,7 @@ def test_a_fine_tune_of_a_few_bytes_anywhere_is_another_checkpoint(tmp_path):
 def test_a_files_digest_is_read_once_and_again_when_the_file_changes(tmp_path, cache_dir):
     root = checkpoint(tmp_path / "m")
     first = checkpoint_digest(str(root))
-    (entry,) = cache_dir.iterdir()
+    (entry,) = entries(cache_dir)
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     shard = root / SHARD
     st = shard.stat()
@@ -69,7 +73,7 @@ def test_a_cache_entry_others_could_write_is_not_believed(tmp_path, cache_dir):
     checkpoint's namespace: such an entry is ignored and the file read."""
     root = checkpoint(tmp_path / "m")
     true = file_digest(root / SHARD)
-    (entry,) = cache_dir.iterdir()
+    (entry,) = entries(cache_dir)
     entry.write_bytes(b"\0" * len(true))
     entry.chmod(0o666)
     assert file_digest(root / SHARD) == true
@@ -108,3 +112,28 @@ def test_a_function_among_the_overrides_is_digested_by_its_name():
         return config
 
     assert variant_of(overrides=patch) == [f'overrides="{__name__}.{patch.__qualname__}"']
+
+
+def test_ranks_starting_together_read_a_file_once(tmp_path, monkeypatch):
+    """An engine's ranks digest the checkpoint at once: one reads each file, the
+    others wait for its digest (eight ranks reading a 140 GB checkpoint each)."""
+    import threading
+
+    from kvstore.integrations import checkpoint as module
+
+    root = checkpoint(tmp_path / "m")
+    reads, real = [], module._read_digest
+    monkeypatch.setattr(module, "_read_digest", lambda *a: reads.append(a) or real(*a))
+    start = threading.Barrier(4)
+    found = []
+
+    def rank():
+        start.wait()
+        found.append(file_digest(root / SHARD))
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reads) == 1 and len(set(found)) == 1 and len(found) == 4
