@@ -174,7 +174,16 @@ class SGLangRank:
     backend SGLang's factory builds for it, attached as ``HiCacheController`` does."""
 
     def __init__(
-        self, address, model, tp_rank, tp_size, pools, instance=None, retry_s=5.0, timeout_s=5.0
+        self,
+        address,
+        model,
+        tp_rank,
+        tp_size,
+        pools,
+        instance=None,
+        retry_s=5.0,
+        timeout_s=5.0,
+        prefetch=False,
     ):
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -190,6 +199,7 @@ class SGLangRank:
                 "address": address,
                 "retry_s": retry_s,
                 "timeout_s": timeout_s,
+                "prefetch": prefetch,
                 "seal_timeout_s": 30,
             }
             if instance is not None:
@@ -568,6 +578,32 @@ def test_store_down_is_a_miss_then_it_comes_back(workdir, ranks, sglang_keys):
         assert r.digest(key, [1, 2]) == want
     finally:
         s.kill()
+
+
+def test_an_engine_on_another_node_gets_pages_from_a_peer_store(workdir, ranks, sglang_keys):
+    """Before: the SGLang backend asked its own node's store only, so pages
+    another node's store held were recomputed (the README claimed otherwise;
+    found by review). With ``prefetch`` a query whose prefix the node's store
+    lacks asks it to pull the rest from a peer store over UCX (here store b
+    names store a with --peer); the pages then load byte-exact."""
+    keys = sglang_keys["p"][:3]
+    key = "mha/page_first"
+    a = StoreProcess(workdir, "sglang-a", transfer=True)
+    b = StoreProcess(workdir, "sglang-b", "--peer", f"127.0.0.1:{a.ucx_port}", transfer=True)
+    try:
+        writer = ranks(a.address, "m", 0, 1, [("mha", "page_first")], "node-a")
+        plain = ranks(b.address, "m", 0, 1, [("mha", "page_first")], "node-b-plain")
+        reader = ranks(b.address, "m", 0, 1, [("mha", "page_first")], "node-b", prefetch=True)
+        assert writer.ready(30) and plain.ready(30) and reader.ready(30)
+        writer.fill(key, [1, 2, 3], seed=11)
+        assert writer.set(key, keys, [1, 2, 3]) == [True, True, True]
+        assert plain.exists(key, keys) == 0  # its own store only
+        assert reader.exists(key, keys) == 3  # pulled from a
+        assert reader.get(key, keys, [4, 5, 6]) == [True, True, True]
+        assert reader.digest(key, [4, 5, 6]) == writer.digest(key, [1, 2, 3])
+    finally:
+        a.kill()
+        b.kill()
 
 
 def test_a_store_that_hangs_costs_one_deadline_then_is_skipped(workdir, ranks, sglang_keys):

@@ -43,12 +43,16 @@ class RankLink:
         seal_timeout: float = 60.0,
         retry_s: float = 5.0,
         io_timeout: float = 60.0,
+        prefetch: bool = False,
     ):
+        """``prefetch``: a query whose prefix the store lacks in part asks the
+        store to pull the rest from a peer store (waiting ``io_timeout`` at most)."""
         self.client = client
         self.identity = identity
         self.layers = layers
         self.retry_s = retry_s
         self.io_timeout = io_timeout
+        self.prefetch = prefetch
         self._rank = KeptRank(
             client,
             identity.spec,
@@ -136,7 +140,22 @@ class RankLink:
             self._failed("query", err)
             return 0
         self._recovered()
+        if self.prefetch and n < len(keys) <= MAX_BLOCKS_PER_REQUEST:
+            n = max(n, self._fetched(keys))
         return n
+
+    def _fetched(self, keys: list[int]) -> int:
+        """Pull the missing part of ``keys``' prefix from a peer store; the prefix
+        the node's store then holds. A failure is a miss, never the store's fault
+        (the peer may be slow or gone: the store is not skipped for it)."""
+        try:
+            got = self.client.prefetch(self._rank.final_namespace, keys, self.io_timeout)
+        except KVError as err:
+            log.debug("kvstore: prefetch of %d pages failed: %s", len(keys), err)
+            return 0
+        if got.fetched_blocks:
+            log.debug("kvstore: %d pages fetched from peer %s", got.fetched_blocks, got.peer)
+        return got.local_blocks + got.fetched_blocks
 
     def _prefix(self, keys: list[int]) -> int:
         """Longest sealed prefix of ``keys`` in this rank's (sealed, final) namespace."""

@@ -35,7 +35,10 @@ Extra config keys read here (all optional but ``allocator``):
                      runtime context does not tell it (fp8 pools are uint8)
     retry_s          how often an unreachable store is retried (5)
     timeout_s        deadline of a prefix query (5)
-    io_timeout_s     deadline of a Save or Load (60)
+    io_timeout_s     deadline of a Save or Load, and of a peer prefetch (60)
+    prefetch         pull the rest of a prefix the node's store lacks from a peer
+                     store (one the router, or the store's --peer, names) when
+                     SGLang asks which pages are stored (false)
     tls_ca, tls_cert, tls_key   PEM files for mutual TLS to the store server (all
                      three or none; the certificate's CN is this engine's tenant)
 """
@@ -56,6 +59,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.checkpoint import checkpoint_digest, variant_of
+from kvstore.integrations.extra import flag
 from kvstore.integrations.sglang.identity import (
     RankIdentity,
     client_namespace,
@@ -114,6 +118,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.retry_s = float(extra.get("retry_s", 5))
         self.seal_timeout_s = float(extra.get("seal_timeout_s", 60))
         self.io_timeout_s = float(extra.get("io_timeout_s", 60))
+        self.prefetch = flag(extra.get("prefetch", False))
         tls = TlsFiles.of(
             extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
         )
@@ -189,6 +194,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             seal_timeout=self.seal_timeout_s,
             retry_s=self.retry_s,
             io_timeout=self.io_timeout_s,
+            prefetch=self.prefetch,
         )
         self.link.start()
 

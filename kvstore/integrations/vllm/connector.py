@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.checkpoint import variant_of
+from kvstore.integrations.extra import flag
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
@@ -118,23 +119,16 @@ class Settings:
             block_size=vllm_config.cache_config.block_size,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
             lease_ms=int(extra.get("lease_ms", 60_000)),
-            prefetch=_flag(extra.get("prefetch", False)),
+            prefetch=flag(extra.get("prefetch", False)),
             seal_timeout_s=float(extra.get("seal_timeout_s", 120)),
             retry_s=float(extra.get("retry_s", 5)),
             timeout_s=float(extra.get("timeout_s", 2)),
             io_timeout_s=float(extra.get("io_timeout_s", 60)),
-            recompute_failed_loads=_flag(extra.get("recompute_failed_loads", True)),
+            recompute_failed_loads=flag(extra.get("recompute_failed_loads", True)),
             tls=TlsFiles.of(
                 extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
             ),
         )
-
-
-def _flag(value: Any) -> bool:
-    """A boolean of the extra config, which may come from JSON or a command line."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("false", "0", "no", "off", "")
-    return bool(value)
 
 
 def plans_in_flight(vllm_config: Any) -> int:
