@@ -14,10 +14,12 @@ embeddings or layers, an abliterated or merged model keep names, sizes and
 most bytes), so samples could miss it. Reading a large checkpoint takes time
 (disk speed; blake3 hashes on every core), so a file's digest is kept in this
 user's private cache directory (:mod:`kvstore.private_dir`), keyed by the
-file's path, device, inode, size and modification time: an engine reads the
-checkpoint once a host, and a file changed in any of those is read again. A
-hub id with no local snapshot is digested by its name, revision, quantisation
-and variant only.
+file's path, device, inode, size, modification and change times: an engine
+reads the checkpoint once a host, and a file changed in any of those is read
+again. A model path that is one file (a GGUF) is digested by its content; a
+hub id (no local path) by its name, revision, quantisation and variant only,
+so pin a revision or serve a local snapshot: the snapshot a hub id resolves
+to may be downloaded after the digest is taken, and every rank must agree.
 """
 
 from __future__ import annotations
@@ -56,14 +58,18 @@ def checkpoint_digest(
     for part in (revision or "", quantization or "", *variant):
         h.update(part.encode() + b"\0")
     root = Path(model_path)
-    if not root.is_dir():  # a hub id without a local snapshot: name and revision only
+    if root.is_file():  # one weights file (a GGUF): its content
+        h.update(f"{root.name}\0".encode() + file_digest(root))
+        return h.hexdigest()[:DIGEST_HEX]
+    if not root.is_dir():  # a hub id: its name (pin a revision, or give a local path)
         h.update(model_path.encode())
         return h.hexdigest()[:DIGEST_HEX]
     config = root / "config.json"
     if config.is_file():
         h.update(config.read_bytes())
     for path in sorted(root.iterdir()):
-        if path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
+        weights = path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".index.json")
+        if weights and path.is_file():  # not a directory so named, nor a dangling link
             h.update(f"{path.name}\0".encode() + file_digest(path))
     return h.hexdigest()[:DIGEST_HEX]
 
@@ -101,11 +107,14 @@ def _stable(value: object) -> str:
 
 def file_digest(path: Path) -> bytes:
     """blake3 of ``path``'s content, from the private cache when the file's
-    identity (path, device, inode, size, mtime) is unchanged since it was read.
+    identity (path, device, inode, size, mtime, ctime) is unchanged since it was read.
     One process of the host reads a file at a time (a lock beside its entry):
     an engine's ranks start together, and the others then take its digest."""
     st = path.stat()
-    identity = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+    identity = (  # ctime too: no user sets it (an mtime may be kept by a copy)
+        f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+        f"\0{st.st_ctime_ns}"
+    )
     entry = _cache_entry(identity)
     if entry is None:
         return _read_digest(path, st.st_size)
@@ -157,7 +166,10 @@ def _locked(path: Path) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # e.g. ENOLCK on an NFS without lockd: read unlocked
+            log.debug("kvstore: no lock on %s: %s", path, err)
         yield
     finally:
         os.close(fd)

@@ -277,6 +277,9 @@ class SGLangRank:
         """Calls that skipped an unreachable store instead of waiting on it."""
         return self.ranks[key][1].link.skipped
 
+    def prefetches_skipped(self, key: str) -> int:
+        return self.ranks[key][1].link.prefetches_skipped
+
     def copy_get(self, key: str, keys: list[str]) -> list[str | None]:
         """SGLang's copying path: batch_get into flat dummy pages; digests of what came back."""
         pool, backend, _ = self.ranks[key]
@@ -602,6 +605,33 @@ def test_an_engine_on_another_node_gets_pages_from_a_peer_store(workdir, ranks, 
         assert reader.get(key, keys, [4, 5, 6]) == [True, True, True]
         assert reader.digest(key, [4, 5, 6]) == writer.digest(key, [1, 2, 3])
     finally:
+        a.kill()
+        b.kill()
+
+
+def test_a_hung_peer_costs_one_prefetch_then_prefetch_rests(workdir, ranks, sglang_keys):
+    """Before: with prefetch on and the peer store stopped (SIGSTOP), every query
+    that missed waited out the store's fetch timeout (10 s each on SGLang's one
+    prefetch thread; found by review). Now a failed prefetch turns prefetch off
+    for retry_s: the next misses are answered from the node's store at once."""
+    keys = sglang_keys["q"][:2]
+    key = "mha/page_first"
+    a = StoreProcess(workdir, "sglang-hung-peer", transfer=True)
+    peer = ["--peer", f"127.0.0.1:{a.ucx_port}", "--fetch-timeout", "1"]
+    b = StoreProcess(workdir, "sglang-asker", *peer, transfer=True)
+    try:
+        writer = ranks(a.address, "m", 0, 1, [("mha", "page_first")], "hung-a")
+        reader = ranks(b.address, "m", 0, 1, [("mha", "page_first")], "ask-b", 60.0, 5.0, True)
+        assert writer.ready(30) and reader.ready(30)
+        writer.fill(key, [1, 2], seed=4)
+        assert writer.set(key, keys, [1, 2]) == [True, True]
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        assert reader.exists(key, keys) == 0  # the fetch from a fails
+        for _ in range(3):
+            assert reader.exists(key, keys) == 0
+        assert reader.prefetches_skipped(key) == 3
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
         a.kill()
         b.kill()
 

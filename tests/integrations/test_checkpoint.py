@@ -52,20 +52,45 @@ def test_a_fine_tune_of_a_few_bytes_anywhere_is_another_checkpoint(tmp_path):
         assert tuned != base, at
 
 
-def test_a_files_digest_is_read_once_and_again_when_the_file_changes(tmp_path, cache_dir):
+def test_a_files_digest_is_read_once_and_again_when_the_file_changes(
+    tmp_path, cache_dir, monkeypatch
+):
+    from kvstore.integrations import checkpoint as module
+
     root = checkpoint(tmp_path / "m")
+    reads, real = [], module._read_digest
+    monkeypatch.setattr(module, "_read_digest", lambda *a: reads.append(a) or real(*a))
     first = checkpoint_digest(str(root))
+    assert checkpoint_digest(str(root)) == first and len(reads) == 1  # kept
     (entry,) = entries(cache_dir)
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     shard = root / SHARD
     st = shard.stat()
-    with shard.open("r+b") as f:  # rewritten in place, its times put back: not read again
+    with shard.open("r+b") as f:  # rewritten in place, size and mtime kept (a copy -p)
         f.seek(3 * MiB)
         f.write(b"\x33" * 64)
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert checkpoint_digest(str(root)) == first
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # changed: read again
-    assert checkpoint_digest(str(root)) != first
+    assert checkpoint_digest(str(root)) != first and len(reads) == 2  # its ctime moved
+
+
+def test_a_single_file_checkpoint_is_digested_by_content(tmp_path):
+    """A model path that is one GGUF file was digested by its path alone (found by
+    review): a re-quantised file at the same path shared the old one's KV."""
+    one = tmp_path / "m.gguf"
+    one.write_bytes(b"\x11" * MiB)
+    before = checkpoint_digest(str(one))
+    one.write_bytes(b"\x11" * (MiB - 1) + b"\x22")
+    assert checkpoint_digest(str(one)) != before
+
+
+def test_odd_entries_named_like_weights_do_not_stop_the_digest(tmp_path):
+    """A directory named like a weights file, or a link to a pruned blob, made the
+    digest raise and the engine fail to start (found by review)."""
+    root = checkpoint(tmp_path / "m")
+    plain = checkpoint_digest(str(root))
+    (root / "optimizer.pt").mkdir()
+    (root / "pruned.safetensors").symlink_to(tmp_path / "gone")
+    assert checkpoint_digest(str(root)) == plain
 
 
 def test_a_cache_entry_others_could_write_is_not_believed(tmp_path, cache_dir):

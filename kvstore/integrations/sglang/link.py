@@ -11,7 +11,10 @@ would wait out each one (a minute a Save) holding host pages. So once a call
 failed for want of an answer (UNAVAILABLE, DEADLINE_EXCEEDED), calls skip the
 store, as a miss or a failed save, for ``retry_s``; then one caller asks it a
 prefix query (``timeout_s``) before its own call goes, while the others keep
-skipping. ``skipped`` counts the calls that did not wait.
+skipping. ``skipped`` counts the calls that did not wait. A prefetch from
+peers that fails (a peer slow, hung or gone) turns prefetch off for
+``retry_s``, doubled while it keeps failing (at most 5 minutes):
+``prefetches_skipped`` counts the queries answered from the node's store alone.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
 log = logging.getLogger(__name__)
 UNANSWERED = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # the store, not the request
 PROBE_KEY = 1  # any key: the probe asks whether the store answers, not what it holds
+MAX_PREFETCH_BACKOFF_S = 300.0
 
 
 class RankLink:
@@ -66,6 +70,9 @@ class RankLink:
         self._unreachable_until = 0.0  # monotonic: skip the store until then
         self._probing = False  # one caller is finding out whether it answers again
         self.skipped = 0
+        self._prefetch_off_until = 0.0  # monotonic: no prefetch until then (peers failed)
+        self._prefetch_backoff = 0.0
+        self.prefetches_skipped = 0
 
     def start(self) -> None:
         """Register and wait for the seal once; keep trying in the background."""
@@ -141,7 +148,10 @@ class RankLink:
             return 0
         self._recovered()
         if self.prefetch and n < len(keys) <= MAX_BLOCKS_PER_REQUEST:
-            n = max(n, self._fetched(keys))
+            if time.monotonic() < self._prefetch_off_until:
+                self.prefetches_skipped += 1
+            else:
+                n = max(n, self._fetched(keys))
         return n
 
     def _fetched(self, keys: list[int]) -> int:
@@ -151,8 +161,21 @@ class RankLink:
         try:
             got = self.client.prefetch(self._rank.final_namespace, keys, self.io_timeout)
         except KVError as err:
-            log.debug("kvstore: prefetch of %d pages failed: %s", len(keys), err)
+            # a slow or hung peer would cost every miss its fetch timeout on SGLang's
+            # one prefetch thread: off for retry_s, doubled while it keeps failing
+            self._prefetch_backoff = min(
+                2 * self._prefetch_backoff or self.retry_s, MAX_PREFETCH_BACKOFF_S
+            )
+            self._prefetch_off_until = time.monotonic() + self._prefetch_backoff
+            log.warning(
+                "kvstore: prefetch of %d pages from peers failed (%s); pages only from "
+                "this node's store for %.0f s",
+                len(keys),
+                err,
+                self._prefetch_backoff,
+            )
             return 0
+        self._prefetch_backoff = 0.0
         if got.fetched_blocks:
             log.debug("kvstore: %d pages fetched from peer %s", got.fetched_blocks, got.peer)
         return got.local_blocks + got.fetched_blocks
