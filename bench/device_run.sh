@@ -55,7 +55,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
     step "GPU tests"
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 90 -rs \
         tests/copy/test_copy.py tests/copy/test_cuda_blocks_host.py tests/service/test_blocks_e2e.py \
-        tests/service/test_peer_fetch.py tests/copy/test_kernels_compile.py
+        tests/service/test_peer_fetch.py
 fi
 
 if [[ " $STEPS " == *" copytests "* ]]; then

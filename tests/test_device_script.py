@@ -1,0 +1,98 @@
+"""bench/device_run.sh, the one script a lent GPU machine runs, names files and flags
+that exist.
+
+A GPU machine comes to a few sessions, for minutes: a bench flag renamed or a test
+file moved since the script was last run would cost that run. Here, without a GPU,
+every bench command of the script is parsed by the bench's own argparse (stopped
+before it runs) and every test file it names must hold GPU tests."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "device_run.sh"
+
+# Runs a script as __main__ with the given argv, parses its arguments and exits before
+# the script does anything else: exit 0 and PARSED when argparse accepts them, 2 when not.
+PARSE_ONLY = """
+import argparse, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parse_only(self, *a, **k):
+    parse(self, *a, **k)
+    print("PARSED")
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_only
+sys.argv = sys.argv[1:]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])  # as `python3 bench/x.py` has it
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _commands() -> list[list[str]]:
+    """Each python3 command of the script, from python3 on, continuation lines joined."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or "python3" not in line:
+            continue
+        words = shlex.split(line, comments=True)
+        if "python3" in words:
+            found.append(words[words.index("python3") :])
+    return found
+
+
+def _bench_commands() -> list[list[str]]:
+    return [c[1:] for c in _commands() if len(c) > 1 and c[1].startswith("bench/")]
+
+
+def _test_files() -> list[str]:
+    files = []
+    for c in _commands():
+        if c[1:3] == ["-m", "pytest"]:
+            files += [w for w in c[3:] if w.endswith(".py")]
+    return files
+
+
+def test_the_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_the_script_runs_benches_and_tests():
+    """The parsing below sees the commands (an empty list would prove nothing)."""
+    benches = {c[0] for c in _bench_commands()}
+    assert {"bench/copy_engine.py", "bench/transfer.py"} <= benches
+    assert "tests/copy/test_copy.py" in _test_files()
+
+
+@pytest.mark.parametrize("argv", _bench_commands(), ids=lambda a: " ".join(a))
+def test_each_bench_command_parses(argv: list[str], tmp_path: Path):
+    assert (ROOT / argv[0]).is_file(), f"{argv[0]} is gone"
+    done = subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, *(a.replace("$OUT", str(tmp_path)) for a in argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0 and "PARSED" in done.stdout, done.stderr[-2000:]
+
+
+def test_each_test_file_holds_gpu_tests():
+    files = _test_files()
+    for f in files:
+        assert (ROOT / f).is_file(), f"{f} is gone"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-m", "gpu", *files],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    collected = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
+    assert collected == set(files), f"no GPU test collected in {set(files) - collected}"
