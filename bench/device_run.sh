@@ -9,8 +9,8 @@
 #   UCX's progress thread), host (host-pool fetch bench on the device's CPUs)
 #
 # Wheels: the image has torch, cupy-cuda13x, numpy, msgpack but not ucxx (CUDA 13
-# build), blake3, or our grpcio/protobuf pins; carry them in .whl/
-# (bench/H200_NOTES.md says how).
+# build), blake3, NIXL, or our grpcio/protobuf pins: `python3 bench/device_wheels.py`
+# puts them in .whl/ (pruned to fit a call's carry); name ".whl" in the call's carry.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -28,11 +28,12 @@ run() { # run LIMIT_S cmd...: a step that may fail
 }
 
 step setup
+SITE=$PWD/.site  # ignored by git: kept between calls while the machine is held
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || echo "wheel install failed"
+        --target "$SITE" .whl/*.whl || echo "wheel install failed"
 fi
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=$SITE:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 - <<'EOF'
 import importlib

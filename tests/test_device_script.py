@@ -11,6 +11,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,33 @@ def test_each_test_file_holds_gpu_tests():
     assert done.returncode == 0, done.stdout[-2000:]
     collected = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
     assert collected == set(files), f"no GPU test collected in {set(files) - collected}"
+
+
+def test_pruned_wheel_keeps_what_is_loaded_and_its_record_matches(tmp_path: Path):
+    """bench/device_wheels.py's pruning of libucx-cu13: static archives, perftest and
+    headers go, shared libraries and modules stay, RECORD names exactly what is left."""
+    from bench.device_wheels import prune, ucx_dropped
+
+    names = [
+        "libucx/lib/libucp.so.0",
+        "libucx/lib/libucp.a",
+        "libucx/lib/ucx/libuct_cuda.so.0",
+        "libucx/lib/ucx/libucx_perftest_cuda.so.0",
+        "libucx/bin/ucx_perftest",
+        "libucx/bin/ucx_info",
+        "libucx/include/ucp/api/ucp.h",
+    ]
+    record = "libucx_cu13-1.22.0.dist-info/RECORD"
+    wheel = tmp_path / "libucx_cu13-1.22.0-py3-none-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, name.encode())
+        z.writestr(record, "".join(f"{n},sha256=x,{len(n)}\n" for n in [*names, record]))
+    (tmp_path / "out").mkdir()
+    out = prune(wheel, ucx_dropped, tmp_path / "out")
+    kept = ["libucx/lib/libucp.so.0", "libucx/lib/ucx/libuct_cuda.so.0", "libucx/bin/ucx_info"]
+    with zipfile.ZipFile(out) as z:
+        assert sorted(z.namelist()) == sorted([*kept, record])
+        assert z.read("libucx/lib/libucp.so.0") == b"libucx/lib/libucp.so.0"
+        listed = [line.split(",")[0] for line in z.read(record).decode().splitlines()]
+    assert sorted(listed) == sorted([*kept, record])
