@@ -37,14 +37,16 @@ export PYTHONPATH=$SITE:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 - <<'EOF'
 import importlib
-for m in ("torch", "cupy", "ucxx", "grpc", "google.protobuf", "blake3", "msgpack", "numpy"):
+for m in ("torch", "cupy", "ucxx", "grpc", "google.protobuf", "blake3", "msgpack", "numpy",
+          "zmq", "aetcd", "cryptography", "prometheus_client", "hypothesis"):
     try:
         mod = importlib.import_module(m)
-        print(f"{m:16} {getattr(mod, '__version__', '?')}")
+        print(f"{m:18} {getattr(mod, '__version__', '?')}")
     except Exception as e:
-        print(f"{m:16} IMPORT FAILED: {e!r}")
+        print(f"{m:18} IMPORT FAILED: {e!r}")
 import torch
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+cuda = torch.cuda.is_available()
+print("cuda", cuda, torch.cuda.get_device_name(0) if cuda else "(no device)")
 from kvstore.transfer import rma
 print("nixl", rma.nixl_version() or "none (GPU pools fetch two-sided)")
 EOF
@@ -89,6 +91,6 @@ fi
 
 if [[ " $STEPS " == *" host "* ]]; then
     step "transfer bench, host pools, 16 cores"
-    run 60 python3 bench/transfer.py --quick --out "$OUT/transfer_host16.json"
+    run 120 python3 bench/transfer.py --quick --out "$OUT/transfer_host16.json"
 fi
 step done

@@ -5,18 +5,19 @@
 
 The device image (bench/H200_NOTES.md) has CPython 3.12, torch, cupy-cuda13x, numpy
 and msgpack, and reaches no package index. The rest travels in ``.whl/`` (name it in
-the device call's ``carry``; ``bench/device_run.sh`` installs it): ucxx (CUDA 13)
-with its UCX and RMM, grpcio, protobuf, blake3, pyzmq and nixl-cu13 (the one-sided
-READ path). As downloaded they are ~119 MB, past the 64 MiB a call carries with the
+the device call's ``carry``; ``bench/device_run.sh`` installs it): every runtime
+dependency of kvstore the image lacks (``WHEELS``: ucxx for CUDA 13 with its UCX and
+RMM, nixl-cu13 for the one-sided READ path, grpcio, protobuf, aetcd, cryptography,
+...). As downloaded they are ~125 MB, past the 64 MiB a call carries with the
 working tree, so two are pruned of what is never loaded, their RECORD rewritten:
 
 ``libucx-cu13``  static archives (``*.a``), the perftest modules and tools, headers:
                  ucxx loads UCX's shared libraries and transport modules only.
-``nixl-cu13``    the expert-parallel kernels (``nixl_ep_cu13/``, 91 MiB unpacked) and
-                 the other backends' plugins (object stores, GDS, libfabric, ...) with
-                 the shared libraries only they need. What stays is the ELF ``NEEDED``
-                 closure (``readelf``) of the Python bindings, the UCX plugin and
-                 UCX's transport modules.
+``nixl-cu13``    the expert-parallel kernels (``nixl_ep_cu13/``, 91 MiB unpacked), C++
+                 headers, example programs, and the other backends' plugins (object
+                 stores, GDS, libfabric, ...) with the shared libraries only they
+                 need. What stays is the ELF ``NEEDED`` closure (``readelf``) of the
+                 Python bindings, the UCX plugin and UCX's transport modules.
 
 The set is refused (exit 1) when it and the working tree (what git does not ignore)
 are past ``CARRY_LIMIT_MIB``.
@@ -40,12 +41,29 @@ PLATFORMS = [
     "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
     "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux2014_x86_64",
 ]  # fmt: skip
-BASE = [
+# What the device image has (bench/H200_NOTES.md): torch (CUDA 13) with its own
+# dependencies (cuda-bindings and typing-extensions among them), cupy-cuda13x with
+# cuda-pathfinder, numpy, msgpack, pytest, pytest-timeout and hypothesis. kvstore's
+# dependencies named for CUDA 12 here are CUDA 13 there (CUDA_13).
+# tests/test_device_script.py checks that every runtime dependency of kvstore,
+# transitively, is in the image or in WHEELS, but for NOT_CARRIED: ucxx's cuda-core
+# (6.6 MB) serves only UCXPY_PROGRESS_MODE=thread (the script's optional cuda_thread
+# step); kvstore progresses UCX itself.
+IMAGE = ("torch", "cupy-cuda13x", "cuda-bindings", "cuda-pathfinder", "typing-extensions",
+         "numpy", "msgpack")  # fmt: skip
+NOT_CARRIED = ("cuda-core",)
+CUDA_13 = {
+    name: name.replace("cuda12x", "cuda13x").replace("cu12", "cu13")
+    for name in ("cupy-cuda12x", "ucxx-cu12", "libucxx-cu12", "libucx-cu12", "rmm-cu12",
+                 "librmm-cu12", "nixl-cu12")
+}  # fmt: skip
+WHEELS = [
     "ucxx-cu13==0.52.0", "libucxx-cu13==0.52.0", "libucx-cu13", "rmm-cu13==26.10.0",
-    "librmm-cu13==26.10.0", "rapids-logger==0.3.0", "blake3", "grpcio==1.85.3",
-    "grpcio-health-checking==1.85.1", "protobuf==7.36.2", "pyzmq",
+    "librmm-cu13==26.10.0", "rapids-logger==0.3.0", "nvidia-ml-py",
+    "nixl-cu13==1.5.1", "blake3", "grpcio==1.85.3", "grpcio-health-checking==1.85.1",
+    "protobuf==7.36.2", "pyzmq", "prometheus-client", "aetcd==1.0.0", "cryptography",
+    "cffi", "pycparser",
 ]  # fmt: skip
-NIXL = "nixl-cu13==1.5.1"
 DROPPED_PACKAGE = "nixl_ep_cu13/"
 UCX_DROPPED = ("libucx/include/", "libucx/bin/ucx_perftest", "libucx/bin/io_demo")
 
@@ -109,8 +127,8 @@ def nixl_dropped(wheel: Path) -> Callable[[str], bool]:
         keep = kept_libraries(Path(tmp))
 
     def dropped(name: str) -> bool:
-        if name.startswith(DROPPED_PACKAGE):
-            return True
+        if name.startswith(DROPPED_PACKAGE) or "/headers/" in name or "/scripts/" in name:
+            return True  # the kernels, C++ headers, example programs
         return ".so" in name.rsplit("/", 1)[-1] and name not in keep
 
     return dropped
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         for old in out.glob("*.whl"):
             old.unlink()
         with tempfile.TemporaryDirectory() as tmp:
-            download([*BASE, NIXL], Path(tmp))
+            download(WHEELS, Path(tmp))
             for wheel in Path(tmp).glob("*.whl"):
                 if wheel.name.startswith("libucx_cu13-"):
                     prune(wheel, ucx_dropped, out)

@@ -127,3 +127,39 @@ def test_pruned_wheel_keeps_what_is_loaded_and_its_record_matches(tmp_path: Path
         assert z.read("libucx/lib/libucp.so.0") == b"libucx/lib/libucp.so.0"
         listed = [line.split(",")[0] for line in z.read(record).decode().splitlines()]
     assert sorted(listed) == sorted([*kept, record])
+
+
+def test_every_runtime_dependency_is_in_the_image_or_carried():
+    """kvstore's runtime dependencies (and the rma extra's), transitively as installed
+    here, are in the device image or among bench/device_wheels.py's WHEELS (CUDA 12
+    names as CUDA 13). aetcd, cryptography and prometheus-client came after the last
+    GPU run and were in neither: the GPU tests' conftest could not import the server."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    from bench.device_wheels import CUDA_13, IMAGE, NOT_CARRIED, WHEELS
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    carried = {canonicalize_name(Requirement(spec).name) for spec in WHEELS}
+    stop = {canonicalize_name(n) for n in (*IMAGE, *NOT_CARRIED)}
+    todo = [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["rma"]
+    ]
+    seen, missing = set(), set()
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        there = CUDA_13.get(name, name)
+        if name in seen or there in stop:
+            continue
+        seen.add(name)
+        if there not in carried:
+            missing.add(there)
+        todo += [Requirement(r) for r in md.distribution(name).requires or []]
+    assert not missing, f"neither in the device image nor in .whl/: {sorted(missing)}"
+    assert {"aetcd", "cryptography", "prometheus-client", "nixl-cu13"} <= carried
