@@ -153,13 +153,14 @@ class StoreServer:
             restrict_net_devices(LOOPBACK_DEVICE)  # bind what is advertised (§8)
         self.rma = rma_endpoint(pools) if config.transfer and config.rma else None
         fetcher = source = None
+        self._reader: RmaReader | None = None
         if config.transfer:
             source = StoreSource(self.index)
             self.peer_server = PeerServer(
                 source, config.host, config.ucx_port, secret=config.peer_secret, rma=self.rma
             )
             sink = StoreSink(self.index, self.registry)
-            reader = RmaReader(self.rma) if self.rma is not None else None
+            reader = self._reader = RmaReader(self.rma) if self.rma is not None else None
             fetcher = Fetcher(
                 self.index,
                 sink,
@@ -306,6 +307,8 @@ class StoreServer:
         if self.peer_server is not None:
             await self.peer_server.stop()
             await stop_ucx()
+        if self._reader is not None:
+            await self._reader.close()
         if self.rma is not None:
             self.rma.close()
             self.rma = None

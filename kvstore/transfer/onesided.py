@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.transfer.card_vetting import CardVetter
 from kvstore.transfer.errors import PeerUnavailable, ProtocolError, RmaFailed
 from kvstore.transfer.rma import (
     Peer,
@@ -34,6 +36,7 @@ from kvstore.transfer.rma import (
     ReadUnsettled,
     RmaEndpoint,
     SlotRuns,
+    nixl_module,
 )
 from kvstore.transfer.slots import SlotTable, run_starts, transfer_order
 from kvstore.transfer.ucx import Conn, frame_sends, recv_frame
@@ -95,8 +98,9 @@ class RmaReader:
     """One-sided reads of this process: its registered endpoint and the peers
     whose cards it loaded, by address."""
 
-    def __init__(self, endpoint: RmaEndpoint):
+    def __init__(self, endpoint: RmaEndpoint, vetter: CardVetter | None = None):
         self.endpoint = endpoint
+        self.vetter = vetter or CardVetter(nixl_module(), endpoint.backend)
         self._cards: dict[str, LoadedCard] = {}
         self.reads = 0  # one-sided reads that completed
 
@@ -121,19 +125,43 @@ class RmaReader:
             raise PeerUnavailable(f"peer {conn.peer}: bad card: {e}") from None
         conn.card_asked = True
         loaded = self._cards.get(conn.peer)  # another fetch may have loaded it meanwhile
+        if loaded is not None and loaded.blob == blob:
+            return loaded
+        card = self._decode(conn.peer, blob)
+        vetted = False
+        if card is not None:  # loaded by a child first; half the time left, the rest fetches
+            vetted = await self.vetter.loads(card.metadata, (time.monotonic() + deadline) / 2)
+            if vetted is None:  # no verdict yet: two-sided this time, the card asked again
+                conn.card_asked = False
+                return LoadedCard(blob, None)
+        loaded = self._cards.get(conn.peer)  # the same, after the wait
         if loaded is None or loaded.blob != blob:
             self.forget(conn.peer)
-            loaded = self._cards[conn.peer] = LoadedCard(blob, self._load(conn.peer, blob))
+            peer = self._load(conn.peer, card) if card is not None and vetted else None
+            loaded = self._cards[conn.peer] = LoadedCard(blob, peer)
         return loaded
 
-    def _load(self, address: str, blob: bytes) -> Peer | None:
+    @staticmethod
+    def _decode(address: str, blob: bytes) -> PeerCard | None:
+        """The card in ``blob`` (None: the peer offers none, or a malformed one)."""
         if not blob:
             return None
         try:
-            return self.endpoint.connect(PeerCard.decode(blob))
-        except KVError as e:  # a malformed card, or NIXL could not load it: two-sided
+            return PeerCard.decode(blob)
+        except KVError as e:
+            log.warning("peer %s: card malformed (%s); fetching two-sided", address, e)
+            return None
+
+    def _load(self, address: str, card: PeerCard) -> Peer | None:
+        try:
+            return self.endpoint.connect(card)
+        except KVError as e:  # NIXL could not load it: two-sided
             log.warning("peer %s: card not usable (%s); fetching two-sided", address, e)
             return None
+
+    async def close(self) -> None:
+        """Stop the card check process (the endpoint is its owner's to close)."""
+        await self.vetter.close()
 
     def forget(self, address: str, card: LoadedCard | None = None) -> None:
         """Drop a peer's card (asked for again on the next fetch); with ``card``,

@@ -145,6 +145,11 @@ def _nixl_order() -> list[NixlWheel]:
     return sorted(NIXL_WHEELS, key=lambda wheel: wheel.cuda != major)
 
 
+def nixl_module() -> str:
+    """The module NIXL's Python API is loaded from here (ImportError without one)."""
+    return _loaded()[0].module
+
+
 def nixl_version() -> str:
     """The name and version of the NIXL wheel one-sided reads load ('' without one)."""
     try:
@@ -528,7 +533,7 @@ class RmaEndpoint:
             self.agent = nixl.nixl_agent(self.name, config)
         if backend not in self.agent.backends:
             raise KVError(Code.UNAVAILABLE, f"backend: NIXL has no {backend} backend here")
-        self.region = region
+        self.region, self.backend = region, backend
         self._registered = self.agent.register_memory(
             [(region.addr, region.nbytes, region.device, "")], region.mem
         )
@@ -546,7 +551,12 @@ class RmaEndpoint:
             name = self.agent.add_remote_agent(card.metadata)
         except self.errors as err:
             raise PeerUnavailable(f"peer card not loadable: {type(err).__name__}: {err}") from err
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except UnicodeDecodeError:  # NIXL loaded it under a name no read can give
+            with contextlib.suppress(*self.errors):
+                self.agent.remove_remote_agent(name)
+            raise PeerUnavailable(f"peer card: agent name {name[:64]!r} is not UTF-8") from None
         self._peers[name] = card.metadata
         return Peer(name, card.region)
 

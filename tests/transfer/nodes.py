@@ -166,6 +166,31 @@ def rma_endpoint(mem: np.ndarray) -> Any:
     return rma.RmaEndpoint(rma.Region(mem.ctypes.data, mem.nbytes))
 
 
+def forged_metadata(metadata: bytes, agent_name: str, forgery: str) -> bytes:
+    """An agent's NIXL metadata, forged: ``agent_name_not_utf8`` (NIXL loads it under
+    a name that is not UTF-8) or ``ucx_address_ff`` (every length well-formed, its UCX
+    worker address begins with 16 bytes of 0xff: UCX asserts on it and the process
+    that loads it aborts)."""
+    if forgery == "agent_name_not_utf8":
+        name = agent_name.encode()
+        assert metadata.count(name) == 1
+        return metadata.replace(name, b"\xff" + name[1:])
+    if forgery == "ucx_address_ff":
+        at = metadata.index(b"UCX|c") + 5 + 8  # past the UCX section's 8-byte length
+        return metadata[:at] + b"\xff" * 16 + metadata[at + 16 :]
+    raise ValueError(f"forgery: {forgery!r}")
+
+
+def forge_card(server: Any, forgery: str) -> None:
+    """Make a started PeerServer with NIXL hand out a forged card."""
+    from kvstore.transfer.rma import PeerCard
+
+    if forgery:
+        card = server.rma.card()
+        metadata = forged_metadata(card.metadata, server.rma.name, forgery)
+        server._card = PeerCard(metadata, card.region).encode()
+
+
 OWN_BLOCK = 1 << 40  # the fetching store's own blocks: hashes from here
 
 
@@ -187,8 +212,10 @@ class NodeState:
         limits: dict | None = None,
         secret: str = "",
         rma: bool = False,
+        forgery: str = "",
     ) -> str:
-        """``rma``: register the pool with NIXL and grant one-sided reads."""
+        """``rma``: register the pool with NIXL and grant one-sided reads; ``forgery``:
+        hand out a forged card (:func:`forged_metadata`)."""
         slots = sum(len(s) for s in blocks.values())
         pool_bytes = sum(sum(s) for s in blocks.values()) + GAP * slots + 1
         self.source = MemorySource(NS, blocks, pool_bytes, gap_every, lanes)
@@ -196,6 +223,7 @@ class NodeState:
         endpoint = rma_endpoint(self.source.pool.mem) if rma else None
         self.server = make_server(behaviour, self.source, timeout_s, limits, secret, endpoint)
         await self.server.start()
+        forge_card(self.server, forgery)
         return self.server.address
 
     async def serve_store(
@@ -205,6 +233,7 @@ class NodeState:
         slot_bytes: int = 4096,
         pool_blocks: int = 32,
         rma: bool = False,
+        forgery: str = "",
     ) -> tuple[str, str]:
         """Serve from a real store node (TP1, two layers) whose sealed blocks hold
         slot_content bytes, in a pool of about ``pool_blocks`` blocks; ``rma``: its
@@ -222,6 +251,7 @@ class NodeState:
         source = StoreSource(self.node.index)
         self.server = make_server(behaviour, source, 30.0, rma=endpoint)
         await self.server.start()
+        forge_card(self.server, forgery)
         return self.server.address, self.seal.final_namespace
 
     async def store_fetch(

@@ -539,3 +539,43 @@ def test_a_peer_hung_under_a_one_sided_read_costs_one_timeout(nodes):
     assert out["error"] == "PeerTimeout" and out["fetched"] == 0, out
     assert out["fetches_failed_rma"] == 1 and out["fetches_failed_timeout"] == 1
     assert out["used_bytes"] == 0  # the failed read's reservation is free again
+
+
+def test_a_card_that_kills_the_process_loading_it_is_fetched_from_two_sided(nodes):
+    """A card whose UCX worker address UCX asserts on (SIGABRT: every block the
+    store held, gone) is loaded by a child process first: the child dies, the
+    fetching node lives and fetches two-sided, every byte."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:2], [4096]), rma=True, forgery="ucx_address_ff"
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:2], rma=True, timeout_s=10)
+    assert client.proc.is_alive()
+    assert out["error"] is None and out["n"] == [2] and out["corrupt"] == [], out
+    assert out["rma_reads"] == 0
+
+
+def test_a_card_whose_agent_name_is_not_utf8_is_fetched_from_two_sided(nodes):
+    """NIXL loads it under a name no read can give: refused as unusable (it raised
+    UnicodeDecodeError out of the fetch, past the two-sided fallback)."""
+    server, client = nodes(), nodes()
+    address = server.call(
+        "serve", blocks=blocks_of(HASHES[:2], [4096]), rma=True, forgery="agent_name_not_utf8"
+    )
+    out = client.call("fetch", address=address, hashes=HASHES[:2], rma=True)
+    assert out["error"] is None and out["n"] == [2] and out["corrupt"] == [], out
+    assert out["rma_reads"] == 0
+
+
+def test_one_peers_unusable_card_does_not_stop_a_store_fetch(nodes):
+    """The router lists a peer with an unusable card first: its blocks come
+    two-sided (the fetch failed whole, the next peer never asked)."""
+    bad, good, client = nodes(), nodes(), nodes()
+    bad_address, _ = bad.call(
+        "serve_store", hashes=HASHES[:4], rma=True, forgery="agent_name_not_utf8"
+    )
+    good_address, _ = good.call("serve_store", hashes=HASHES[:4], rma=True)
+    out = client.call(
+        "store_fetch", addresses=[bad_address, good_address], hashes=HASHES[:4], slot_bytes=4096
+    )
+    assert out["error"] is None and out["fetched"] == 4 and out["bad"] == [], out
