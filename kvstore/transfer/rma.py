@@ -625,7 +625,8 @@ class RmaEndpoint:
         """
         notices = []
         for name, messages in self.agent.get_new_notifs().items():
-            peer = name.decode() if isinstance(name, bytes) else str(name)
+            # a name is only logged: one that is not UTF-8 must not end the progress loop
+            peer = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
             for message in messages:
                 if len(message) <= MAX_NOTICE_BYTES:
                     notices.append(Notice(peer, bytes(message)))

@@ -429,8 +429,17 @@ class PeerServer:
     async def _progress_rma(self) -> None:
         """Progress the NIXL endpoint every millisecond while a one-sided lease is
         held: a fetcher's first read connects through it (docs/design.md §4)."""
+        failing = False
         while self._rma_held > 0 and self.rma is not None:
-            for notice in self.rma.progress():
+            try:
+                notices = self.rma.progress()
+            except self.rma.errors as e:  # the loop goes on: reads over tcp wait for it
+                if not failing:
+                    log.warning("rma: progressing NIXL failed (%s); retrying every 1 ms", e)
+                failing, notices = True, []
+            else:
+                failing = False
+            for notice in notices:
                 log.debug("rma notice from %s ignored", notice.peer)
             await asyncio.sleep(1e-3)
 
