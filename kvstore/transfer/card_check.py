@@ -2,11 +2,12 @@
 into a NIXL agent of its own, so that a card UCX cannot parse ends this process,
 not the store.
 
-    python kvstore/transfer/card_check.py NIXL_MODULE BACKEND
+    python -P kvstore/transfer/card_check.py NIXL_MODULE BACKEND
 
 Run as a file, not as ``-m``: it imports the standard library and NIXL only (not
-kvstore, whose transfer package starts ucxx). Writes ``R`` once its agent is up;
-then for each card on stdin (4-byte big-endian length, then the agent metadata)
+kvstore, whose transfer package starts ucxx); ``-P`` keeps this directory, whose
+modules have names like ``wire`` and ``errors``, off ``sys.path``. Writes ``R`` once
+its agent is up; then for each card on stdin (4-byte big-endian length, then the agent metadata)
 writes one byte: 1 when NIXL loaded it (it is dropped again at once), 0 when NIXL
 refused it. Ends at end of input.
 """

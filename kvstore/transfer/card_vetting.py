@@ -96,8 +96,9 @@ class CardVetter:
         if self._child is not None and self._child.returncode is None:
             return self._child
         env = {k: v for k, v in os.environ.items() if k not in TWO_SIDED_ONLY_ENV}
+        # -P: CHILD's folder (modules named wire, errors, ...) stays off sys.path
         child = await asyncio.create_subprocess_exec(
-            sys.executable, str(CHILD), self.module, self.backend,
+            sys.executable, "-P", str(CHILD), self.module, self.backend,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         self._child, self.children = child, self.children + 1
