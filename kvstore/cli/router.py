@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvstore.cli import (
+    ROUTER_METRICS,
     add_etcd,
     add_metrics,
     add_tls,
@@ -118,7 +119,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
             choices=["DEBUG", "INFO", "WARNING", "ERROR"],
             help="logging level (INFO; any case)",
         )
-        add_metrics(parser)
+        add_metrics(parser, ROUTER_METRICS)
         add_etcd(parser)
         add_tls(parser, server=True)
     parser.add_argument(

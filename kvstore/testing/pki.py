@@ -1,4 +1,4 @@
-"""A throwaway certificate authority for tests and benches (``cryptography``, a dev extra).
+"""A throwaway certificate authority for tests and benches (``cryptography``).
 
     pki = Pki(tmp_path)                    # a CA, and a server certificate for 127.0.0.1
     tls = pki.issue("tenant-a")            # TlsFiles whose certificate's CN is tenant-a
