@@ -170,6 +170,11 @@ def map_host_shm(name: str, size: int, where: str, reach: int | None = None) -> 
     path = os.path.join(SHM_DIR, name)
     try:  # never through a link: /dev/shm/x -> /etc/... would map a file as root
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except BlockingIOError:  # O_NONBLOCK: leased, not waited for on the event loop
+        raise precondition(
+            f"{where}.name {name!r} is under a file lease (F_SETLEASE): release it to "
+            "register this memory"
+        ) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise invalid(f"{where}.name {name!r} is a symbolic link, not shared memory") from exc
@@ -210,7 +215,9 @@ def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = No
     path = f"/proc/{pid}/fd/{fd}"
     try:
         target = os.readlink(path)
-        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        # O_NONBLOCK: a file lease (F_SETLEASE) the worker holds fails the open at once
+        # instead of blocking the event loop until the kernel breaks it (45 s)
+        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise invalid(f"{field_}.fd {fd} is not open in process {pid}") from None
     except PermissionError as exc:
@@ -218,6 +225,11 @@ def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = No
             f"{field_}: cannot open fd {fd} of process {pid} ({exc.strerror}); the "
             "server must run as the same user as the worker"
         ) from exc
+    except BlockingIOError:
+        raise precondition(
+            f"{field_}.fd {fd} of process {pid} is under a file lease (F_SETLEASE): "
+            "release it to register this memory"
+        ) from None
     except OSError as exc:
         doing = f"{field_}.fd {fd} of process {pid} cannot be opened"
         raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
