@@ -30,11 +30,13 @@ from kvstore.store.validation import (
     check_fields,
     check_seal_would_succeed,
 )
-from kvstore.wire.errors import KVError, exists, invalid, not_found, precondition
+from kvstore.wire.errors import KVError, exhausted, exists, invalid, not_found, precondition
 from kvstore.wire.fingerprint import LayerGeometry, fingerprint
 from kvstore.wire.kv_layout import LayoutKind
+from kvstore.wire.limits import MAX_MAPPED_BYTES_PER_PRINCIPAL
 from kvstore.wire.names import final_namespace
 from kvstore.wire.principal import LOCAL, Principal, check_owner
+from kvstore.wire.sizes import format_size
 
 if TYPE_CHECKING:
     from kvstore.copy import LayerRegion
@@ -129,6 +131,10 @@ class Registration:
     def unhold(self) -> None:
         self._holds -= 1
         self._maybe_unmap()
+
+    def mapped_bytes(self) -> int:
+        """Bytes of worker memory this rank's registration maps."""
+        return sum(m.size for m in self.mapped)
 
     def memory_ids(self) -> set[tuple]:
         """What this rank's mappings are (inode or CUDA allocation), whatever named them."""
@@ -248,6 +254,7 @@ class Registry:
             self._mapper(reg)  # raises KVError; nothing recorded yet
             try:
                 self._check_owner(reg)
+                self._check_mapped_quota(reg)
                 check_device(inst, reg, pools)
             except KVError:
                 reg.retire()  # unmap what was just mapped
@@ -288,6 +295,25 @@ class Registry:
                     f"memory of {reg.where()} is already registered by {other.where()}; "
                     "each rank must register its own KV-cache memory"
                 )
+
+    def _check_mapped_quota(self, reg: Registration) -> None:
+        """A non-admin principal's registrations map at most
+        MAX_MAPPED_BYTES_PER_PRINCIPAL of worker memory together (RESOURCE_EXHAUSTED)."""
+        owner = reg.principal
+        if owner.admin:
+            return
+        mine = reg.mapped_bytes()
+        held = sum(
+            other.mapped_bytes()
+            for other in self.sessions.values()
+            if other.principal.name == owner.name
+        )
+        if held + mine > MAX_MAPPED_BYTES_PER_PRINCIPAL:
+            raise exhausted(
+                f"{reg.where()} maps {format_size(mine)} of worker memory and {owner} "
+                f"already maps {format_size(held)}: at most "
+                f"{format_size(MAX_MAPPED_BYTES_PER_PRINCIPAL)} a certificate"
+            )
 
     def unregister(self, session: str) -> None:
         """Remove a rank (its session ended); the instance unseals."""

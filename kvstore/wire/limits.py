@@ -35,6 +35,9 @@ MAX_BLOCKS_PER_REQUEST = 8192  # (hash, block_id) pairs in one Save/Load/Query
 # One registered allocation (64 TiB): bounds a memory handle's size and offset and
 # a layer's strides, so no address a registration implies overflows 64 bits.
 MAX_MAPPING_BYTES = 1 << 46
+# Worker memory one (non-admin) certificate's registrations map together (16 TiB):
+# a sparse memfd costs its worker nothing, and the server's address space is 128 TiB
+MAX_MAPPED_BYTES_PER_PRINCIPAL = 1 << 44
 
 # ---- the router's cards, routes and events
 MAX_ALIASES = 64
