@@ -17,3 +17,14 @@ def register_raw(client: StoreClient, request: pb.RegisterLayersRequest) -> Rank
     session = RankSession(request.instance_id, request.rank, client.stub, stream)
     session.start()
     return session
+
+
+def one_rank_request(
+    instance: str, namespace: str, layers: list[pb.LayerSpec], block_size: int = 16
+) -> pb.RegisterLayersRequest:
+    """The registration of a one-rank (TP1) instance with ``layers`` as given."""
+    one_rank = {"rank": 0, "tp_rank": 0, "tp_size": 1, "world_size": 1}
+    return pb.RegisterLayersRequest(
+        instance_id=instance, client_namespace=namespace, block_size=block_size,
+        hash_format="kvstore-blake3-v1", layers=layers, **one_rank,
+    )  # fmt: skip

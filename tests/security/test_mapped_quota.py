@@ -17,7 +17,7 @@ import pytest
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.store_client import StoreClient
-from kvstore.testing.raw_client import register_raw
+from kvstore.testing.raw_client import one_rank_request, register_raw
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.limits import MAX_MAPPED_BYTES_PER_PRINCIPAL
 from tests.security.conftest import ADMIN
@@ -53,17 +53,7 @@ def _request(instance: str, namespace: str, pid: int, fd: int, size: int):
         segment_stride=0,
         memory=pb.MemoryHandle(host_fd=pb.HostFd(pid=pid, fd=fd, size=size, offset=size - BLOCK)),
     )
-    return pb.RegisterLayersRequest(
-        instance_id=instance,
-        client_namespace=namespace,
-        rank=0,
-        tp_rank=0,
-        tp_size=1,
-        world_size=1,
-        block_size=16,
-        hash_format="kvstore-blake3-v1",
-        layers=[layer],
-    )
+    return one_rank_request(instance, namespace, [layer])
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.shared_memory import host_fd_of
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.sglang.layers import MemfdKVLayer
-from kvstore.testing.raw_client import register_raw
+from kvstore.testing.raw_client import one_rank_request, register_raw
 from kvstore.wire.errors import Code, KVError
 from tests.service.store_process import reply
 
@@ -209,17 +209,7 @@ def _request(h: dict, instance: str, **memory) -> pb.RegisterLayersRequest:
                 memory=pb.MemoryHandle(host_fd=handle),
             )
         )
-    return pb.RegisterLayersRequest(
-        instance_id=instance,
-        client_namespace="memfd",
-        rank=0,
-        tp_rank=0,
-        tp_size=1,
-        world_size=1,
-        block_size=BLOCK_SIZE,
-        hash_format="kvstore-blake3-v1",
-        layers=layers,
-    )
+    return one_rank_request(instance, "memfd", layers, BLOCK_SIZE)
 
 
 def _server_thread() -> int:
