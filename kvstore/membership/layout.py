@@ -19,6 +19,7 @@ the worker's owner, the caller that admitted it (docs/design.md §8).
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, fields
 from urllib.parse import quote, unquote
 
@@ -27,6 +28,7 @@ import msgpack
 from kvstore.wire.card import WorkerCard
 
 _CARD_FIELDS = frozenset(f.name for f in fields(WorkerCard))
+_CARD_TYPES = typing.get_type_hints(WorkerCard)
 
 
 @dataclass(frozen=True, order=True)
@@ -127,10 +129,29 @@ def _unpack(raw: bytes) -> dict:
 def _card_of(value: object) -> WorkerCard:
     if not isinstance(value, dict):
         raise ValueError("card is not a map")
+    known = {k: v for k, v in value.items() if k in _CARD_FIELDS}
+    for name, field_value in known.items():
+        if not _of_type(field_value, _CARD_TYPES[name]):
+            raise ValueError(f"card.{name}: {type(field_value).__name__}, not {_CARD_TYPES[name]}")
     try:
-        return WorkerCard(**{k: v for k, v in value.items() if k in _CARD_FIELDS})
+        return WorkerCard(**known)
     except TypeError as exc:  # a required field missing
         raise ValueError(f"card: {exc}") from None
+
+
+def _of_type(value: object, hint: object) -> bool:
+    """Whether ``value`` (as msgpack gave it) is of a card field's type: str, int,
+    bool, list[str] or dict[str, str] (a record another tool wrote may be anything)."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        )
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else False
 
 
 def _owner(value: dict) -> str:

@@ -590,3 +590,33 @@ def test_a_compacted_watch_lists_again_on_the_same_endpoint(etcd_server):
             await etcd.close()
 
     asyncio.run(go())
+
+
+def test_a_member_record_of_wrong_field_types_does_not_stop_a_listing():
+    """A member record someone wrote into etcd whose card has a field of the wrong
+    type (display_name a number) raised TypeError out of the card's checks: the
+    rest of that listing (here w1) was never applied. Now it is refused like a
+    card the core refuses, logged, and the listing goes on."""
+    import dataclasses
+
+    import msgpack
+
+    from kvstore.membership.etcd import Entry
+    from kvstore.membership.layout import Layout, MemberRecord, SetId
+    from kvstore.membership.mirror import WorkerMirror
+    from kvstore.router.core import Router
+
+    async def go():
+        router, layout = Router(), Layout("/kvstore/test/")
+        mirror = WorkerMirror(router, layout, lambda _set: None, lambda _name, _change: None)
+        bad = {"card": {**dataclasses.asdict(card()), "display_name": 7}, "owner": ""}
+        entries = [
+            Entry(layout.member(SetId.of(card()), "w0"), msgpack.packb(bad), 10, 10, 1),
+            Entry(
+                layout.member(SetId.of(card()), "w1"), MemberRecord(card(), "").encode(), 11, 11, 1
+            ),
+        ]
+        mirror.reset(entries)
+        assert mirror.generation("w1") == 11 and mirror.generation("w0") == 0
+
+    asyncio.run(go())
