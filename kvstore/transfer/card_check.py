@@ -6,10 +6,11 @@ not the store.
 
 Run as a file, not as ``-m``: it imports the standard library and NIXL only (not
 kvstore, whose transfer package starts ucxx); ``-P`` keeps this directory, whose
-modules have names like ``wire`` and ``errors``, off ``sys.path``. Writes ``R`` once
-its agent is up; then for each card on stdin (4-byte big-endian length, then the agent metadata)
-writes one byte: 1 when NIXL loaded it (it is dropped again at once), 0 when NIXL
-refused it. Ends at end of input.
+modules have names like ``wire`` and ``errors``, off ``sys.path``. Writes ``R`` on
+stdout once its agent is up; then for each card on stdin (4-byte big-endian
+length, then the agent metadata) one byte: 1 when NIXL loaded it (it is dropped
+again at once), 0 when NIXL refused it. Everything else this process prints goes
+to stderr. Ends at end of input.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def _read(stream, n: int) -> bytes | None:
 
 def main() -> None:
     module, backend = sys.argv[1], sys.argv[2]
+    # the answers keep stdout's pipe to themselves: what UCX or NIXL print (UCX logs
+    # to stdout, NIXL's Python half too) goes to stderr, never among the answers
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     nixl = importlib.import_module(module)
     config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[backend])
     agent = nixl.nixl_agent(f"kvstore-card-check-{os.getpid()}", config)
-    out, inp = sys.stdout.buffer, sys.stdin.buffer
+    inp = sys.stdin.buffer
     out.write(b"R")
-    out.flush()
     while (head := _read(inp, LENGTH.size)) is not None:
         (length,) = LENGTH.unpack(head)
         if length > MAX_METADATA_BYTES:
@@ -54,7 +58,6 @@ def main() -> None:
             with contextlib.suppress(Exception):
                 agent.remove_remote_agent(name)
         out.write(verdict)
-        out.flush()
 
 
 if __name__ == "__main__":
