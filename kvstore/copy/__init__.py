@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from kvstore.copy.cuda import CudaCopier
+from kvstore.copy.cuda import CudaCopier, DeviceFault, cuda_errors
 from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
@@ -28,12 +28,14 @@ from kvstore.wire.devices import Device
 __all__ = [
     "BlockArgs",
     "CudaCopier",
+    "DeviceFault",
     "HostCopier",
     "LayerRegion",
     "MemoryFault",
     "Pieces",
     "RegionTable",
     "copier_for",
+    "cuda_errors",
     "merge_adjacent",
     "plan",
     "region_from_tensor",

@@ -41,6 +41,20 @@ class BlocksLaunch(NamedTuple):
     items_per_block: int
 
 
+class DeviceFault(RuntimeError):
+    """A CUDA call failed under a copy (a launch, or the wait that reports a fault of
+    the kernel): the device's error; after an illegal address its context is lost."""
+
+
+def cuda_errors() -> tuple[type[Exception], ...]:
+    """What CuPy raises for a failed CUDA runtime or driver call (none without CuPy)."""
+    try:
+        from cupy_backends.cuda.api import driver, runtime
+    except ImportError:
+        return ()
+    return (runtime.CUDARuntimeError, driver.CUDADriverError)
+
+
 def kernel_source() -> str:
     return KERNEL_FILE.read_text()
 
@@ -77,7 +91,7 @@ def layer_rows(table: RegionTable, launch: BlocksLaunch) -> np.ndarray:
     seg, segments = d[:, 3], d[:, 4]
     items_per_segment = (seg + np.uint64(launch.chunk - 1)) // np.uint64(launch.chunk)
     per_block = segments * items_per_segment
-    first = np.concatenate(([0], np.cumsum(per_block)[:-1])).astype(np.uint64)
+    first = np.concatenate((np.zeros(1, np.uint64), np.cumsum(per_block)[:-1]))
     rows = np.zeros((len(d), DESC_WORDS), dtype=np.uint64)
     rows[:, :5] = d[:, :5]
     rows[:, 5] = items_per_segment
@@ -172,8 +186,8 @@ class CudaCopier:
             cp = self._cp
             with cp.cuda.Device(self.device):
                 per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    self._blocks_kernel.ptr, self.threads_per_block, 0
-                )
+                    self._blocks_kernel.kernel.ptr, self.threads_per_block, 0
+                )  # a RawKernel's CUfunction is its .kernel's .ptr
                 sms = cp.cuda.Device(self.device).attributes["MultiProcessorCount"]
             if per_sm < 1:  # every launch would fail "too many resources requested"
                 raise ValueError(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.copy import plan
+from kvstore.copy import DeviceFault, cuda_errors, plan
 from kvstore.wire.devices import Device
 
 if TYPE_CHECKING:
@@ -47,7 +47,17 @@ class CopyJob:
     nbytes: int
 
     def run(self, copier: Any) -> None:
-        """Copy; returns once the bytes are in place."""
+        """Copy; returns once the bytes are in place. A CUDA call failing under a GPU
+        copy raises :class:`~kvstore.copy.DeviceFault` naming CUDA's error."""
+        if self.device == "cpu":
+            self._move(copier)
+            return
+        try:
+            self._move(copier)
+        except cuda_errors() as err:
+            raise DeviceFault(f"{type(err).__name__}: {err}") from err
+
+    def _move(self, copier: Any) -> None:
         if self.by_blocks:
             copy = getattr(copier, f"{self.op}_blocks")
             copy(self.table, self.block_ids, self.addresses, wait=True)

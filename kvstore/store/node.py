@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.copy import MemoryFault
+from kvstore.copy import DeviceFault, MemoryFault
 from kvstore.store.block import Block, SlotSet
 from kvstore.store.blocks import BlockIndex, IndexStats, Writer
 from kvstore.store.copying import LOAD, SAVE, CopyJob, run_job
@@ -124,6 +124,7 @@ class StoreNode:
         self.source = source
         self.counters = Counters()
         self.tenants = Tenants(tenancy)
+        self._device_faults: dict[str, int] = {}  # CUDA errors under copies, by device
 
     # ---------------------------------------------------------- registration
 
@@ -256,6 +257,16 @@ class StoreNode:
         reg.hold()  # the rank's memory stays mapped until the copy is done
         try:
             await run_job(job, self.copiers[job.device])
+        except DeviceFault as err:
+            self._device_faults[job.device] = n = self._device_faults.get(job.device, 0) + 1
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a lost context fails every copy
+                log.error("%s on %s: CUDA failed under the copy (%d so far): %s",
+                          job.op, job.device, n, err)  # fmt: skip
+            raise KVError(
+                Code.INTERNAL,
+                f"{job.op}: CUDA failed under the copy on {job.device} ({err}); if every copy "
+                "there fails so, the device's CUDA context is lost: restart the store",
+            ) from None
         except MemoryFault as err:
             raise precondition(
                 f"{job.op}: the registered KV memory of rank {reg.rank} of instance "

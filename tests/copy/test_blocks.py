@@ -35,11 +35,12 @@ from tests.copy.geometry import (
 # ---------------------------------------------------------------- layers of every kind
 
 
-def paged_layers(num_layers: int, nb: int, rng, *, heads=2, tokens=4, d=8, lead=0):
+def paged_layers(num_layers: int, nb: int, rng, *, heads=2, tokens=4, d=8, lead=0, device="cpu"):
     """vLLM's standardised `paged` views: one buffer [nb, layers, heads, tokens, 2 * d] (fp16)
     after `lead` bytes, layer l a view at its own storage offset (blocks interleave by layer)."""
     per_block = heads * tokens * 2 * d * 2
     raw = torch.from_numpy(rng.integers(0, 256, lead + nb * num_layers * per_block + 5, np.uint8))
+    raw = raw.to(device)
     whole = raw[lead : lead + nb * num_layers * per_block].view(torch.float16)
     whole = whole.view(nb, num_layers, heads, tokens, 2 * d)
     return [whole[:, layer] for layer in range(num_layers)], raw

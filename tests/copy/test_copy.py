@@ -429,7 +429,7 @@ class _FakeKernel:
 
     def __init__(self):
         self.launches: list[int] = []
-        self.ptr = 1234  # the handle CuPy's occupancy query takes
+        self.kernel = types.SimpleNamespace(ptr=1234)  # the CUfunction occupancy takes
 
     def __call__(self, grid, block, args, stream=None):
         d_table, count = args

@@ -12,6 +12,7 @@ On a GPU, tests/copy/test_copy.py and the marked tests below run the real thing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 import sys
@@ -74,10 +75,11 @@ class HostArray:
     def __init__(self, host: np.ndarray) -> None:
         self.host = host
         self.size = host.size
-        self.data = types.SimpleNamespace(copy_from_host_async=self._copy_from_host)
+        data = types.SimpleNamespace(copy_from_host_async=self._copy_from_host)
+        self.data = Strict(data, cupy_real().cuda.MemoryPointer)
 
-    def __getitem__(self, key) -> HostArray:
-        return HostArray(self.host[key])
+    def __getitem__(self, key) -> Strict:
+        return device_array(self.host[key])
 
     def _copy_from_host(self, ptr: int, nbytes: int, stream=None) -> None:
         ctypes.memmove(self.host.ctypes.data, ptr, nbytes)
@@ -85,6 +87,10 @@ class HostArray:
     @property
     def ptr(self) -> int:
         return self.host.ctypes.data
+
+
+def device_array(host: np.ndarray) -> Strict:
+    return Strict(HostArray(host), cupy_real().ndarray)
 
 
 class Launches:
@@ -97,13 +103,15 @@ class Launches:
         self.sms, self.per_sm = sms, per_sm
 
     def function(self, name: str):
+        real = cupy_real().RawKernel
         if name == BLOCKS_KERNEL_NAME:
-            return _Kernel(self._blocks)
+            return Strict(_Kernel(self._blocks), real)
         assert name == KERNEL_NAME
-        return _Kernel(lambda *a, **k: pytest.fail("the chunks kernel was launched"))
+        return Strict(_Kernel(lambda *a, **k: pytest.fail("the chunks kernel was launched")), real)
 
     def _blocks(self, grid, block, args, stream=None):
         rows, num_layers, inputs, blocks, total, chunk, group, save = args
+        rows, inputs = fake(rows), fake(inputs)
         assert stream is not None and block[0] % int(group) == 0 and int(group) >= 32
         assert 1 <= grid[0] <= self.sms * self.per_sm
         c = ctypes
@@ -115,13 +123,59 @@ class Launches:
 
 
 class _Kernel:
-    """A launchable function with the handle CuPy's occupancy query takes."""
+    """A launchable function (a RawKernel) with the CUfunction occupancy takes."""
 
     def __init__(self, run) -> None:
-        self.run, self.ptr = run, 1234
+        self.run = run
+        self.kernel = Strict(types.SimpleNamespace(ptr=1234), cupy_real().cuda.function.Function)
 
     def __call__(self, *args, **kwargs):
         return self.run(*args, **kwargs)
+
+
+@functools.cache
+def cupy_real():
+    """Real CuPy (asked first before the stand-in replaces it in sys.modules)."""
+    return pytest.importorskip("cupy")
+
+
+class Strict:
+    """A stand-in that answers only the names its CuPy counterpart has: a copier
+    that asks for a name real CuPy lacks fails here, not on a lent GPU (it once
+    took a RawKernel's ``ptr``, which is its ``kernel.ptr``, and no copier could be
+    made on any GPU)."""
+
+    __slots__ = ("_fake", "_real")
+
+    def __init__(self, fake, real) -> None:
+        object.__setattr__(self, "_fake", fake)
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str):
+        if not hasattr(self._real, name):
+            raise AttributeError(f"CuPy's {self._real.__name__} has no {name!r}")
+        return getattr(self._fake, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._fake, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._fake(*args, **kwargs)
+
+    def __getitem__(self, key):
+        return self._fake[key]
+
+    def __enter__(self):
+        self._fake.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fake.__exit__(*exc)
+
+
+def fake(obj):
+    """The stand-in behind a Strict one (what the emulator reads)."""
+    return obj._fake if isinstance(obj, Strict) else obj
 
 
 CURRENT_DEVICE = [0]  # the fake's current device, set by ``with Device(i)``
@@ -133,7 +187,7 @@ class Stream:
         self.device = CURRENT_DEVICE[0]  # CUDA makes a stream on the current device
 
     def record(self):
-        return types.SimpleNamespace(synchronize=lambda: None)
+        return Strict(types.SimpleNamespace(synchronize=lambda: None), cupy_real().cuda.Event)
 
     def wait_event(self, event) -> None:
         self.waited.append(event)
@@ -151,23 +205,27 @@ class Stream:
 @pytest.fixture
 def fake_cupy(monkeypatch, emulator):
     """CuPy as far as CudaCopier uses it, host memory standing in for the device's."""
+    real = cupy_real()
     launches = Launches(emulator, sms=3, per_sm=2)
-    fake = types.SimpleNamespace(
-        uint64=np.uint64,
-        empty=lambda n, dtype: HostArray(np.zeros(n, dtype=dtype)),
-        asarray=lambda a: HostArray(np.ascontiguousarray(a)),
-        RawModule=lambda code, options=(): types.SimpleNamespace(get_function=launches.function),
-        cuda=types.SimpleNamespace(
-            Device=lambda i=0: _Device(launches.sms, i),
-            Stream=Stream,
-            get_current_stream=Stream,
-            alloc_pinned_memory=bytearray,
-            driver=types.SimpleNamespace(
-                occupancyMaxActiveBlocksPerMultiprocessor=lambda fn, threads, smem: launches.per_sm
-            ),
-        ),
+    module = types.SimpleNamespace(get_function=launches.function)
+    driver = types.SimpleNamespace(
+        occupancyMaxActiveBlocksPerMultiprocessor=lambda fn, threads, smem: launches.per_sm
     )
-    monkeypatch.setitem(sys.modules, "cupy", fake)
+    cuda = types.SimpleNamespace(
+        Device=lambda i=0: Strict(_Device(launches.sms, i), real.cuda.Device),
+        Stream=lambda non_blocking=False: Strict(Stream(non_blocking), real.cuda.Stream),
+        get_current_stream=lambda: Strict(Stream(), real.cuda.Stream),
+        alloc_pinned_memory=bytearray,
+        driver=Strict(driver, real.cuda.driver),
+    )
+    stand_in = types.SimpleNamespace(
+        uint64=np.uint64,
+        empty=lambda n, dtype: device_array(np.zeros(n, dtype=dtype)),
+        asarray=lambda a: device_array(np.ascontiguousarray(a)),
+        RawModule=lambda code, options=(): Strict(module, real.RawModule),
+        cuda=Strict(cuda, real.cuda),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", Strict(stand_in, real))
     return launches
 
 
@@ -261,7 +319,7 @@ def test_the_copiers_stream_is_made_on_its_own_device_whichever_path_comes_first
     copier = CudaCopier(1)
     with pytest.raises(KVError):
         copier.load_blocks(table, [1, 2], slots)
-    assert copier._stream().device == 1  # white box: the copier's own stream
+    assert fake(copier._stream()).device == 1  # white box: the copier's own stream
 
 
 def test_a_cta_size_no_sm_can_hold_is_refused_when_the_copier_is_made(fake_cupy):
@@ -284,6 +342,30 @@ def test_cuda_blocks_on_the_gpu(kind, order):
     copier = _WaitingCopier(CudaCopier(0))
     roundtrip([t for t, _ in layers], [kind] * 3, [r for _, r in layers], copier, rng,
               rng.permutation(30)[:17], device="cuda")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_blocks_on_the_gpu_unaligned_mixed_and_large_segments():
+    """What only the emulator checked before, on the real kernel (whose misaligned
+    vector loads would fault where the host's do not): vLLM's paged views 6 bytes
+    off alignment; an FP8 layer of odd segments beside an MLA one (1- to 8-byte
+    moves, a short last item); 32 KiB segments (groups of a whole CTA, several
+    items a segment)."""
+    rng = np.random.default_rng(66)
+    copier = _WaitingCopier(CudaCopier(0))
+    tensors, raw = paged_layers(4, 16, rng, lead=6, device="cuda")
+    roundtrip(tensors, ["paged"] * 4, [raw], copier, rng, [3, 15, 0, 7, 8], pool_gap=5,
+              pool_base=3, device="cuda")  # fmt: skip
+    odd = layer_spec("kv_first", "HND_view", FP8, num_blocks=12, bs=3, h=1, d=7, offset=1)
+    mla = layer_spec("mla", "NHD", torch.float16, num_blocks=12, h=1, d=36)
+    layers = [make_layer(odd, rng, "cuda"), make_layer(mla, rng, "cuda")]
+    roundtrip([t for t, _ in layers], ["kv_first", "mla"], [r for _, r in layers], copier, rng,
+              [11, 2, 5], pool_gap=3, pool_base=5, device="cuda")  # fmt: skip
+    big = layer_spec("kv_first", "NHD", torch.float16, num_blocks=10, bs=16, h=8, d=128)
+    layers = [make_layer(big, rng, "cuda") for _ in range(2)]
+    roundtrip([t for t, _ in layers], ["kv_first"] * 2, [r for _, r in layers], copier, rng,
+              [9, 0, 4, 5], device="cuda")  # fmt: skip
 
 
 class _WaitingCopier:

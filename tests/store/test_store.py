@@ -760,3 +760,34 @@ def test_a_load_whose_rank_left_while_it_fetched_copies_nothing():
     assert info.value.code == Code.NOT_FOUND and "instance_id 'a'" in info.value.message
     assert node.query(ns, [7, 8]).prefix_blocks == 2  # both blocks there; nothing copied
     assert not rank.reg.mapped and rank.reg.retired
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="cuda:1 must be a device CUDA refuses")
+def test_a_cuda_error_under_a_copy_is_internal_naming_it_and_nothing_is_sealed(caplog):
+    """A CUDA call failing under a GPU copy (here real CuPy asked for cuda:1, which
+    this machine lacks) came out of Save as a bare CUDARuntimeError, UNKNOWN at the
+    edge. It is INTERNAL naming the device and CUDA's error, logged, and the
+    blocks it was saving are dropped, never visible."""
+    pytest.importorskip("cupy")
+    from kvstore.copy import copier_for
+    from kvstore.store.blocks import BlockIndex
+    from kvstore.store.node import StoreNode
+    from kvstore.store.pool import SlotPool
+    from kvstore.store.registry import Registry
+
+    pool = SlotPool(1 << 20, "cpu", 64 << 10)
+    pool.device = "cuda:1"  # host memory under a GPU's name: the copy goes through CuPy
+    node = StoreNode(Registry(), BlockIndex({"cuda:1": pool}), {"cuda:1": copier_for("cpu")})
+    stages = [pipeline_stage("g", r, "cuda:1") for r in (0, 1)]
+    for stage in stages:
+        node.register(stage.reg)
+    ns = node.registry.instances["g"].seal.final_namespace
+    for op, refs in (("save", [(7, 0)]), ("save", [(8, 1)])):
+        with pytest.raises(KVError) as info:
+            run(getattr(node, op)(stages[0].reg.caller_id, refs))
+        assert info.value.code == Code.INTERNAL, info.value
+        assert "cuda:1" in info.value.message and "CUDARuntimeError" in info.value.message
+    assert node.query(ns, [7]).prefix_blocks == 0
+    assert node.index.stats().inflight_blocks == 0 and pool.stats().used_bytes == 0
+    faults = [r for r in caplog.records if "CUDA failed under the copy" in r.getMessage()]
+    assert [r.getMessage().split("(")[1].split(" ")[0] for r in faults] == ["1", "2"]
