@@ -45,9 +45,11 @@ from kvstore.service.router_service import (
     RouterService,
     add_to_server,
     admitted_reply,
+    listed,
     published_reply,
 )
 from kvstore.service.tls import BIND_OPTIONS, PLAINTEXT, Security, host_port
+from kvstore.wire import limits
 from kvstore.wire.card import WorkerCard, validate_card
 from kvstore.wire.card_proto import card_from_proto
 from kvstore.wire.errors import KVError, not_found, precondition, unavailable
@@ -233,7 +235,9 @@ class ClusterRouterService(RouterService):
     async def PublishEvents(self, request, context):
         try:
             # decoded and bounded first: a refused batch claims no node in etcd
-            events = decode_store_events(request.node_id, list(request.events))
+            events = decode_store_events(
+                request.node_id, listed(request.events, limits.MAX_EVENTS_PER_PUBLISH)
+            )
             caller = self.security.principal(context)
             # a node id bound to another certificate is refused before it is claimed
             self.router.check_bound("PublishEvents", request.node_id, caller)

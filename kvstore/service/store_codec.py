@@ -11,6 +11,7 @@ from kvstore.store.fetch import FetchResult
 from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
 from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult, check_count
 from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
+from kvstore.store.validation import check_layer_count
 from kvstore.wire.errors import invalid
 from kvstore.wire.fingerprint import LayerGeometry
 from kvstore.wire.kv_layout import LayoutKind
@@ -25,7 +26,8 @@ if TYPE_CHECKING:  # the servicer imports this module
 def decode_registration(
     req: pb.RegisterLayersRequest, principal: Principal = LOCAL
 ) -> Registration:
-    """The registration ``principal`` sent."""
+    """The registration ``principal`` sent (its layers counted before any is decoded)."""
+    check_layer_count(len(req.layers))
     return Registration(
         principal=principal,
         instance_id=req.instance_id,

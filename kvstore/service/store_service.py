@@ -101,6 +101,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         deadline = asyncio.get_running_loop().time() + request.wait_ms / 1000
         inst = await self._call(context, self.node.instance, request.instance_id)
         while inst is None or inst.seal is None:
+            if inst is not None:  # another's: refused at once (a wait tells when it seals)
+                await self._call(context, self.node.registered, request.instance_id, caller)
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break

@@ -308,6 +308,7 @@ class StoreNode:
         check_count("block_hashes", len(hashes))
         check_final_namespace("namespace", namespace)  # a client namespace never holds blocks
         self.tenants.check_see("namespace", namespace, caller)
+        check_distinct("block_hashes", hashes)  # a lease would pin a block once a copy
         if lease_ms > MAX_LEASE_MS:
             raise invalid(f"lease_ms {lease_ms} is above {MAX_LEASE_MS}")
         blocks = self.index.sealed_prefix(namespace, hashes)

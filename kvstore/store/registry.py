@@ -291,8 +291,14 @@ class Registry:
         for other in self.sessions.values():
             shared = mine & other.memory_ids()
             if shared:
+                # another tenant's registration is not named (its instance id and rank)
+                by = (
+                    other.where()
+                    if reg.principal.may_act_for(other.principal.name)
+                    else "another caller"
+                )
                 raise exists(
-                    f"memory of {reg.where()} is already registered by {other.where()}; "
+                    f"memory of {reg.where()} is already registered by {by}; "
                     "each rank must register its own KV-cache memory"
                 )
 

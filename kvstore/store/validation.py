@@ -81,11 +81,16 @@ def _check_names(reg: Registration) -> None:
         raise invalid(f"hash_format must be 1..{MAX_NAME_LEN} characters")
 
 
+def check_layer_count(count: int) -> None:
+    """At most MAX_LAYERS layers a rank (checked before its layers are decoded too)."""
+    if count > MAX_LAYERS:
+        raise invalid(f"layers has {count} entries, more than {MAX_LAYERS}")
+
+
 def _check_layers(reg: Registration) -> None:
     if not reg.layers:
         raise invalid(f"layers is empty for {reg.where()}")
-    if len(reg.layers) > MAX_LAYERS:
-        raise invalid(f"layers has {len(reg.layers)} entries, more than {MAX_LAYERS}")
+    check_layer_count(len(reg.layers))
     names = set()
     for layer in reg.layers:
         check_layer(layer, reg)

@@ -64,7 +64,9 @@ class StoreEvent:
         try:
             raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several types
-            raise MalformedEvent("", f"not valid msgpack: {exc or type(exc).__name__}") from exc
+            raise MalformedEvent(
+                "", f"not valid msgpack: {str(exc) or type(exc).__name__}"
+            ) from exc
         if not isinstance(raw, dict):
             raise MalformedEvent("", f"must be a msgpack map, got {_kind(raw)}")
         for key in raw:

@@ -24,6 +24,7 @@ from kvstore._proto import router_pb2
 from kvstore.client.router_client import RouterClient
 from kvstore.router.core import Router
 from kvstore.router.drops import DropCause, EventDrops
+from kvstore.router.requests import decode_store_events
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -345,3 +346,11 @@ def test_an_events_stream_numbered_backwards_counts_one_stale_drop():
     router.record_dropped(*out_of_sequence(3, 5))
     stats = router.stats()
     assert stats.events_dropped == 1 and stats.dropped_by.stale_sequence == 1
+
+
+def test_an_event_nested_past_msgpacks_depth_names_why():
+    """msgpack's StackError carries no message: the refusal said "not valid
+    msgpack: " and nothing after it."""
+    with pytest.raises(KVError) as info:
+        decode_store_events("n", [b"\x91" * 100_000 + b"\xc0"])
+    assert info.value.message == "events[0]: not valid msgpack: StackError"

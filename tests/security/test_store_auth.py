@@ -248,3 +248,36 @@ def test_event_streams_per_certificate_are_capped(pki, tls_store, monkeypatch):
     finally:
         for call in calls:
             call.cancel()
+
+
+def test_a_wait_on_another_tenants_instance_is_refused_at_once(pki, tls_store):
+    """tenant-b's GetInstance waiting on tenant-a's unsealed instance was answered
+    PERMISSION_DENIED only when a's instance sealed (or the wait ran out): it told
+    b the moment a's engine came up. Now it is refused before any wait."""
+    a = StoreClient(tls_store.address, tls=pki.issue("tenant-a"))
+    rank0 = Rank(a, "half", "llama", tp_rank=0, tp_size=2)  # rank 1 never comes: no seal
+    try:
+        stub = pb_grpc.KVStoreStub(open_channel(tls_store.address, pki.issue("tenant-b")))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetInstance(pb.GetInstanceRequest(instance_id="half", wait_ms=60_000), timeout=20)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED, info.value
+    finally:
+        rank0.close()
+
+
+def test_memory_another_tenant_registered_is_refused_without_naming_it(pki, tls_store):
+    """The refusal named the registration holding the memory (its instance id and
+    rank): another tenant's. Now it says another caller; an owner still sees it named."""
+    a, b, _ = callers(pki, tls_store.address)
+    victim = Rank(a, "victim-instance", "llama")
+    try:
+        layers = [
+            KVLayer(f"l{i}", s.tensor, "kv_first", "NHD", s) for i, s in enumerate(victim.shms)
+        ]
+        err = refused(b.register, "thief", "mistral", layers, block_size=4)
+        assert err.code is Code.ALREADY_EXISTS and "another caller" in err.message, err
+        assert "victim-instance" not in err.message
+        err = refused(a.register, "again", "llama", layers, block_size=4)
+        assert err.code is Code.ALREADY_EXISTS and "victim-instance" in err.message, err
+    finally:
+        victim.close()

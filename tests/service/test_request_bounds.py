@@ -8,10 +8,19 @@ import tracemalloc
 
 import pytest
 
+from kvstore._proto import router_pb2
 from kvstore._proto import store_pb2 as pb
+from kvstore.router.requests import check_route, decode_store_events
 from kvstore.service import store_codec as codec
+from kvstore.service.router_service import listed
 from kvstore.wire.errors import Code, KVError
-from kvstore.wire.limits import MAX_BLOCKS_PER_REQUEST
+from kvstore.wire.limits import (
+    MAX_BLOCK_HASHES,
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_EVENTS_PER_PUBLISH,
+    MAX_LAYERS,
+    MAX_TOKEN_IDS,
+)
 
 ENTRIES = 1_000_000  # ~10 MB on the wire; ~40 MB as Python ints and tuples
 
@@ -50,3 +59,49 @@ def test_hashes_within_the_bound_come_through_in_order():
     assert codec.block_hashes(pb.QueryRequest(block_hashes=hashes)) == hashes
     request = pb.SaveRequest(block_hashes=hashes, block_ids=hashes[::-1])
     assert codec.refs(request) == list(zip(hashes, hashes[::-1], strict=True))
+
+
+def test_registration_layers_past_the_bound_are_counted_before_any_is_decoded():
+    """Before: every layer was decoded first (150,000 held the loop ~1.5 s), and
+    1,025 layers without memory were refused naming layers[2].memory, not the count."""
+    request = pb.RegisterLayersRequest(layers=[pb.LayerSpec()] * 100_000)
+    error, peak = refused_within(lambda r: codec.decode_registration(r), request)
+    assert error.code is Code.INVALID_ARGUMENT
+    assert f"layers has 100000 entries, more than {MAX_LAYERS}" in error.message
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
+
+
+ROUTER_CASES = {
+    "route token_ids": (
+        router_pb2.RouteRequest(token_ids=range(2 * MAX_TOKEN_IDS)),
+        lambda r: check_route("m", listed(r.token_ids, MAX_TOKEN_IDS), None, "", 0),
+        f"token_ids: {2 * MAX_TOKEN_IDS} tokens",
+    ),
+    "route block_hashes": (
+        router_pb2.RouteRequest(block_hashes=range(ENTRIES)),
+        lambda r: check_route("m", None, listed(r.block_hashes, MAX_BLOCK_HASHES), "", 0),
+        f"block_hashes: {ENTRIES} hashes",
+    ),
+    "publish events": (
+        router_pb2.PublishEventsRequest(node_id="n", events=[b""] * ENTRIES),
+        lambda r: decode_store_events(r.node_id, listed(r.events, MAX_EVENTS_PER_PUBLISH)),
+        f"events: {ENTRIES} events",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_fields_past_their_bound_are_refused_before_they_are_copied(case):
+    """The router's edge copied token_ids, block_hashes and events into lists
+    before the core counted them: a 16 MiB Route took ~270 MB and held the loop
+    0.5 s. Past its bound a field now reaches the core as it is, refused by length."""
+    request, refuse, message = ROUTER_CASES[case]
+    error, peak = refused_within(refuse, request)
+    assert error.code is Code.INVALID_ARGUMENT and message in error.message
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
+
+
+def test_router_fields_within_their_bound_come_through_as_lists():
+    request = router_pb2.RouteRequest(token_ids=range(MAX_TOKEN_IDS))
+    tokens = listed(request.token_ids, MAX_TOKEN_IDS)
+    assert isinstance(tokens, list) and tokens == list(range(MAX_TOKEN_IDS))

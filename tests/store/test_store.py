@@ -791,3 +791,19 @@ def test_a_cuda_error_under_a_copy_is_internal_naming_it_and_nothing_is_sealed(c
     assert node.index.stats().inflight_blocks == 0 and pool.stats().used_bytes == 0
     faults = [r for r in caplog.records if "CUDA failed under the copy" in r.getMessage()]
     assert [r.getMessage().split("(")[1].split(" ")[0] for r in faults] == ["1", "2"]
+
+
+def test_a_query_naming_a_hash_twice_is_refused_and_pins_nothing():
+    """[h, h, h] answered a prefix of 3, counted 3 hits and leased the block three
+    times; Prefetch already refused a repeated hash."""
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    run(save_all(node, ranks, [(1, 0)]))
+    ns = node.registry.instances["a"].seal.final_namespace
+    with pytest.raises(KVError) as info:
+        node.query(ns, [1, 1, 1], lease=True)
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert "block_hashes: block_hash 0x0000000000000001 appears more than once" in (
+        info.value.message
+    )
+    assert node.index.stats().leases == 0 and node.counters.hits == 0
