@@ -346,6 +346,17 @@ def add_serve(sub) -> None:
         default=10.0,
         help="seconds a peer fetch may take before it fails over (10)",
     )
+    p.add_argument(
+        "--host-memory",
+        choices=("owner", "any"),
+        default="owner",
+        help="whose host memory (a /dev/shm object, a worker's memfd) a rank may register. "
+        "owner (default): only what the rank's own user could open read-write, that user "
+        "read off its socket, so ranks with host memory connect from this node's network "
+        "namespace. any: whatever this store can open (ranks in other network "
+        "namespaces, e.g. containers, where every local user is trusted). GPU memory is "
+        "not affected",
+    )
     add_metrics(p)
     add_tls(p, server=True)
     add_common(p)
@@ -542,6 +553,7 @@ async def _serve(args) -> None:
             tenants=tuple(args.tenant),
             insecure=args.insecure,
             peer_secret=_peer_secret(args),
+            host_memory_any=args.host_memory == "any",
         )
         config.security.check_exposure(config.host, config.insecure)
         check_identity_flags(config.security)

@@ -8,6 +8,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.store.fetch import FetchResult
+from kvstore.store.local_user import CallerUser
 from kvstore.store.memory import CudaIpcRef, HostFdRef, HostShmRef
 from kvstore.store.node import LoadResult, NodeStats, QueryResult, SaveResult, check_count
 from kvstore.store.registry import CallerId, Instance, LayerReg, Registration
@@ -24,12 +25,14 @@ if TYPE_CHECKING:  # the servicer imports this module
 
 
 def decode_registration(
-    req: pb.RegisterLayersRequest, principal: Principal = LOCAL
+    req: pb.RegisterLayersRequest, principal: Principal = LOCAL, user: CallerUser | None = None
 ) -> Registration:
-    """The registration ``principal`` sent (its layers counted before any is decoded)."""
+    """The registration ``principal`` sent, from a process of ``user`` (default: this
+    process's); its layers counted before any is decoded."""
     check_layer_count(len(req.layers))
     return Registration(
         principal=principal,
+        user=user or CallerUser.this_process(),
         instance_id=req.instance_id,
         client_namespace=req.client_namespace,
         rank=req.rank,

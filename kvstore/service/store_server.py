@@ -92,6 +92,9 @@ class ServerConfig:
     insecure: bool = False  # allow plaintext on a non-loopback host (logs a warning)
     # The cluster secret every UCX peer proves (docs/design.md §8); None = no handshake.
     peer_secret: PeerSecret | None = None
+    # ranks may register any host memory the store can open, not only what the user
+    # owning their socket may (for workers in another network namespace)
+    host_memory_any: bool = False
 
     @property
     def security(self) -> Security:
@@ -179,7 +182,9 @@ class StoreServer:
             gpu_blocks=config.gpu_blocks,
             tenancy=Tenancy(config.tenants),
         )
-        self.service = KVStoreService(self.node, self.peer_server, config.security, self.sealed)
+        self.service = KVStoreService(
+            self.node, self.peer_server, config.security, self.sealed, config.host_memory_any
+        )
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0

@@ -8,6 +8,7 @@ with its precise code and message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -21,8 +22,10 @@ from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.service import malformed, status
 from kvstore.service import store_codec as codec
+from kvstore.service.peer_cred import peer_uid
 from kvstore.service.sealed import NOTHING, Snapshot, events_of
 from kvstore.service.tls import PLAINTEXT, Security
+from kvstore.store.local_user import CallerUser
 from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
@@ -42,13 +45,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         peer_server: PeerServer | None = None,
         security: Security = PLAINTEXT,
         snapshot: Snapshot = lambda: NOTHING,
+        host_memory_any: bool = False,
     ):
         """``peer_server``: the node's peer-transfer listener, None when transfer is off.
         ``security``: who callers are (their certificate CN with TLS); the node
         decides what each may see and do (tenant scoping). ``snapshot``: the
         sealed blocks' keys of this node, which open every Events stream as
-        ``stored`` events."""
+        ``stored`` events. ``host_memory_any``: a rank may register any host
+        memory the store can open (``--host-memory any``); else only what the
+        user owning the caller's socket may open itself."""
         self.node = node
+        self.host_memory_any = host_memory_any
         self.snapshot = snapshot
         self.event_queue_max = EVENT_QUEUE_MAX  # events a subscriber may fall behind
         self._fanout = FanoutStats()
@@ -72,11 +79,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         return await self._call(context, self.security.principal, context)
 
+    def _caller_user(self, context: grpc.aio.ServicerContext) -> CallerUser:
+        """The node's user behind this call, looked up off its socket when its host
+        memory is checked (docs/design.md §1)."""
+        if self.host_memory_any:
+            return CallerUser.unchecked()
+        return CallerUser(functools.partial(peer_uid, context.peer()))
+
     # -------------------------------------------------------- registration
 
     async def RegisterLayers(self, request, context) -> AsyncIterator[pb.RegistrationUpdate]:
         caller = await self._caller(context)
-        reg = await self._call(context, codec.decode_registration, request, caller)
+        user = self._caller_user(context)
+        reg = await self._call(context, codec.decode_registration, request, caller, user)
         inst = await self._call(context, self.node.register, reg)
         queue: asyncio.Queue = asyncio.Queue()
         self._watchers[reg.session] = queue

@@ -32,7 +32,7 @@ def attach(reg: Registration) -> None:
                 raise invalid(f"{where} is missing")
             mapped = opened.get(ref.key())
             if mapped is None:
-                mapped = opened[ref.key()] = ref.open(where, reach[ref.key()])
+                mapped = opened[ref.key()] = ref.open(where, reach[ref.key()], reg.user)
             reg.regions[layer.geometry.name] = _layer_region(layer, mapped, where)
         devices = {r.device for r in opened.values()}
         if len(devices) != 1:

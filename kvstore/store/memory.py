@@ -34,6 +34,7 @@ import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from kvstore.copy.cuda_memory import allocation_range
 from kvstore.wire import names
 from kvstore.wire.errors import KVError, exhausted, invalid, precondition, unavailable
 from kvstore.wire.limits import MAX_SHM_NAME_LEN
+
+if TYPE_CHECKING:
+    from kvstore.store.local_user import CallerUser
 
 SHM_DIR = "/dev/shm"
 # fstatfs f_type of the file systems shared memory lives on (linux/magic.h):
@@ -125,8 +129,8 @@ class HostShmRef:
     def key(self) -> tuple:
         return ("shm", self.name)
 
-    def open(self, where: str, reach: int) -> MappedRegion:
-        return map_host_shm(self.name, self.size, where, reach)
+    def open(self, where: str, reach: int, user: CallerUser) -> MappedRegion:
+        return map_host_shm(self.name, self.size, where, reach, user)
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,8 @@ class HostFdRef:
     def key(self) -> tuple:
         return ("fd", self.pid, self.fd)
 
-    def open(self, where: str, reach: int) -> MappedRegion:
-        return map_host_fd(self.pid, self.fd, self.size, where, reach)
+    def open(self, where: str, reach: int, user: CallerUser) -> MappedRegion:
+        return map_host_fd(self.pid, self.fd, self.size, where, reach, user)
 
 
 @dataclass(frozen=True)
@@ -157,14 +161,17 @@ class CudaIpcRef:
     def key(self) -> tuple:
         return ("cuda", self.handle)
 
-    def open(self, where: str, reach: int) -> MappedRegion:
-        del reach  # IPC maps the whole allocation, whatever its layers use
+    def open(self, where: str, reach: int, user: CallerUser) -> MappedRegion:
+        del reach, user  # IPC maps the whole allocation; its handle is the capability
         return map_cuda_ipc(self.handle, self.device_uuid, self.size, where)
 
 
-def map_host_shm(name: str, size: int, where: str, reach: int | None = None) -> MappedRegion:
+def map_host_shm(
+    name: str, size: int, where: str, reach: int | None, user: CallerUser
+) -> MappedRegion:
     """Map ``/dev/shm/<name>`` read-write, its first ``size`` bytes or only the
-    first ``reach`` of them (what the layers use); ``where`` names the field in errors."""
+    first ``reach`` of them (what the layers use), for a caller whose ``user``
+    may open it read-write itself; ``where`` names the field in errors."""
     if not SHM_NAME_RE.fullmatch(name) or name.startswith("."):
         raise invalid(f"{where}.name {name[:64]!r} is not a valid shared-memory name")
     path = os.path.join(SHM_DIR, name)
@@ -184,6 +191,7 @@ def map_host_shm(name: str, size: int, where: str, reach: int | None = None) -> 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or _fs_type(fd) not in (*SHM_FS_TYPES, None):
             raise invalid(f"{where}.name {name!r} is not a shared-memory object")
+        user.check_may_open(info, f"{where}.name {name!r}")
         actual = info.st_size
         if size == 0 or size > actual:
             raise invalid(
@@ -194,8 +202,11 @@ def map_host_shm(name: str, size: int, where: str, reach: int | None = None) -> 
         os.close(fd)
 
 
-def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = None) -> MappedRegion:
-    """Map the shared-memory file open as ``fd`` in process ``pid`` read-write.
+def map_host_fd(
+    pid: int, fd: int, size: int, where: str, reach: int | None, user: CallerUser
+) -> MappedRegion:
+    """Map the shared-memory file open as ``fd`` in process ``pid`` read-write,
+    for a caller whose ``user`` runs that process (or is root).
 
     Opened through ``/proc/<pid>/fd/<fd>`` (the caller's descriptor stays its
     own). Only shared memory is accepted: a regular file on tmpfs or hugetlbfs
@@ -212,6 +223,7 @@ def map_host_fd(pid: int, fd: int, size: int, where: str, reach: int | None = No
         raise invalid(f"{field_}.pid {pid}: no such process on this node")
     if _thread_group(pid) == os.getpid():  # /proc/<tid>/fd is the server's own fd table
         raise invalid(f"{field_}.pid {pid} is the store server itself (one of its threads)")
+    user.check_process(pid, f"{field_}.fd {fd} of process {pid}")
     path = f"/proc/{pid}/fd/{fd}"
     try:
         target = os.readlink(path)

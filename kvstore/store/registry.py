@@ -23,6 +23,7 @@ import numpy as np
 
 from kvstore.copy import RegionTable
 from kvstore.store.block import SlotSet
+from kvstore.store.local_user import CallerUser
 from kvstore.store.memory import MappedRegion
 from kvstore.store.validation import (
     check_against,
@@ -97,6 +98,8 @@ class Registration:
     device: str = "cpu"
     mapped: list[MappedRegion] = field(default_factory=list)
     principal: Principal = LOCAL  # who sent it (its certificate CN with TLS)
+    # the node's user behind it, whose rights its host memory is checked against
+    user: CallerUser = field(default_factory=CallerUser.this_process)
 
     _holds: int = 0
     retired: bool = False
