@@ -288,7 +288,8 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--node-id",
         default="",
-        help="name of this store in events and peer lookups (hostname:port)",
+        help="name of this store in events and peer lookups (hostname:port); one store's "
+        "alone: a router refuses it while another live store advertises it",
     )
     p.add_argument(
         "--router",

@@ -9,9 +9,16 @@ final namespace carries the layout fingerprint, so keying by it is what makes
 
 Every advertisement gets a generation; a re-advertisement without one is a
 restart, which clears the old generation's blocks. An optional lease makes a
-silent peer expire. Replicas on etcd instead ``join`` peers with the
-generation etcd gave them (their key's create revision, the same on every
-replica); etcd's lease is their liveness.
+silent peer expire. A new advertisement (generation 0) of a node id whose peer
+is still live at another store address is refused ALREADY_EXISTS until that
+peer's lease lapses or it leaves: two stores started with one ``--node-id``
+would otherwise take the entry from each other on every re-advertisement
+(the router's view of the node flipping between them). A store restarting at
+its own address still replaces its old entry at once; the UCX address does not
+count (a restarted store may listen for peer reads elsewhere). Replicas on
+etcd instead ``join`` peers with the generation etcd gave them (their key's
+create revision, the same on every replica); etcd's lease is their liveness,
+and this check does not apply there (the last store registered holds the key).
 
 A peer's event batches may be numbered (``seq``, per node and generation, one
 more per batch; docs/design.md §6): :meth:`Peer.sequence_fault` says whether a
@@ -22,16 +29,19 @@ peer's index when a snapshot replaces it wholesale.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.router.drops import DropCause
 from kvstore.router.holders import HolderIndex
 from kvstore.wire import limits
-from kvstore.wire.errors import exhausted, not_found
+from kvstore.wire.errors import exhausted, exists, not_found
 from kvstore.wire.events import REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.principal import LOCAL, Principal, check_owner, check_quota, owned_by
+
+log = logging.getLogger(__name__)
 
 Holder = tuple[str, str]  # (node id, tier)
 
@@ -39,6 +49,9 @@ Holder = tuple[str, str]  # (node id, tier)
 # Worker names a peer is remembered to have relayed for in vain (Peer.awaited):
 # a store relays for the few workers of its node; the names come from its events.
 MAX_AWAITED_PER_PEER = 32
+# Store addresses refused a live peer's node id that are remembered (and so
+# warned of once) per peer: past it, further ones are refused unlogged.
+MAX_CONFLICTS_PER_PEER = 8
 
 
 @dataclass
@@ -60,6 +73,9 @@ class Peer:
     awaited: dict[str, None] = field(default_factory=dict)
     # Its next numbered batch is answered resync; its snapshot states the relays again.
     owes_snapshot: bool = False
+    # Store addresses refused this node id while this peer is live (Peers.advertise),
+    # each warned of once; at most MAX_CONFLICTS_PER_PEER, gone with the peer.
+    conflicts: set[str] = field(default_factory=set)
 
     def await_worker(self, name: str) -> str | None:
         """Its relays for worker ``name`` did not land, or were forgotten; past
@@ -163,8 +179,11 @@ class Peers:
     ) -> Peer:
         """New advertisement (generation 0) or refresh of a current one.
 
-        The fields are checked already (``requests.check_peer``). A node id
-        advertised by one principal is PERMISSION_DENIED to another (not admin).
+        The fields are checked already (``requests.check_peer``), and lapsed
+        leases expired (at ``now``). A node id advertised by one principal is
+        PERMISSION_DENIED to another (not admin); a new advertisement of a live
+        peer's node id from another store address is ALREADY_EXISTS
+        (:meth:`_check_takeover`).
         """
         old = self.peers.get(node_id)
         if old is not None:
@@ -191,6 +210,7 @@ class Peers:
                 owned = owned_by(caller, (peer.owner for peer in self.peers.values()))
                 check_quota("store nodes", owned, limits.MAX_PEERS_PER_PRINCIPAL, caller)
             if old is not None:
+                self._check_takeover(old, store_address, now)
                 self.remove(node_id)
             peer = Peer(node_id, self._next_generation, store_address, ucx_address, set(namespaces))
             peer.owner = caller.name
@@ -208,6 +228,31 @@ class Peers:
                 ]
                 heapq.heapify(self._leases)
         return peer
+
+    def _check_takeover(self, old: Peer, store_address: str, now: float) -> None:
+        """ALREADY_EXISTS when ``old`` (live: its lease has not lapsed) was
+        advertised from another store address than a new advertisement of its
+        node id: most likely two stores given one ``--node-id``. The same
+        address is the store restarting, which replaces its entry at once.
+        Logged once per refused address while ``old`` lives."""
+        if old.store_address == store_address:
+            return
+        if old.expires is not None and old.expires <= now:
+            return  # lapsed, if not expired yet
+        if old.expires is None:
+            until = "it holds no lease: it may be taken over once that store leaves"
+        else:
+            left = max(old.expires - now, 0.0)
+            until = f"it may be taken over when its lease lapses, in {left:.1f} s"
+        message = (
+            f"node_id {old.node_id!r} is advertised by the live store at "
+            f"{old.store_address!r}, not {store_address!r} ({until}); two stores "
+            "cannot share a node id: give this store another --node-id"
+        )
+        if store_address not in old.conflicts and len(old.conflicts) < MAX_CONFLICTS_PER_PEER:
+            old.conflicts.add(store_address)
+            log.warning("refused a store's advertisement: %s (logged once)", message)
+        raise exists(message)
 
     def join(
         self,

@@ -18,6 +18,12 @@ answers ``resync``; the link then sends a snapshot. Given several routers it use
 one at a time and moves to the next when the current one stops answering,
 advertising there as a new peer with a full snapshot.
 
+A router that refuses the advertisement ALREADY_EXISTS holds this node id for
+another live store (two stores given one ``--node-id``): the link logs that
+once, as an ERROR, keeps serving locally (no events forwarded, lookups fall
+back to ``--peer``) and advertises again at the normal pace, to that router
+only; once the other store's lease lapses it is accepted, and says so.
+
 A publish that fails (the router is down, hung or slow) may or may not have
 been applied, so the link does not guess: it advertises again as a new
 generation, which drops what the router held for this node, and replays every
@@ -55,7 +61,7 @@ from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
 from kvstore.membership.relayed import RelayedWorkers
 from kvstore.service.sealed import NOTHING, Snapshot, events_of
-from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.errors import Code, KVError, unavailable
 from kvstore.wire.events import GPU_TIER, StoreEvent
 from kvstore.wire.peers import PeerPrefix
 from kvstore.wire.tls import TlsFiles
@@ -130,6 +136,9 @@ class RemoteRouterLink:
         self._snapshot: Snapshot = lambda: NOTHING
         self._snapshots_begun = 0  # snapshots the pump has begun to take and send
         self._snapshot_running = False  # one is being taken or sent now
+        # The router whose ALREADY_EXISTS (our node id held by another live store)
+        # was logged; None when no such conflict is going on.
+        self._conflict: str | None = None
 
     async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
@@ -152,6 +161,14 @@ class RemoteRouterLink:
         if not refresh:  # a new generation: the router knows none of our blocks yet
             self._queue.put_nowait(None)
             self._synced = failed
+            if self._conflict is not None:
+                log.info(
+                    "router %s accepted node id %r for us now (the other store's "
+                    "advertisement lapsed or left)",
+                    self.client.address,
+                    self.node_id,
+                )
+                self._conflict = None
             log.info(
                 "advertised to router %s as %s (generation %d)",
                 self.client.address,
@@ -170,6 +187,8 @@ class RemoteRouterLink:
             return
         except Exception as exc:  # noqa: BLE001 -- router down or restarted: start over
             failure = exc
+            if self._refused(exc):
+                return
         if self.advertised:
             log.warning(
                 "router %s lost our advertisement (%s); re-advertising",
@@ -187,6 +206,8 @@ class RemoteRouterLink:
                 return
             except Exception as exc:  # noqa: BLE001 -- unreachable: try the next one
                 failure = exc
+                if self._refused(exc):
+                    return
                 self._move_on()
         log.warning(
             "router %s unreachable (%s); retrying every %.0f s",
@@ -194,6 +215,26 @@ class RemoteRouterLink:
             _brief(failure),
             REFRESH_S,
         )
+
+    def _refused(self, exc: Exception) -> bool:
+        """Whether ``exc`` is the router refusing our node id: another live store
+        advertised it (ALREADY_EXISTS). Logged once until it is accepted; the
+        link stays on this router (it answered) and the keepalive tries again."""
+        if not (isinstance(exc, KVError) and exc.code is Code.ALREADY_EXISTS):
+            return False
+        self.advertised = False  # the node id is the other store's there now
+        if self._conflict != self.client.address:
+            self._conflict = self.client.address
+            log.error(
+                "router %s refuses node id %r to this store: %s. Serving locally "
+                "meanwhile (the router indexes none of our blocks; our misses ask "
+                "--peer only); advertising again every %.0f s, not logged again",
+                self.client.address,
+                self.node_id,
+                exc.message,
+                REFRESH_S,
+            )
+        return True
 
     def _snapshot_unasked(self, begun: int) -> bool:
         """Whether no snapshot is on its way that answers a refresh sent when

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvstore.router.core import EventsApplied, Router
+from kvstore.router.peers import Peers
 from kvstore.wire import limits
 from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import StoreEvent
@@ -235,3 +238,73 @@ def test_a_refused_stale_publish_does_not_claim_a_node_joined_from_etcd(router):
     with pytest.raises(KVError) as taken:
         router.publish_store_events("a", 5, [ev("a", HASHES)], caller=Principal("intruder"))
     assert taken.value.code is Code.PERMISSION_DENIED
+
+
+A1, A2 = "10.0.0.1:50051", "10.0.0.2:50051"  # two stores' addresses, one node id
+
+
+def _conflict_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kvstore.router.peers" and r.levelno == logging.WARNING
+    ]
+
+
+def test_a_live_node_id_is_refused_to_another_store_address_until_its_lease_lapses(caplog):
+    """Two stores given one --node-id each re-advertised with generation 0, and
+    each advertisement replaced the other's entry: the router's view of the
+    node (blocks, addresses) flipped between them, silently (an operations
+    review). Now the second is ALREADY_EXISTS while the first's lease lives,
+    the entry keeps the first's address and blocks, and the router warns once."""
+    caplog.set_level(logging.WARNING, logger="kvstore.router.peers")
+    clock = Clock()
+    router = Router(clock=clock)
+    first = router.advertise_peer("a", A1, "10.0.0.1:13337", [NS], lease_ms=10_000)
+    router.publish_store_events("a", first.generation, [ev("a", HASHES)])
+    clock.now += 4
+    for _ in range(3):  # the second store tries again at its pace: refused every time
+        with pytest.raises(KVError) as refused:
+            router.advertise_peer("a", A2, "10.0.0.2:13337", [NS], lease_ms=10_000)
+        assert refused.value.code is Code.ALREADY_EXISTS
+    message = refused.value.message
+    assert "'a'" in message and A1 in message and "in 6.0 s" in message
+    assert "another --node-id" in message
+    entry = router.peers.get("a")
+    assert (entry.generation, entry.store_address) == (first.generation, A1)
+    assert [(p.store_address, p.prefix_blocks) for p in router.query_prefix(NS, HASHES)] == [
+        (A1, 5)
+    ]
+    assert len(_conflict_warnings(caplog)) == 1  # one per conflict, not per attempt
+
+    # the first store restarting at its own address replaces its entry at once,
+    # whatever its UCX address now
+    again = router.advertise_peer("a", A1, "10.0.0.1:14000", [NS], lease_ms=10_000)
+    assert again.generation != first.generation and router.query_prefix(NS, HASHES) == []
+
+    clock.now += 10  # its lease lapses (nobody refreshed it): the second may take over
+    taken = router.advertise_peer("a", A2, "10.0.0.2:13337", [NS], lease_ms=10_000)
+    assert router.peers.get("a") is taken and taken.store_address == A2
+    with pytest.raises(KVError) as back:  # and now the first is the one refused
+        router.advertise_peer("a", A1, "10.0.0.1:14000", [NS], lease_ms=10_000)
+    assert back.value.code is Code.ALREADY_EXISTS and A2 in back.value.message
+    assert len(_conflict_warnings(caplog)) == 2  # a new conflict: warned of again
+
+
+def test_a_live_node_id_without_a_lease_is_refused_until_its_peer_leaves():
+    """A peer with no lease never lapses: another address waits for it to leave.
+    The Peers core is asked directly, at a given ``now`` (a lapsed lease counts
+    as gone even before the router expired it)."""
+    peers = Peers()
+    peers.advertise("a", A1, "", [NS], generation=0, lease_ms=0, now=0.0)
+    with pytest.raises(KVError) as refused:
+        peers.advertise("a", A2, "", [NS], generation=0, lease_ms=0, now=10**6)
+    assert refused.value.code is Code.ALREADY_EXISTS
+    assert "no lease" in refused.value.message and A1 in refused.value.message
+    peers.remove("a")
+    assert (
+        peers.advertise("a", A2, "", [NS], generation=0, lease_ms=5000, now=0.0).store_address == A2
+    )
+    with pytest.raises(KVError):
+        peers.advertise("a", A1, "", [NS], generation=0, lease_ms=0, now=4.9)
+    assert peers.advertise("a", A1, "", [NS], generation=0, lease_ms=0, now=5.0).store_address == A1

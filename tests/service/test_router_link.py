@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvstore.client.router_client import RouterClient
 from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
@@ -221,3 +222,69 @@ def test_a_batch_stays_under_a_routers_message_size_however_large_its_events():
         sent += batch
         batch = next_batch(queue.get_nowait(), queue) if not queue.empty() else None
     assert sent == events
+
+
+def test_two_stores_given_one_node_id_leave_the_routers_entry_to_the_first(tmp_path, caplog):
+    """Two real store processes started with one --node-id advertise to a real
+    router. Before, each re-advertisement (every ~3 s, generation 0) replaced
+    the other's entry: the router's view of the node flipped between them and
+    nobody was told. Now the entry stays the first's across advertise rounds;
+    the second logs the conflict once (an ERROR, no traceback), keeps serving,
+    and is accepted (logged once) when the first is gone and its lease lapsed.
+    The router warns once."""
+    import subprocess
+    import sys
+
+    from kvstore.demo import free_ports
+    from tests.conftest import wait_for
+    from tests.service.test_peer_fetch import ready
+
+    caplog.set_level(logging.WARNING, logger="kvstore.router.peers")
+    router = RouterThread(None)
+    ports = free_ports(2)
+    logs = [tmp_path / f"store{i}.log" for i in range(2)]
+    procs: list[subprocess.Popen] = []
+
+    def serve(i: int) -> str:
+        args = ["serve", "--port", str(ports[i]), "--device", "cpu", "--pool-size", "64MiB"]
+        args += ["--router", router.address, "--node-id", "twin", "--log-level", "info"]
+        with logs[i].open("w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvstore", *args], stderr=err))
+        return f"127.0.0.1:{ports[i]}"
+
+    def entry() -> tuple[int, str, float] | None:
+        peer = router.call(router.router.peers.get, "twin")
+        return None if peer is None else (peer.generation, peer.store_address, peer.expires)
+
+    def lines(i: int, text: str) -> list[str]:
+        return [line for line in logs[i].read_text().splitlines() if text in line]
+
+    try:
+        first = serve(0)
+        assert wait_for(lambda: entry() is not None, timeout=60), "the first never advertised"
+        generation, address, _ = entry()
+        assert address == first
+        second = serve(1)
+        assert wait_for(lambda: lines(1, "refuses node id"), timeout=60), "no conflict logged"
+        seen = {entry()}  # every view of the entry across three of the first's refreshes
+        while len({expires for _, _, expires in seen}) < 4:  # the second retries meanwhile
+            seen.add(entry())
+            time.sleep(0.2)
+        assert {(g, a) for g, a, _ in seen} == {(generation, first)}
+        ready(second, procs[1]).close()  # it serves all the same
+        [refused] = lines(1, "refuses node id")
+        assert " ERROR " in refused and "'twin'" in refused and first in refused
+        assert "another --node-id" in refused
+        assert not lines(1, "Traceback") and not lines(1, "accepted node id")
+
+        procs[0].kill()  # the first goes; once its lease lapses the second is taken
+        assert wait_for(lambda: (entry() or (0, ""))[1] == second, timeout=60)
+        assert wait_for(lambda: lines(1, "accepted node id"), timeout=10)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        router.stop()
+    assert len(lines(1, "refuses node id")) == 1 and len(lines(1, "accepted node id")) == 1
+    warned = [r for r in caplog.records if r.name == "kvstore.router.peers"]
+    assert len(warned) == 1 and second in warned[0].getMessage()
