@@ -324,3 +324,9 @@ def print_table(rows: list[Row], device: str, args) -> None:
             f"{r.nbytes / 2**20:>10.1f} {r.gbps:>7.2f}"
         )
     print()
+
+
+if __name__ == "__main__":  # ``python -m kvstore.demo``: as ``kvstore demo``
+    from kvstore.cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

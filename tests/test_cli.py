@@ -328,3 +328,39 @@ def test_sizes_are_written_in_the_unit_they_fill(size, text):
     from kvstore.wire.sizes import format_size
 
     assert format_size(size) == text
+
+
+@pytest.mark.parametrize("cmd", ["serve", "router", "demo"])
+def test_log_level_takes_any_case(cmd):
+    from kvstore.cli import build_parser
+
+    assert build_parser().parse_args([cmd, "--log-level", "WARNING"]).log_level.lower() == "warning"
+
+
+def test_debug_logging_is_kvstores_own_not_every_librarys():
+    """Before: --log-level debug set the root logger, and grpc and asyncio logged
+    a debug line per call beside kvstore's."""
+    import logging
+
+    from kvstore.cli import setup_logging
+
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:], logging.getLogger("kvstore").level
+    root.handlers.clear()
+    try:
+        setup_logging("debug")
+        assert logging.getLogger("kvstore.store").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.DEBUG)
+        assert logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        logging.getLogger("kvstore").setLevel(saved[2])
+
+
+def test_python_m_kvstore_demo_is_the_demo_command():
+    """Before: ``python -m kvstore.demo`` imported the module and did nothing."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.demo", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "usage: kvstore demo" in out.stdout

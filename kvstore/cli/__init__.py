@@ -61,11 +61,15 @@ def host_and_port(text: str) -> str:
 
 
 def setup_logging(level: str) -> None:
+    """kvstore's loggers at ``level``; other libraries' (grpc, asyncio) at INFO or
+    above: their debug output is a line per call, not what --log-level debug asks."""
+    level = level.upper()
     logging.basicConfig(
-        level=level.upper(),
+        level=max(logging.getLevelName(level), logging.INFO),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
     )
+    logging.getLogger("kvstore").setLevel(level)
 
 
 STORE_METRICS = (
@@ -240,8 +244,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
         default="info",
+        type=str.lower,
         choices=["debug", "info", "warning", "error"],
-        help="log verbosity (info)",
+        help="log verbosity (info; any case); debug applies to kvstore's own loggers",
     )
 
 
@@ -403,8 +408,9 @@ def add_demo(sub) -> None:
     p.add_argument(
         "--log-level",
         default="error",
+        type=str.lower,
         choices=["debug", "info", "warning", "error"],
-        help="the demo's store server's log verbosity, on stderr (error)",
+        help="the demo's store server's log verbosity, on stderr (error; any case)",
     )
 
 

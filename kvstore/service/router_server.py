@@ -86,6 +86,7 @@ class ServedRouter:
         self.replica: RouterReplica | None = None
         self._etcd: Etcd | None = None
         self._subscriptions: Subscriptions | None = None
+        self._service: RouterService | None = None
 
     def start(self, server: grpc.aio.Server, security: Security = PLAINTEXT) -> None:
         """Add the Router service to ``server`` and start the feeds.
@@ -108,6 +109,7 @@ class ServedRouter:
             self.replica = RouterReplica(self._etcd, self.etcd_config, self.router)
             service = ClusterRouterService(self.router, self.replica, security)
         add_to_server(service, server)  # unparseable: INVALID_ARGUMENT
+        self._service = service
         subs = Subscriptions(self.router, asyncio.get_running_loop(), security.tls)
         subs.start()
         for name, endpoint in self.feeds.vllm:
@@ -130,6 +132,11 @@ class ServedRouter:
         await self.replica.start(address)
         if not await self.replica.listed(FIRST_LISTING_S):
             log.warning("etcd has not answered yet; serving, and following it once it does")
+
+    def end_sessions(self) -> None:
+        """The server is stopping: end its workers' sessions (before its grace)."""
+        if self._service is not None:
+            self._service.end_sessions()
 
     async def close(self) -> None:
         """Stop the feeds and leave etcd (the core stays usable)."""
@@ -207,8 +214,7 @@ class ClusterRouterService(RouterService):
         worker = await self._admit(context, request.name, card_from_proto(request.card), True)
         try:
             yield admitted_reply(worker, self.router.members(worker.key))
-            while not context.done():  # hold the session; cancellation ends it
-                await asyncio.sleep(3600)
+            await self._hold_session(context)
         finally:
             self.replica.release(worker.name, worker.ref.generation)
 
@@ -311,6 +317,7 @@ async def serve_router(
     finally:
         log.info("router shutting down")
         await health.enter_graceful_shutdown()
+        served.end_sessions()
         await server.stop(grace=STOP_GRACE_S)
         await served.close()
         if metrics is not None:

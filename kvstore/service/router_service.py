@@ -26,7 +26,7 @@ from kvstore.service import malformed, status
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire import limits
 from kvstore.wire.card_proto import card_from_proto
-from kvstore.wire.errors import KVError
+from kvstore.wire.errors import KVError, unavailable
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.principal import Principal
 
@@ -83,6 +83,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, router: Router, security: Security = PLAINTEXT):
         self.router = router
         self.security = security
+        self._stopping = asyncio.Event()  # set once: the server is stopping
+
+    def end_sessions(self) -> None:
+        """The server is stopping: end every worker session now, UNAVAILABLE, so
+        that its grace period waits for none (workers register again once a
+        router answers); a session opened from now on ends at once."""
+        self._stopping.set()
+
+    async def _hold_session(self, context: grpc.aio.ServicerContext) -> None:
+        """Hold a worker's session until its client ends it (cancelling this) or
+        the server stops."""
+        await self._stopping.wait()
+        await status.abort(context, unavailable("router shutting down; register again"))
 
     async def _call(self, context: grpc.aio.ServicerContext, fn, *args, **kwargs):
         try:
@@ -108,8 +121,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         worker = await self._register(request, context)
         try:
             yield admitted_reply(worker, self.router.members(worker.key))
-            while not context.done():  # hold the session; cancellation ends it
-                await asyncio.sleep(3600)
+            await self._hold_session(context)
         finally:
             if self.router.worker(worker.ref) is not None:
                 self.router.remove_worker(worker.name, worker.ref.generation)

@@ -307,6 +307,9 @@ class StoreServer:
         if self.metrics is not None:
             await self.metrics.stop()
         await self.health.enter_graceful_shutdown()
+        self.service.end_streams()  # else the grace waits for every rank and subscriber
+        if self.embedded_router is not None:
+            self.embedded_router.end_sessions()
         if self.link is not None:
             await self.link.stop()
         if self.peer_server is not None:

@@ -30,7 +30,7 @@ from kvstore.store.node import StoreNode, check_wait_ms
 from kvstore.store.registry import Instance
 from kvstore.transfer import PeerServer
 from kvstore.wire import limits
-from kvstore.wire.errors import KVError, exhausted
+from kvstore.wire.errors import KVError, exhausted, unavailable
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.principal import Principal, check_quota, owned_by
 
@@ -66,6 +66,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # every Events stream open, cut or not (a cut one lives until its client reads)
         self._streams: dict[asyncio.Queue, str] = {}  # queue -> its caller's name
         self._seal_waiters: set[asyncio.Event] = set()  # GetInstance calls waiting
+        self._stopping = False  # the server is stopping: long streams end (end_streams)
         node.watch(self._instance_changed)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable, *args: Any) -> Any:
@@ -79,6 +80,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         return await self._call(context, self.security.principal, context)
 
+    def end_streams(self) -> None:
+        """The server is stopping: end every registration and Events stream now,
+        UNAVAILABLE, so that its grace period waits for none of them (ranks
+        register and routers subscribe again once a server answers); one opened
+        from now on ends at once."""
+        self._stopping = True
+        for queue in self._watchers.values():
+            queue.put_nowait(STOPPING)
+        for queue in self._subscribers:
+            _cut(queue)  # wakes its handler, which sees _stopping
+
+    async def _end_if_stopping(self, context: grpc.aio.ServicerContext, stream: str) -> None:
+        if self._stopping:
+            await status.abort(
+                context, unavailable(f"store server shutting down; {stream} once it is back")
+            )
+
     def _caller_user(self, context: grpc.aio.ServicerContext) -> CallerUser:
         """The node's user behind this call, looked up off its socket when its host
         memory is checked (docs/design.md §1)."""
@@ -89,6 +107,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -------------------------------------------------------- registration
 
     async def RegisterLayers(self, request, context) -> AsyncIterator[pb.RegistrationUpdate]:
+        await self._end_if_stopping(context, "register again")
         caller = await self._caller(context)
         user = self._caller_user(context)
         reg = await self._call(context, codec.decode_registration, request, caller, user)
@@ -104,6 +123,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 was_sealed = update.state == pb.RegistrationUpdate.SEALED
                 yield update
                 inst = await queue.get()
+                if inst is STOPPING:
+                    await self._end_if_stopping(context, "register again")
                 update = codec.registration_update(inst, reg)
         finally:
             self._watchers.pop(reg.session, None)
@@ -221,6 +242,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         namespaces'. A subscriber that falls ``event_queue_max`` events behind is
         cut off with RESOURCE_EXHAUSTED; so is a non-admin's stream past
         MAX_EVENT_STREAMS_PER_PRINCIPAL (each may queue ``event_queue_max`` events)."""
+        await self._end_if_stopping(context, "subscribe again")
         caller = await self._caller(context)
         owned = owned_by(caller, self._streams.values())
         limit = limits.MAX_EVENT_STREAMS_PER_PRINCIPAL
@@ -237,6 +259,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield pb.Event(payload=event.encode(), seq=seq, snapshot=True)
             while True:
                 payload = await queue.get()
+                await self._end_if_stopping(context, "subscribe again")
                 if queue not in self._subscribers:
                     await status.abort(context, exhausted("event subscriber too slow; resubscribe"))
                 seq += 1
@@ -244,6 +267,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         finally:
             self._subscribers.pop(queue, None)
             del self._streams[queue]
+
+
+STOPPING = object()  # put in a registration's queue: the server is stopping
 
 
 @dataclass

@@ -192,7 +192,7 @@ class StoreReservation:
             return
         self.done = True
         kept = self.index.adopt(self.blocks)
-        log.info("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
+        log.debug("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
 
     def abort(self) -> None:
         if self.done:
