@@ -15,7 +15,8 @@
   router held for the node), then numbers every event (docs/design.md §6).
   When the stream ends the node's blocks are dropped (the store died or
   restarted, or cut us off for falling behind), and the subscription
-  reconnects with backoff; a gap in the numbers ends it at once and it
+  reconnects with backoff, logging the outage once, not every try
+  (``kvstore.service.outage``); a gap in the numbers ends it at once and it
   resubscribes without waiting.
 
 Decoding errors and the events a gap lost are logged and counted by cause,
@@ -29,6 +30,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -39,6 +42,7 @@ from kvstore.router.admission import Worker, WorkerRef
 from kvstore.router.core import Router
 from kvstore.router.drops import DropCause
 from kvstore.router.vllm_events import decode_message
+from kvstore.service.outage import FIRST_RETRY_S, Outage, grpc_reason
 from kvstore.wire import limits
 from kvstore.wire.errors import KVError
 from kvstore.wire.events import GPU_TIER, StoreEvent
@@ -139,26 +143,41 @@ async def _reconnect(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, endp
 
 
 async def follow_store(
-    router: Router, address: str, retry_s: float = 1.0, tls: TlsFiles | None = None
+    router: Router,
+    address: str,
+    tls: TlsFiles | None = None,
+    retry_s: float = FIRST_RETRY_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Follow one store server's Events stream until cancelled; reconnect on failure.
     (With TLS the store must list this router's CN as ``--admin`` to show it
-    every namespace's events.)"""
+    every namespace's events.) A store that is down is logged once, when lost
+    (then a reminder every few minutes), and once when its stream opens again;
+    it is retried after ``retry_s``, doubling (``kvstore.service.outage``)."""
+    outage = Outage(
+        log,
+        f"store events from {address}",
+        "its blocks are forgotten until it is back; retrying with backoff",
+        first_s=retry_s,
+        clock=clock,
+    )
     while True:
         bound: list[tuple[str, int]] = []  # the (node id, peer generation) this stream feeds
-        wait_s = retry_s
+        reason = "the stream ended"
         try:
-            await _follow_store_once(router, address, bound, tls)
+            await _follow_store_once(router, address, bound, tls, outage.recovered)
         except asyncio.CancelledError:
             raise
         except StreamGap as exc:  # resubscribe at once: the new stream opens with a snapshot
             log.warning("store events from %s: %s; resubscribing", address, exc)
-            wait_s = 0
-        except Exception as exc:  # noqa: BLE001 -- any stream failure: log, drop the node, retry
-            log.warning("store events from %s ended: %s", address, exc)
+            reason = ""
+        except Exception as exc:  # noqa: BLE001 -- any stream failure: drop the node, retry
+            reason = grpc_reason(exc)
         for node_id, generation in bound:
             router.remove_peer(node_id, generation)
-        await asyncio.sleep(wait_s)
+        if reason:
+            outage.failed(reason)
+            await asyncio.sleep(outage.delay())
 
 
 class StreamGap(Exception):
@@ -175,14 +194,25 @@ def out_of_sequence(seq: int, expected: int) -> tuple[int, DropCause]:
 
 
 async def _follow_store_once(
-    router: Router, address: str, bound: list[tuple[str, int]], tls: TlsFiles | None
+    router: Router,
+    address: str,
+    bound: list[tuple[str, int]],
+    tls: TlsFiles | None,
+    opened_stream: Callable[[], None],
 ) -> None:
-    """One Events stream; ``bound`` gets the peer it feeds once its node id is known."""
+    """One Events stream; ``bound`` gets the peer it feeds once its node id is
+    known; ``opened_stream`` is called once the store has answered (its headers
+    or, from a store that sends none first, its first event)."""
     expected = 1  # the next number in this stream (a store that numbers nothing sends 0)
     opened = False  # the snapshot's first event has replaced the node's blocks
     async with open_aio_channel(address, tls) as channel:
         stub = store_pb2_grpc.KVStoreStub(channel)
-        async for message in stub.Events(store_pb2.EventsRequest()):
+        call = stub.Events(store_pb2.EventsRequest())
+        await call.initial_metadata()
+        if not call.done():  # a failed call has none either: it raises below
+            opened_stream()
+        async for message in call:
+            opened_stream()
             if message.seq and message.seq != expected:
                 router.record_dropped(*out_of_sequence(message.seq, expected))
                 raise StreamGap(f"event {expected} is missing (got {message.seq})")

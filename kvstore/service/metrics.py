@@ -45,7 +45,7 @@ COUNTERS = frozenset({
     "hit_blocks_predicted", "hit_blocks_reported", "worker_recreations",
     "resyncs_requested", "event_subscribers_cut", "auth_failures", "fetches_failed_auth",
     "fetches_rma", "fetches_failed_rma", "rma_leases", "rma_leases_expired",
-    "events_refused",
+    "events_refused", "batches_dropped",
     # RouterStats.dropped_by: one counter per drop cause
     *(cause.value for cause in DropCause),
 })  # fmt: skip

@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from kvstore.membership.directory import Directory
@@ -60,6 +61,7 @@ from kvstore.membership.keeper import LeaseKeeper
 from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
 from kvstore.membership.relayed import RelayedWorkers
+from kvstore.service.outage import Outage
 from kvstore.service.sealed import NOTHING, Snapshot, events_of
 from kvstore.wire.errors import Code, KVError, unavailable
 from kvstore.wire.events import GPU_TIER, StoreEvent
@@ -139,6 +141,14 @@ class RemoteRouterLink:
         # The router whose ALREADY_EXISTS (our node id held by another live store)
         # was logged; None when no such conflict is going on.
         self._conflict: str | None = None
+        self._outage = Outage(  # logged once, not per batch or keepalive round
+            log,
+            f"router {', '.join(self.addresses)}",
+            f"our events are dropped until it answers (a snapshot replays them); "
+            f"retrying every {REFRESH_S:g} s",
+        )
+        self.dropped = RouterLinkStats()
+        self._dropped_in_outage = 0  # events dropped since the router was lost
 
     async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
@@ -179,6 +189,9 @@ class RemoteRouterLink:
             self._queue.put_nowait(None)  # a worker we relayed for was admitted anew
             log.info("router %s asked for our snapshot; sending it", self.client.address)
         self.advertised = True
+        if self._outage.down:
+            self._outage.recovered(f"{self._dropped_in_outage} events dropped meanwhile")
+            self._dropped_in_outage = 0
 
     async def _advertise_or_warn(self) -> None:
         fresh = not (self.advertised and self._in_sync)
@@ -190,11 +203,7 @@ class RemoteRouterLink:
             if self._refused(exc):
                 return
         if self.advertised:
-            log.warning(
-                "router %s lost our advertisement (%s); re-advertising",
-                self.client.address,
-                _brief(failure),
-            )
+            self._outage.failed(f"it lost our advertisement: {_brief(failure)}")
             self.advertised = False
         tries = len(self.addresses)  # the current router anew, then the others
         if fresh:  # the current one just failed a fresh advertisement: the others
@@ -209,12 +218,7 @@ class RemoteRouterLink:
                 if self._refused(exc):
                     return
                 self._move_on()
-        log.warning(
-            "router %s unreachable (%s); retrying every %.0f s",
-            ", ".join(self.addresses),
-            _brief(failure),
-            REFRESH_S,
-        )
+        self._outage.failed(f"unreachable: {_brief(failure)}")  # logged once an outage
 
     def _refused(self, exc: Exception) -> bool:
         """Whether ``exc`` is the router refusing our node id: another live store
@@ -271,7 +275,8 @@ class RemoteRouterLink:
         while True:
             batch = next_batch(await self._queue.get(), self._queue)
             if not self.advertised:
-                continue  # the snapshot replays them once the router is back
+                self._drop(batch)  # the snapshot replays them once the router is back
+                continue
             try:
                 if batch is None:
                     in_sequence = await self._send_snapshot()
@@ -281,14 +286,20 @@ class RemoteRouterLink:
                     self._queue.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
-                log.warning(
-                    "could not forward %s to router %s (%s); re-advertising "
-                    "with a full snapshot within %.0f s",
-                    "the snapshot" if batch is None else f"{len(batch)} events",
-                    self.client.address,
-                    _brief(exc),
-                    REFRESH_S,
-                )
+                self._drop(batch)
+                what = "the snapshot" if batch is None else f"{len(batch)} events"
+                self._outage.failed(f"could not forward {what}: {_brief(exc)}")
+
+    def _drop(self, batch: list[StoreEvent] | None) -> None:
+        """Count a batch (None: a snapshot) that did not reach the router."""
+        self.dropped.batches_dropped += 1
+        if batch is not None:
+            self.dropped.events_dropped += len(batch)
+            self._dropped_in_outage += len(batch)
+
+    def stats(self) -> RouterLinkStats:
+        """What did not reach the router (under ``router_link`` on /metrics)."""
+        return RouterLinkStats(**vars(self.dropped))
 
     async def _send_snapshot(self) -> bool:
         self._snapshots_begun += 1
@@ -320,6 +331,15 @@ class RemoteRouterLink:
         self._tasks.clear()
         self.client.close()
         self.lookups.close()
+
+
+@dataclass
+class RouterLinkStats:
+    """Batches (and their events) a remote link could not forward: the router
+    was down or failed the publish; a snapshot replays their blocks after."""
+
+    batches_dropped: int = 0
+    events_dropped: int = 0
 
 
 def _clients(address: str, tls: TlsFiles | None):

@@ -205,6 +205,8 @@ class StoreServer:
             records["peer_port"] = self.peer_server.stats()
         if self.router is not None:
             records["router"] = self.router.stats()
+        if isinstance(self.link, RemoteRouterLink):
+            records["router_link"] = self.link.stats()
         return records
 
     def sealed(self) -> Sealed:

@@ -247,6 +247,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         owned = owned_by(caller, self._streams.values())
         limit = limits.MAX_EVENT_STREAMS_PER_PRINCIPAL
         await self._call(context, check_quota, "event streams", owned, limit, caller)
+        await context.send_initial_metadata(())  # the stream is open: the router says so
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
         self._subscribers[queue] = caller
         self._streams[queue] = caller.name

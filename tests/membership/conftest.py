@@ -131,14 +131,16 @@ class RouterThread:
     """A real router replica (grpc.aio + ServedRouter on etcd) on a loopback
     port, on its own event loop in a thread, so tests can read its core."""
 
-    def __init__(self, config, seed: int = 7, security=None):
-        """``security``: mutual TLS for its gRPC port (plaintext when None)."""
+    def __init__(self, config, seed: int = 7, security=None, port: int = 0):
+        """``security``: mutual TLS for its gRPC port (plaintext when None);
+        ``port``: 0 for a free one."""
         from kvstore.router.core import Router, RouterConfig
         from kvstore.router.scoring import ScoringConfig
         from kvstore.service.router_server import ServedRouter
         from kvstore.service.tls import PLAINTEXT
 
         self.security = security or PLAINTEXT
+        self.port = port
         self.router = Router(RouterConfig(scoring=ScoringConfig(seed=seed)))
         self.served = ServedRouter(self.router, etcd=config)
         self.loop = asyncio.new_event_loop()
@@ -155,7 +157,7 @@ class RouterThread:
     async def _serve(self) -> None:
         self.server = grpc.aio.server()
         self.served.start(self.server, self.security)
-        self.port = self.security.bind(self.server, "127.0.0.1:0")
+        self.port = self.security.bind(self.server, f"127.0.0.1:{self.port}")
         self.address = f"127.0.0.1:{self.port}"
         await self.server.start()
         await self.served.announce(self.address)

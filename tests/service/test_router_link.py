@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from kvstore.client.router_client import RouterClient
 from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
 from kvstore.service.sealed import NOTHING, Listed
+from kvstore.wire.errors import KVError
 from kvstore.wire.events import STORED, StoreEvent
 from tests.membership.conftest import RouterThread
 
@@ -288,3 +290,73 @@ def test_two_stores_given_one_node_id_leave_the_routers_entry_to_the_first(tmp_p
     assert len(lines(1, "refuses node id")) == 1 and len(lines(1, "accepted node id")) == 1
     warned = [r for r in caplog.records if r.name == "kvstore.router.peers"]
     assert len(warned) == 1 and second in warned[0].getMessage()
+
+
+def test_a_router_that_stops_is_logged_once_not_per_batch_and_its_return_once(caplog, monkeypatch):
+    """Before, a store whose router died logged a warning per failed event batch
+    (70 in 0.7 s under load), then one every keepalive round. Now: one WARNING
+    for the outage, the batches it could not forward counted, and one INFO when
+    a router on that address takes our advertisement again."""
+    from kvstore.service import router_link
+
+    monkeypatch.setattr(router_link, "REFRESH_S", 0.2)  # many keepalive rounds while down
+    router = RouterThread(None)
+    address = router.address
+    published: list[StoreEvent] = []
+
+    def snapshot() -> Listed:
+        return Listed(list(published))
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        link = RemoteRouterLink(address, "n1")
+        await link.start("127.0.0.1:1", "", snapshot)
+
+        def publish(h: int) -> None:
+            published.append(StoreEvent(STORED, NS, [h], "n1"))
+            link.publish(published[-1])
+
+        def knows(h: int) -> bool:
+            try:
+                return bool(client.query_prefix(NS, [h]))
+            except KVError:  # the router is not back yet
+                return False
+
+        async def until(h: int) -> None:
+            while not await asyncio.to_thread(knows, h):
+                assert loop.time() < deadline, f"the router never heard of block {h}"
+                await asyncio.sleep(0.05)
+
+        client = RouterClient(address, timeout_s=2)
+        again = None
+        try:
+            publish(0)
+            await until(0)
+            await asyncio.to_thread(router.stop)
+            h = 1
+            while link.stats().batches_dropped < 30 or link._outage.tries < 10:
+                assert loop.time() < deadline, "the link dropped too few batches"
+                publish(h)
+                h += 1
+                await asyncio.sleep(0.01)
+            assert link.stats().events_dropped >= 30
+            again = await asyncio.to_thread(RouterThread, None, port=int(address.split(":")[1]))
+            await until(h - 1)  # the snapshot replays what it missed
+            publish(h)
+            await until(h)  # and events flow again
+        finally:
+            client.close()
+            await link.stop()
+            if again is not None:
+                await asyncio.to_thread(again.stop)
+
+    with caplog.at_level(logging.INFO, "kvstore.service.router_link"):
+        asyncio.run(run())
+    records = [r for r in caplog.records if r.name == "kvstore.service.router_link"]
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"router {address} lost (")
+    resumed = [r.getMessage() for r in records if "resumed" in r.getMessage()]
+    assert len(resumed) == 1 and resumed[0].startswith(f"router {address} resumed after")
+    assert re.search(r"; [1-9]\d* events dropped meanwhile\)$", resumed[0]), resumed[0]
