@@ -364,3 +364,13 @@ def test_python_m_kvstore_demo_is_the_demo_command():
         [sys.executable, "-m", "kvstore.demo", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "usage: kvstore demo" in out.stdout
+
+
+def test_stats_prints_every_counter_zeros_too(server):
+    """Before: protobuf's text form, which leaves out every zero field, so a fresh
+    store's misses, evictions and leases were simply missing."""
+    out = kvstore("stats", "--address", server.address)
+    assert out.returncode == 0, out.stderr
+    for line in ("hits: 0", "misses: 0", "evictions: 0", "leases: 0", "ucx_address: "):
+        assert line in out.stdout, out.stdout
+    assert "pool_bytes: 67108864 (64 MiB)" in out.stdout

@@ -505,6 +505,23 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def stats_text(stats) -> str:
+    """A StatsResponse as ``name: value`` lines, every field in the proto's order,
+    zero counters too (protobuf's text form leaves them out); byte counts also in
+    binary units."""
+    from kvstore.wire.sizes import format_size
+
+    lines = []
+    for field in stats.DESCRIPTOR.fields:
+        value = getattr(stats, field.name)
+        if field.name.endswith("bytes") or field.name.startswith("bytes_"):
+            value = f"{value} ({format_size(value)})"
+        elif isinstance(value, str):
+            value = value or "-"
+        lines.append(f"{field.name}: {value}")
+    return "\n".join(lines)
+
+
 def _client_command(args: argparse.Namespace) -> int:
     """stats, clear, events: one call to a store server; a refusal prints its status."""
     from kvstore.client.store_client import StoreClient
@@ -520,7 +537,7 @@ def _client_command(args: argparse.Namespace) -> int:
             return _print_events(args.address, tls)
         client = StoreClient(args.address, tls=tls)
         if args.command == "stats":
-            print(client.stats())
+            print(stats_text(client.stats()))
         else:
             print(f"cleared {client.clear(args.namespace)} blocks")
     except (ValueError, KVError) as exc:
