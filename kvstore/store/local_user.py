@@ -64,20 +64,46 @@ class CallerUser:
             "user may read and write"
         )
 
-    def check_process(self, pid: int, what: str) -> None:
+    def check_process(self, proc: int, pid: int, what: str) -> None:
         """The caller's user runs process ``pid`` (or is root): only they may open
-        its descriptors through ``/proc``."""
+        its descriptors through ``/proc``. ``proc``: ``/proc/<pid>`` open as a
+        directory, which stays that process's (a pid reused meanwhile is not)."""
         if self.anyone:
             return
         uid = self._user(what)
         try:
-            owner = os.stat(f"/proc/{pid}").st_uid
+            owner = os.fstat(proc).st_uid
+            if owner == uid:  # a thread's own user: its process's too (they share fds)
+                owner = os.stat(f"/proc/{_thread_group(proc, pid)}").st_uid
         except FileNotFoundError:
             raise invalid(f"{what}: no such process on this node") from None
         if uid not in (ROOT, owner):
             raise denied(
                 f"{what}: process {pid} runs as uid {owner} and the caller as uid {uid}: "
                 "a rank registers descriptors of its own user's processes"
+            )
+
+    def check_descriptor(self, proc: int, fd: int, handle: int, what: str) -> None:
+        """The process ``proc`` (``/proc/<pid>`` open as a directory) holds ``fd``
+        open read-write, ``fd`` being the file this store opened as ``handle``
+        through it. The store reopens ``/proc/<pid>/fd/<fd>`` with its own rights,
+        not the descriptor's: one a process holds read-only (root's 0644 object,
+        a memfd handed out read-only) would otherwise be mapped writable. Read off
+        ``fdinfo`` in one read (access mode, mount and inode together), so a
+        descriptor swapped meanwhile is refused, not mistaken."""
+        if self.anyone or self._user(what) == ROOT:
+            return
+        theirs = _fdinfo(f"fdinfo/{fd}", proc)
+        ours = _fdinfo(f"/proc/self/fdinfo/{handle}")
+        if theirs is None or ours is None:
+            raise invalid(f"{what} is not open in that process")
+        file_, mine = theirs[1:], ours[1:]
+        if None in file_ or file_ != mine:
+            raise invalid(f"{what} changed while the store opened it; register again")
+        if theirs[0] & os.O_ACCMODE != os.O_RDWR:
+            raise denied(
+                f"{what} is open read-only (flags {theirs[0]:o}) and the caller runs as uid "
+                f"{self._uid}: a rank registers memory its descriptor may write"
             )
 
     def _user(self, what: str) -> int:
@@ -96,3 +122,35 @@ class CallerUser:
                 "when every local user is trusted"
             )
         return self._uid
+
+
+def _fdinfo(path: str, dir_fd: int | None = None) -> tuple[int, int | None, int | None] | None:
+    """A descriptor's ``(flags, mnt_id, ino)`` from its ``fdinfo`` file (None for
+    a field the kernel does not give), or None when it is not open."""
+    try:
+        with open(path, opener=lambda p, f: os.open(p, f | os.O_CLOEXEC, dir_fd=dir_fd)) as info:
+            text = info.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+    def number(name: str, base: int) -> int | None:
+        value = fields.get(name, "").strip()
+        return int(value, base) if value else None
+
+    flags = number("flags", 8)
+    return None if flags is None else (flags, number("mnt_id", 10), number("ino", 10))
+
+
+def _thread_group(proc: int, pid: int) -> int:
+    """The process whose thread ``pid`` (``/proc/<pid>`` open as ``proc``) is: a
+    thread may run as another user than its process (per-thread credentials,
+    set by raw syscalls), while its ``fd`` directory is the process's."""
+    try:
+        with open("status", opener=lambda p, f: os.open(p, f | os.O_CLOEXEC, dir_fd=proc)) as st:
+            for line in st:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return pid

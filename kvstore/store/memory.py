@@ -223,28 +223,24 @@ def map_host_fd(
         raise invalid(f"{field_}.pid {pid}: no such process on this node")
     if _thread_group(pid) == os.getpid():  # /proc/<tid>/fd is the server's own fd table
         raise invalid(f"{field_}.pid {pid} is the store server itself (one of its threads)")
-    user.check_process(pid, f"{field_}.fd {fd} of process {pid}")
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        target = os.readlink(path)
-        # O_NONBLOCK: a file lease (F_SETLEASE) the worker holds fails the open at once
-        # instead of blocking the event loop until the kernel breaks it (45 s)
-        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    what = f"{field_}.fd {fd} of process {pid}"
+    try:  # /proc/<pid> as a directory: that process's, even if the pid is reused after
+        proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise invalid(f"{field_}.fd {fd} is not open in process {pid}") from None
-    except PermissionError as exc:
-        raise precondition(
-            f"{field_}: cannot open fd {fd} of process {pid} ({exc.strerror}); the "
-            "server must run as the same user as the worker"
-        ) from exc
-    except BlockingIOError:
-        raise precondition(
-            f"{field_}.fd {fd} of process {pid} is under a file lease (F_SETLEASE): "
-            "release it to register this memory"
-        ) from None
+        raise invalid(f"{field_}.pid {pid}: no such process on this node") from None
     except OSError as exc:
-        doing = f"{field_}.fd {fd} of process {pid} cannot be opened"
+        doing = f"{field_}.pid {pid}: cannot open /proc/{pid}"
         raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
+    try:
+        user.check_process(proc, pid, what)
+        target, handle = _open_descriptor(proc, pid, fd, field_)
+        try:
+            user.check_descriptor(proc, fd, handle, what)
+        except BaseException:
+            os.close(handle)
+            raise
+    finally:
+        os.close(proc)
     try:
         info = os.fstat(handle)
         if not stat.S_ISREG(info.st_mode) or not target.startswith(SHM_LINK_PREFIXES):
@@ -267,6 +263,32 @@ def map_host_fd(
         return _map_file(handle, _mapped_bytes(size, reach), info, what)
     finally:
         os.close(handle)
+
+
+def _open_descriptor(proc: int, pid: int, fd: int, field_: str) -> tuple[str, int]:
+    """``fd/<fd>`` under ``proc`` (``/proc/<pid>`` open as a directory): where its
+    link points, and the file opened read-write with the store's own rights."""
+    try:
+        target = os.readlink(f"fd/{fd}", dir_fd=proc)
+        # O_NONBLOCK: a file lease (F_SETLEASE) the worker holds fails the open at once
+        # instead of blocking the event loop until the kernel breaks it (45 s)
+        handle = os.open(f"fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=proc)
+    except FileNotFoundError:
+        raise invalid(f"{field_}.fd {fd} is not open in process {pid}") from None
+    except PermissionError as exc:
+        raise precondition(
+            f"{field_}: cannot open fd {fd} of process {pid} ({exc.strerror}); the "
+            "server must run as the same user as the worker"
+        ) from exc
+    except BlockingIOError:
+        raise precondition(
+            f"{field_}.fd {fd} of process {pid} is under a file lease (F_SETLEASE): "
+            "release it to register this memory"
+        ) from None
+    except OSError as exc:
+        doing = f"{field_}.fd {fd} of process {pid} cannot be opened"
+        raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
+    return target, handle
 
 
 def _thread_group(pid: int) -> int:

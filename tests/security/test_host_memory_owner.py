@@ -282,3 +282,114 @@ def test_the_lookup_is_asked_once_and_a_shortage_is_the_stores():
         assert "--host-memory any" in info_.value.message
     assert len(calls) == 1
     CallerUser.unchecked().check_may_open(info, "unused")  # --host-memory any: no lookup
+
+
+# ------------------------------------------- a descriptor open read-only
+#
+# The store opens /proc/<pid>/fd/<fd> anew, O_RDWR, with its own (root's) rights:
+# what that reopening may do is not what the descriptor may. A process of uid
+# 65534 that holds root's 0644 /dev/shm object (or a memfd root handed it)
+# read-only named that descriptor, and the store mapped it writable: a Load then
+# overwrote root's memory. The descriptor itself must be open read-write.
+
+READ_ONLY_HOLDER = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print(fd, flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def _read_only_descriptor_of_roots_shm() -> Iterator[MemfdKVLayer]:
+    """Root's 0644 /dev/shm object, mapped here; a process of uid 65534 holds it
+    open read-only and is named as the layer's host_fd."""
+    if reason := _can_run_as_nobody():
+        pytest.skip(reason)
+    nbytes = 2 * NB * BS * HEADS * HD * 2
+    path = f"/dev/shm/kvstore_test_ro_{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        tensor = torch.frombuffer(mm, dtype=torch.float16).view(2, NB, BS, HEADS, HD)
+        tensor.fill_(7)
+        child = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", READ_ONLY_HOLDER, path],
+            stdout=subprocess.PIPE,
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            cwd="/",
+        )
+        try:
+            child_fd = int(child.stdout.readline())
+            held = dataclasses.replace(host_fd_of(tensor, [fd]), pid=child.pid, fd=child_fd)
+            yield MemfdKVLayer("model.layers.0.self_attn", tensor, "kv_first", "NHD", host_fd=held)
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_descriptor_held_read_only_is_not_mapped_writable(store, relay):
+    with _read_only_descriptor_of_roots_shm() as kv:
+        err = _refused(relay, [kv])
+        assert err.code is Code.PERMISSION_DENIED, err
+        for words in ("host_fd.fd", "read-only", "uid 65534"):
+            assert words in err.message, err.message
+        with contextlib.closing(StoreClient(store.address)) as client:
+            assert client.stats().instances == 0
+        assert bool((kv.tensor == 7).all())  # root's bytes untouched
+
+
+# A thread may run as another user than its process (per-thread credentials by
+# a raw setresuid, as file servers do), while /proc/<tid>/fd is its process's
+# descriptor table: the thread's user is not enough.
+
+THREAD_AS_NOBODY = r"""
+import ctypes, os, sys, threading, time
+SETRESUID = {"x86_64": 117, "aarch64": 147}[os.uname().machine]
+fd = os.memfd_create("roots-kv", 0)
+os.ftruncate(fd, int(sys.argv[1]))
+libc = ctypes.CDLL(None, use_errno=True)
+
+def nobody():
+    assert libc.syscall(SETRESUID, 65534, 65534, 65534) == 0, ctypes.get_errno()
+    print(threading.get_native_id(), fd, flush=True)
+    time.sleep(120)
+
+threading.Thread(target=nobody, daemon=True).start()
+time.sleep(120)
+"""
+
+
+def test_a_thread_of_roots_process_running_as_the_caller_does_not_lend_its_fds(store, relay):
+    if reason := _can_run_as_nobody():
+        pytest.skip(reason)
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("setresuid's syscall number is known here for x86_64 and aarch64 only")
+    nbytes = 2 * NB * BS * HEADS * HD * 2
+    root = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", THREAD_AS_NOBODY, str(nbytes)], stdout=subprocess.PIPE, cwd="/"
+    )
+    try:
+        tid, fd = map(int, root.stdout.readline().split())
+        assert os.stat(f"/proc/{tid}").st_uid == NOBODY  # the thread runs as the caller
+        with open(f"/proc/{root.pid}/fd/{fd}", "r+b") as memory:
+            mm = mmap.mmap(memory.fileno(), nbytes, mmap.MAP_SHARED)
+            tensor = torch.frombuffer(mm, dtype=torch.float16).view(2, NB, BS, HEADS, HD)
+            held = dataclasses.replace(host_fd_of(tensor, [memory.fileno()]), pid=tid, fd=fd)
+            kv = MemfdKVLayer("model.layers.0.self_attn", tensor, "kv_first", "NHD", host_fd=held)
+            err = _refused(relay, [kv])
+            del kv, tensor
+        assert err.code is Code.PERMISSION_DENIED, err
+        assert f"process {tid} runs as uid 0" in err.message, err.message
+    finally:
+        root.kill()
+        root.wait()
+        root.stdout.close()
