@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from urllib.parse import unquote
 
 TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 ESTABLISHED = "01"  # the st column of a connected socket
@@ -22,7 +23,7 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 def peer_uid(peer: str, tables: tuple[Path, ...] = TCP_TABLES) -> int | None:
     """The uid owning the connected socket at ``peer`` (``context.peer()``:
-    ``ipv4:127.0.0.1:PORT``, ``ipv6:[::1]:PORT``) when that socket is on this
+    ``ipv4:127.0.0.1:PORT``, ``ipv6:%5B::1%5D:PORT``) when that socket is on this
     node, in this network namespace; None for a remote client, an address of
     another kind, or one that two users' sockets share. An OSError reading a
     table (the store out of descriptors) is raised: the store's own shortage,
@@ -44,7 +45,9 @@ def peer_uid(peer: str, tables: tuple[Path, ...] = TCP_TABLES) -> int | None:
 
 
 def _parse_peer(peer: str) -> tuple[Address, int] | None:
-    kind, _, rest = peer.partition(":")
+    """``context.peer()`` as an address and port. grpc writes the peer as a URI:
+    an IPv6 one percent-encoded (``ipv6:%5B::1%5D:PORT``)."""
+    kind, _, rest = unquote(peer).partition(":")
     host, _, port = rest.rpartition(":")
     if kind not in ("ipv4", "ipv6") or not port.isdigit():
         return None

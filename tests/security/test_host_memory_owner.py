@@ -256,6 +256,7 @@ def test_ipv6_loopback_connection():
         with client, accepted:
             port = client.getsockname()[1]
             assert peer_uid(f"ipv6:[::1]:{port}") == os.geteuid()
+            assert peer_uid(f"ipv6:%5B::1%5D:{port}") == os.geteuid()  # as grpc writes it
 
 
 def test_the_lookup_is_asked_once_and_a_shortage_is_the_stores():
@@ -393,3 +394,22 @@ def test_a_thread_of_roots_process_running_as_the_caller_does_not_lend_its_fds(s
         root.kill()
         root.wait()
         root.stdout.close()
+
+
+# grpc writes an IPv6 peer percent-encoded (``ipv6:%5B::1%5D:PORT``): the
+# lookup took it for no address, so a rank on ::1 ("localhost" resolving to
+# it first) was refused host memory as if it ran on another node.
+
+
+def test_a_rank_on_ipv6_loopback_registers_its_own_shared_memory(shm):
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError as exc:
+        pytest.skip(f"no ::1 here: {exc}")
+    s = ServerThread(
+        pool_size=16 << 20, device="cpu", slab_bytes=4 << 20, transfer=False, host="::1"
+    )
+    try:
+        _seals_and_moves_bytes(f"[::1]:{s.port}", shm)
+    finally:
+        s.stop()
