@@ -93,8 +93,12 @@ class CallerUser:
         descriptor swapped meanwhile is refused, not mistaken."""
         if self.anyone or self._user(what) == ROOT:
             return
-        theirs = _fdinfo(f"fdinfo/{fd}", proc)
-        ours = _fdinfo(f"/proc/self/fdinfo/{handle}")
+        try:
+            theirs = _fdinfo(f"fdinfo/{fd}", proc)
+            ours = _fdinfo(f"/proc/self/fdinfo/{handle}")
+        except OSError as exc:
+            doing = f"{what}: cannot read its fdinfo"
+            raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
         if theirs is None or ours is None:
             raise invalid(f"{what} is not open in that process")
         file_, mine = theirs[1:], ours[1:]

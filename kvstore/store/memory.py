@@ -229,7 +229,7 @@ def map_host_fd(
     except FileNotFoundError:
         raise invalid(f"{field_}.pid {pid}: no such process on this node") from None
     except OSError as exc:
-        doing = f"{field_}.pid {pid}: cannot open /proc/{pid}"
+        doing = f"{what} cannot be opened (/proc/{pid})"
         raise os_shortage(exc, doing) or invalid(f"{doing}: {exc.strerror}") from exc
     try:
         user.check_process(proc, pid, what)
