@@ -294,7 +294,7 @@ def add_serve(sub) -> None:
         "--node-id",
         default="",
         help="name of this store in events and peer lookups (hostname:port); one store's "
-        "alone: a router refuses it while another live store advertises it",
+        "alone: a router (or etcd, with --etcd) refuses it while another live store holds it",
     )
     p.add_argument(
         "--router",

@@ -21,6 +21,9 @@ Leases have a TTL of ``--etcd-ttl`` (10 s) and are kept alive every TTL / 3
 from a thread with its own event loop, so a busy loop cannot starve them. A
 store's generation is its key's create revision, a worker's the revision of
 the transaction that admitted it: etcd revisions, so every replica agrees.
+A store's key is one store's: another store address holding it live refuses
+a registration (ALREADY_EXISTS, retried until that lease lapses); the same
+address (a restart) replaces it at once.
 
 Modules, one concept each:
 

@@ -3,6 +3,7 @@
     etcd = Etcd(EtcdConfig.parse("http://127.0.0.1:2379"))   # or https://, with EtcdTls
     lease = await etcd.grant(10)
     revision = await etcd.recreate("/kvstore/v1/stores/a", b"...", lease)
+    revision = await etcd.recreate(key, value, lease, refuse=held_by_another)  # or its KVError
     entries, revision = await etcd.list_prefix("/kvstore/v1/stores/")
     async for change in etcd.watch_prefix("/kvstore/v1/stores/", revision + 1): ...
     result = await etcd.txn([version_is(key, 0)], [put(key, value, lease)])
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,13 +350,30 @@ class Etcd:
                 revision = max(revision, getattr(response, kind).header.revision)
         return TxnResult(ok, revision, reads)
 
-    async def recreate(self, key: str, value: bytes, lease: int) -> int:
+    async def recreate(
+        self,
+        key: str,
+        value: bytes,
+        lease: int,
+        refuse: Callable[[Entry], KVError | None] | None = None,
+    ) -> int:
         """Put ``key`` as a new key (deleting an earlier incarnation first), so its
-        create revision is new; returns that revision."""
+        create revision is new; returns that revision. With ``refuse``, an
+        incarnation found is deleted only when ``refuse(entry)`` is None; else
+        what it returned is raised and the key is left as it is (the create
+        and the read happen in one transaction, the delete only while the key
+        is still the one ``refuse`` was shown)."""
         for _ in range(8):
-            result = await self.txn([version_is(key, 0)], [put(key, value, lease)], [delete(key)])
+            result = await self.txn([version_is(key, 0)], [put(key, value, lease)], [get(key)])
             if result.succeeded:
                 return result.revision
+            held = result.reads[0] if result.reads else []
+            if not held:
+                continue  # deleted meanwhile: create it
+            refusal = None if refuse is None else refuse(held[0])
+            if refusal is not None:
+                raise refusal
+            await self.txn([modified_at(key, held[0].mod_revision)], [delete(key)])
         raise unavailable(f"etcd {self.endpoint}: {key} is rewritten by someone else meanwhile")
 
     # -- leases ------------------------------------------------------------

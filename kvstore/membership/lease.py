@@ -14,8 +14,12 @@ registration lets it lapse. A lease is lost when etcd answers a keepalive
 with TTL 0: its holder was silent past the TTL anyway (stopped, partitioned)
 or etcd lost its data. The holder then registers again, as a new generation.
 While etcd is unreachable registration retries every TTL/3 and nothing local
-stops. A registration refused for another reason than UNAVAILABLE (a worker
-whose set now holds another checksum) ends the holding and calls ``on_lost``.
+stops. A registration refused ALREADY_EXISTS (a store's node id held in etcd
+by another live store) goes to ``on_refused`` when given, and is tried again
+every TTL/3 until it succeeds (the other's lease lapsed); ``on_registered``
+then hears of it, and says so (the generic "registered" line is left to it).
+A registration refused for another reason than UNAVAILABLE (a worker whose set
+now holds another checksum) ends the holding and calls ``on_lost``.
 
 A lease that is gone before the keys are written under it (etcd answers
 NOT_FOUND) is replaced by a fresh one, at most ``LEASE_TRIES`` times, then
@@ -79,6 +83,7 @@ class KeyLease:
         what: str,
         on_registered: Callable[[int], None] | None = None,
         on_lost: Callable[[], None] | None = None,
+        on_refused: Callable[[KVError], None] | None = None,
     ):
         self.etcd = etcd
         self.keeper = keeper
@@ -88,6 +93,7 @@ class KeyLease:
         self._register = register
         self._on_registered = on_registered
         self._on_lost = on_lost
+        self._on_refused = on_refused
         self._task: asyncio.Task | None = None
         self._gone = asyncio.Event()  # the keeper found the lease gone
 
@@ -129,7 +135,7 @@ class KeyLease:
         return bool(self.lease) and await self.etcd.refresh(self.lease) > 0
 
     async def _keep(self) -> None:
-        unreachable = False
+        unreachable = refused = False
         while True:
             if self.lease:
                 await self._gone.wait()
@@ -143,6 +149,11 @@ class KeyLease:
             try:
                 generation = await self.register()
             except KVError as exc:
+                if exc.code is Code.ALREADY_EXISTS and self._on_refused is not None:
+                    self._on_refused(exc)  # logs it, once
+                    refused = True
+                    await asyncio.sleep(self.interval_s)
+                    continue
                 if exc.code is not Code.UNAVAILABLE:
                     log.warning("%s: not registered again: %s", self.what, exc.message)
                     if self._on_lost is not None:
@@ -162,8 +173,9 @@ class KeyLease:
                 log.exception("%s: registering again failed; retrying", self.what)
                 await asyncio.sleep(self.interval_s)
                 continue
-            log.info("%s registered (generation %d)", self.what, generation)
-            unreachable = False
+            if not refused:  # else on_registered says so, with why it was refused
+                log.info("%s registered (generation %d)", self.what, generation)
+            unreachable = refused = False
 
     async def release(self, revoke: bool = True) -> None:
         """Stop holding; with ``revoke`` also end the lease (its keys vanish now)."""

@@ -18,7 +18,8 @@ its own address still replaces its old entry at once; the UCX address does not
 count (a restarted store may listen for peer reads elsewhere). Replicas on
 etcd instead ``join`` peers with the generation etcd gave them (their key's
 create revision, the same on every replica); etcd's lease is their liveness,
-and this check does not apply there (the last store registered holds the key).
+and the check is made in etcd: a store's registration does not take
+``stores/<node id>`` from a live store at another address (service/router_link.py).
 
 A peer's event batches may be numbered (``seq``, per node and generation, one
 more per batch; docs/design.md §6): :meth:`Peer.sequence_fault` says whether a

@@ -44,6 +44,15 @@ so a loop busy with events cannot let it lapse. A worker it relays GPU-tier
 events for that is admitted again gets them again: every feed replays its
 snapshot (``membership/relayed.py``). etcd being away stops nothing local:
 events keep flowing to the replicas already known.
+
+A store's node id is one store's in etcd too: registration creates
+``stores/<node id>`` only when no live store holds it, or replaces it when the
+store holding it is this one (the same store address: a restart, whose old
+key may outlive a crash by up to the TTL). A key held by another store address
+is left alone (two stores given one ``--node-id``): the link logs that once,
+as an ERROR naming the node id and the other store's address, keeps serving
+locally (no replica indexes its blocks, no feed sends), tries again every
+TTL/3, and once the other's lease lapses (it stopped) registers and says so.
 """
 
 from __future__ import annotations
@@ -401,6 +410,13 @@ class RouterFeed:
         drain(self._queue)  # the snapshot covers them
         self._queue.put_nowait(None)
 
+    def pause(self) -> None:
+        """Send nothing until ``resync(generation)``: the store holds no registration
+        (another store holds its node id in etcd)."""
+        self.generation = 0
+        self.synced = False
+        drain(self._queue)
+
     def resync(self, generation: int = 0) -> None:
         """Send everything again (as ``generation`` from now, when given)."""
         self.generation = generation or self.generation
@@ -411,6 +427,9 @@ class RouterFeed:
     async def _run(self) -> None:
         while True:
             batch = next_batch(await self._queue.get(), self._queue)
+            if not self.generation:  # paused meanwhile
+                drain(self._queue)
+                continue
             if batch is None or not self.synced:
                 drain(self._queue)  # the snapshot covers them
                 await self._resync()
@@ -430,6 +449,8 @@ class RouterFeed:
         delay, failures = RETRY_S, 0
         while True:
             drain(self._queue)  # the snapshot covers them
+            if not self.generation:  # paused: resync(generation) starts it again
+                return
             events: list[StoreEvent] = []
             try:
                 events = await events_of(self._snapshot)
@@ -505,31 +526,92 @@ class ClusterRouterLink:
         )
         self.relayed = RelayedWorkers(self.etcd, self.layout, self._resync, f"store {node_id}")
         self._closing: set[asyncio.Task] = set()
+        self._store_address = ""
+        # The store address found holding our node id at the last refused
+        # registration, and the one whose refusal was logged (None: no conflict).
+        self._holder = ""
+        self._conflict: str | None = None
 
     @property
     def generation(self) -> int:
-        return self.registration.generation if self.registration is not None else 0
+        """Our registration's generation; 0 while we hold none (not registered yet,
+        or the lease was lost and not registered again)."""
+        registration = self.registration
+        return registration.generation if registration is not None and registration.lease else 0
 
     async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Register in etcd now if it answers (else keep trying), follow the replicas."""
         self._snapshot = snapshot
+        self._store_address = store_address
         record = StoreRecord(store_address, ucx_address).encode()
+        key = self.layout.store(self.node_id)
         self.registration = KeyLease(
             self.etcd,
             self.keeper,
-            partial(self.etcd.recreate, self.layout.store(self.node_id), record),
+            partial(self.etcd.recreate, key, record, refuse=self._held_by_another),
             f"store {self.node_id}",
             on_registered=self._registered,
+            on_refused=self._refused,
         )
         try:
             generation = await self.registration.register()
             log.info("store %s registered in etcd (generation %d)", self.node_id, generation)
         except KVError as exc:
-            log.warning("store %s not registered in etcd yet: %s", self.node_id, exc.message)
+            if exc.code is Code.ALREADY_EXISTS:
+                self._refused(exc)
+            else:
+                log.warning("store %s not registered in etcd yet: %s", self.node_id, exc.message)
         self.registration.keep()
         self.directory.start()
 
+    def _held_by_another(self, entry: Entry) -> KVError | None:
+        """ALREADY_EXISTS when ``entry`` (our node id's key, live: etcd deletes it
+        with its lease) names another store address than ours: another store
+        given our --node-id. None for our own address (a restart: replace it)
+        or a value that names no store (replace it)."""
+        try:
+            holder = StoreRecord.decode(entry.value).store_address
+        except ValueError:
+            return None
+        if not holder or holder == self._store_address:
+            return None
+        self._holder = holder
+        return KVError(
+            Code.ALREADY_EXISTS,
+            f"node_id {self.node_id!r} is registered in etcd by the live store at "
+            f"{holder!r}, not {self._store_address!r} (it may be taken over when that "
+            f"store's lease lapses, within {self.config.ttl_s} s of it stopping); two "
+            "stores cannot share a node id: give this store another --node-id",
+        )
+
+    def _refused(self, exc: KVError) -> None:
+        """Our registration was refused ALREADY_EXISTS (``_held_by_another``): logged
+        once per store found holding the node id; tried again every TTL/3."""
+        log.debug("store %s: registration refused: %s", self.node_id, exc.message)
+        if self._conflict == self._holder:
+            return
+        self._conflict = self._holder
+        for feed in self.feeds.values():  # a lost lease's generation is the other's now
+            feed.pause()
+        log.error(
+            "store %s not registered in etcd: %s. Serving locally meanwhile (no router "
+            "replica indexes our blocks); trying again every %.1f s, not logged again",
+            self.node_id,
+            exc.message,
+            self.keeper.interval_s,
+        )
+
     def _registered(self, generation: int) -> None:
+        if self._conflict is not None:
+            log.info(
+                "store %s registered in etcd now (generation %d): node id %r is ours "
+                "(the store at %s that held it left, or its lease lapsed)",
+                self.node_id,
+                generation,
+                self.node_id,
+                self._conflict,
+            )
+            self._conflict = None
         for feed in self.feeds.values():
             feed.resync(generation)
 
