@@ -12,6 +12,7 @@ could have opened itself.
 from __future__ import annotations
 
 import ipaddress
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -59,12 +60,13 @@ def _parse_peer(peer: str) -> tuple[Address, int] | None:
 
 def _decode(hex_end: str) -> tuple[Address, int] | None:
     """A socket table's ``ADDR:PORT``: the address as 32-bit words in host order
-    (little-endian here), the port big-endian."""
+    (reversed on a little-endian host), the port big-endian."""
     addr, _, port = hex_end.partition(":")
     try:
         raw = bytes.fromhex(addr)
-        words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-        return _plain(ipaddress.ip_address(words)), int(port, 16)
+        if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+        return _plain(ipaddress.ip_address(raw)), int(port, 16)
     except ValueError:
         return None
 

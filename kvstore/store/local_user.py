@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstore.store.memory import os_shortage
+from kvstore.store.memory import os_shortage, thread_group
 from kvstore.wire.errors import invalid, precondition
 from kvstore.wire.principal import denied
 
@@ -74,7 +74,7 @@ class CallerUser:
         try:
             owner = os.fstat(proc).st_uid
             if owner == uid:  # a thread's own user: its process's too (they share fds)
-                owner = os.stat(f"/proc/{_thread_group(proc, pid)}").st_uid
+                owner = os.stat(f"/proc/{thread_group(pid, proc)}").st_uid
         except FileNotFoundError:
             raise invalid(f"{what}: no such process on this node") from None
         if uid not in (ROOT, owner):
@@ -144,17 +144,3 @@ def _fdinfo(path: str, dir_fd: int | None = None) -> tuple[int, int | None, int 
 
     flags = number("flags", 8)
     return None if flags is None else (flags, number("mnt_id", 10), number("ino", 10))
-
-
-def _thread_group(proc: int, pid: int) -> int:
-    """The process whose thread ``pid`` (``/proc/<pid>`` open as ``proc``) is: a
-    thread may run as another user than its process (per-thread credentials,
-    set by raw syscalls), while its ``fd`` directory is the process's."""
-    try:
-        with open("status", opener=lambda p, f: os.open(p, f | os.O_CLOEXEC, dir_fd=proc)) as st:
-            for line in st:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return pid

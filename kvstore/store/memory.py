@@ -221,7 +221,7 @@ def map_host_fd(
         raise invalid(f"{field_}.pid {pid} is the store server itself")
     if not os.path.isdir(f"/proc/{pid}"):
         raise invalid(f"{field_}.pid {pid}: no such process on this node")
-    if _thread_group(pid) == os.getpid():  # /proc/<tid>/fd is the server's own fd table
+    if thread_group(pid) == os.getpid():  # /proc/<tid>/fd is the server's own fd table
         raise invalid(f"{field_}.pid {pid} is the store server itself (one of its threads)")
     what = f"{field_}.fd {fd} of process {pid}"
     try:  # /proc/<pid> as a directory: that process's, even if the pid is reused after
@@ -291,12 +291,16 @@ def _open_descriptor(proc: int, pid: int, fd: int, field_: str) -> tuple[str, in
     return target, handle
 
 
-def _thread_group(pid: int) -> int:
+def thread_group(pid: int, proc: int | None = None) -> int:
     """The process whose thread ``pid`` is (``pid`` itself for a process, or when
-    ``/proc`` does not say)."""
+    ``/proc`` does not say); ``proc``: ``/proc/<pid>`` open as a directory, read
+    through it (a pid reused meanwhile is not read). A thread may run as another
+    user than its process (per-thread credentials, set by raw syscalls), while
+    its ``fd`` directory is the process's."""
+    path, dir_fd = (f"/proc/{pid}/status", None) if proc is None else ("status", proc)
     try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
+        with open(path, opener=lambda p, f: os.open(p, f | os.O_CLOEXEC, dir_fd=dir_fd)) as st:
+            for line in st:
                 if line.startswith("Tgid:"):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
