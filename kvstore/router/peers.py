@@ -248,7 +248,8 @@ class Peers:
         message = (
             f"node_id {old.node_id!r} is advertised by the live store at "
             f"{old.store_address!r}, not {store_address!r} ({until}); two stores "
-            "cannot share a node id: give this store another --node-id"
+            "cannot share a node id: give this store another --node-id (if it is "
+            "that store restarted on a new address, it is accepted then by itself)"
         )
         if store_address not in old.conflicts and len(old.conflicts) < MAX_CONFLICTS_PER_PEER:
             old.conflicts.add(store_address)

@@ -581,7 +581,8 @@ class ClusterRouterLink:
             f"node_id {self.node_id!r} is registered in etcd by the live store at "
             f"{holder!r}, not {self._store_address!r} (it may be taken over when that "
             f"store's lease lapses, within {self.config.ttl_s} s of it stopping); two "
-            "stores cannot share a node id: give this store another --node-id",
+            "stores cannot share a node id: give this store another --node-id (if it "
+            "is that store restarted on a new address, it registers then by itself)",
         )
 
     def _refused(self, exc: KVError) -> None:

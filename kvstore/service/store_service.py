@@ -114,6 +114,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         inst = await self._call(context, self.node.register, reg)
         queue: asyncio.Queue = asyncio.Queue()
         self._watchers[reg.session] = queue
+        if self._stopping:  # end_streams ran while this call awaited: it missed the queue
+            queue.put_nowait(STOPPING)
         was_sealed = False
         try:
             update = codec.registration_update(inst, reg)
@@ -251,6 +253,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.event_queue_max)
         self._subscribers[queue] = caller
         self._streams[queue] = caller.name
+        if self._stopping:  # end_streams ran while this call awaited
+            _cut(queue)
         seq = 0
         try:
             # taken in the same step as subscribing (no gap, no overlap), made off the loop
