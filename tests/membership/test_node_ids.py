@@ -154,3 +154,104 @@ def test_a_store_restarting_at_its_address_takes_its_key_before_the_old_lease_la
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_registered_store_refused_after_losing_its_lease_pauses_its_feeds_until_it_registers(
+    etcd_config, caplog
+):
+    """A registered store whose key another store at its node id took meanwhile
+    (here: the key deleted under the first's live lease, so the second, retrying,
+    creates it), and whose lease is then lost (revoked here), is refused when it
+    registers again: it logs that once, its feeds pause (generation 0, nothing
+    queued or sent, blocks it saves meanwhile not published), and once the
+    second stops it registers and its feed resumes with a snapshot: the replica
+    indexes every block it holds, under its new generation."""
+    from kvstore.membership.etcd import delete, modified_at
+
+    caplog.set_level(logging.DEBUG, logger=LINK)
+    replica = RouterThread(etcd_config)
+    first = store_thread(etcd_config, "twin")
+    first_address, second_address = first.address, ""
+    second = blocks = None
+    key = f"{etcd_config.prefix}stores/twin"
+
+    def records(text: str, level: int, store: ServerThread) -> list[logging.LogRecord]:
+        """``store``'s: its refusal names its address, its registration the other's."""
+        other = second_address if store is first else first_address
+        mine = f"not {store.address!r}" if level == logging.ERROR else f"at {other} "
+        return [
+            r
+            for r in caplog.records
+            if r.name == LINK
+            and r.levelno == level
+            and text in r.getMessage()
+            and mine in r.getMessage()
+        ]
+
+    def feeds(store: ServerThread) -> list[tuple[int, bool, int]]:
+        """(generation, synced, queued) of each of ``store``'s feeds."""
+        link = store.server.link
+        return store.call(lambda: [(f.generation, f.synced, f.queued) for f in link.feeds.values()])
+
+    try:
+        generation, lease, _ = held(etcd_config, "twin")
+        blocks = Blocks(first.address)
+        blocks.save(HASHES[:2])
+        assert wait_for(
+            lambda: prefix_known(replica.address, blocks.namespace, HASHES, "twin") == 2,
+            timeout=30,
+        )
+        assert feeds(first) == [(generation, True, 0)]
+
+        second = store_thread(etcd_config, "twin")  # refused: the first holds the key
+        second_address = second.address
+        assert wait_for(lambda: records("not registered in etcd", logging.ERROR, second), 30)
+        # the key goes while the first's lease lives on: the second, retrying, takes it
+        entry = etcd_keys(etcd_config, "stores/")["stores/twin"]
+        assert entry.lease == lease
+        taken = etcd_read(
+            etcd_config, lambda e: e.txn([modified_at(key, entry.mod_revision)], [delete(key)])
+        )
+        assert taken.succeeded
+        assert wait_for(
+            lambda: (held(etcd_config, "twin") or (0, 0, ""))[2] == second.address, timeout=30
+        )
+        theirs = held(etcd_config, "twin")[0]
+        assert wait_for(
+            lambda: replica.call(replica.router.peer_generations).get("twin") == theirs,
+            timeout=30,
+        )
+
+        etcd_read(etcd_config, lambda e: e.revoke(lease))  # the first's lease is lost
+        assert wait_for(lambda: records("not registered in etcd", logging.ERROR, first), 30)
+        [error] = records("not registered in etcd", logging.ERROR, first)
+        assert repr(second.address) in error.getMessage() and error.exc_info is None
+        assert held(etcd_config, "twin")[:1] == (theirs,)  # the second keeps it
+        assert first.call(lambda: first.server.link.generation) == 0
+        assert feeds(first) == [(0, False, 0)]  # paused
+        blocks.save(HASHES[2:], first_block=2)  # saved while paused: not queued
+        assert feeds(first) == [(0, False, 0)]
+        assert replica.call(replica.router.peer_generations).get("twin") == theirs
+
+        second.stop()  # revokes its lease: the first registers again, and resumes
+        second = None
+        assert wait_for(
+            lambda: (held(etcd_config, "twin") or (0, 0, ""))[2] == first.address, timeout=30
+        )
+        ours = held(etcd_config, "twin")[0]
+        assert ours > theirs
+        assert wait_for(
+            lambda: prefix_known(replica.address, blocks.namespace, HASHES, "twin") == 4,
+            timeout=30,
+        )
+        assert replica.call(replica.router.peer_generations).get("twin") == ours
+        assert wait_for(lambda: feeds(first) == [(ours, True, 0)], timeout=30)
+    finally:
+        if blocks is not None:
+            blocks.close()
+        for store in (first, second):
+            if store is not None:
+                store.stop()
+        replica.stop()
+    assert len(records("not registered in etcd", logging.ERROR, first)) == 1
+    assert len(records("registered in etcd now", logging.INFO, first)) == 1
