@@ -374,3 +374,32 @@ def test_stats_prints_every_counter_zeros_too(server):
     for line in ("hits: 0", "misses: 0", "evictions: 0", "leases: 0", "ucx_address: "):
         assert line in out.stdout, out.stdout
     assert "pool_bytes: 67108864 (64 MiB)" in out.stdout
+
+
+def test_ctrl_c_while_the_pool_is_faulted_in_stops_the_store():
+    """Before: a SIGINT while a large host pool was zeroed at start-up was lost
+    (asyncio's own Ctrl-C handling cancelled a task that start-up swallowed): the
+    store went on to serve. Now it stops as soon as start-up ends."""
+    import signal
+
+    from kvstore.demo import free_port
+
+    args = ["serve", "--port", str(free_port()), "--device", "cpu", "--pool-size", "3GiB"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", *args, "--no-transfer", "--no-router"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stderr:
+            if "faulting in the 3 GiB host pool" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        rest = proc.stderr.read()
+        assert "signal received; shutting down" in rest, rest
+        assert "Traceback" not in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -547,7 +547,14 @@ def _client_command(args: argparse.Namespace) -> int:
 
 
 async def _serve(args) -> None:
-    from kvstore.service.store_server import ServerConfig, StoreServer, serve_until_signal
+    from kvstore.service.store_server import (
+        ServerConfig,
+        StoreServer,
+        serve_until_signal,
+        stop_signal,
+    )
+
+    stop = stop_signal()  # before the pool is built: Ctrl-C meanwhile is not lost
 
     try:
         if args.etcd and args.router:
@@ -593,7 +600,7 @@ async def _serve(args) -> None:
         logging.getLogger("kvstore").error("%s", exc)
         return 2
     try:
-        await serve_until_signal(server)
+        await serve_until_signal(server, stop)
     except OSError as exc:  # a port in use
         logging.getLogger("kvstore").error("kvstore serve: %s", exc)
         await server.stop(grace=0)

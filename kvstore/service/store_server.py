@@ -374,12 +374,21 @@ async def stop_ucx() -> None:
         log.warning("UCX did not shut down cleanly: %s", exc)
 
 
-async def serve_until_signal(server: StoreServer) -> None:
-    """Run until SIGINT/SIGTERM, then drain in-flight calls and exit."""
+def stop_signal() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets from now on. Made before the server is
+    built, a signal while a large pool is faulted in is acted on as soon as that
+    ends (before, asyncio's own Ctrl-C handling lost it: the store went on serving)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_until_signal(server: StoreServer, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM (``stop``: from :func:`stop_signal`, made before
+    ``server`` was built), then drain in-flight calls and exit."""
+    stop = stop or stop_signal()
     await server.start()
     await stop.wait()
     log.info("signal received; shutting down")
