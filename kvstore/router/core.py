@@ -658,7 +658,7 @@ class Router:
             self.peers.expire(now)
             sets = self.admission.resolve(model, namespace, role, caller)
             if token_ids:  # judged on every set before the draw: a refusal draws nothing
-                sets = token_takers(sets, len(token_ids))
+                sets = token_takers(sets, len(token_ids), decode_tokens)
             wset = draw_worker_set(sets, self.rng)
             if token_ids:
                 hashes = hash_tokens(wset, token_ids)

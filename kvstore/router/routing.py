@@ -35,7 +35,7 @@ from kvstore.router.domains import LOCAL_TIERS, DomainIndexes
 from kvstore.router.peers import Peers
 from kvstore.router.requests import check_token_blocks
 from kvstore.router.scoring import Candidate, Candidates, ScoringConfig, TtftEstimate, explain
-from kvstore.wire.errors import KVError, precondition
+from kvstore.wire.errors import KVError, invalid, precondition
 from kvstore.wire.events import GPU_TIER, STORE_TIER
 from kvstore.wire.hashing import HASH_FORMAT, block_hashes
 
@@ -55,14 +55,15 @@ class RouteResult:
     worker_sets: int
 
 
-def token_takers(sets: list[WorkerSet], tokens: int) -> list[WorkerSet]:
-    """The sets among ``sets`` that can take a prompt of ``tokens`` token ids
-    (see :func:`check_tokens`), to draw among. When none can, the refusal:
-    the one set's, or for several the first set's code and every set's reason."""
+def token_takers(sets: list[WorkerSet], tokens: int, decode_tokens: int = 0) -> list[WorkerSet]:
+    """The sets among ``sets`` that can take a prompt of ``tokens`` token ids and
+    ``decode_tokens`` more (see :func:`check_tokens`), to draw among. When none
+    can, the refusal: the one set's, or for several the first set's code and
+    every set's reason."""
     takers, refusals = [], []
     for wset in sets:
         try:
-            check_tokens(wset, tokens)
+            check_tokens(wset, tokens, decode_tokens)
         except KVError as exc:
             refusals.append(exc)
         else:
@@ -74,11 +75,19 @@ def token_takers(sets: list[WorkerSet], tokens: int) -> list[WorkerSet]:
     raise KVError(refusals[0].code, "; ".join(e.message for e in refusals))
 
 
-def check_tokens(wset: WorkerSet, tokens: int) -> None:
+def check_tokens(wset: WorkerSet, tokens: int, decode_tokens: int = 0) -> None:
     """INVALID_ARGUMENT when ``tokens`` make more than MAX_BLOCK_HASHES blocks of
-    the set's size; FAILED_PRECONDITION when the set's hash format is not the
-    native one, the only one the router hashes tokens in."""
+    the set's size, or with ``decode_tokens`` exceed the context length its
+    card states (its engine would refuse the request: no worker of it can take
+    it); FAILED_PRECONDITION when the set's hash format is not the native one,
+    the only one the router hashes tokens in."""
     check_token_blocks(tokens, wset.reference.kv_block_size)
+    context = wset.reference.context_length  # 0: the card does not say
+    if context and tokens + decode_tokens > context:
+        raise invalid(
+            f"token_ids: {tokens} prompt tokens and decode_tokens {decode_tokens} exceed "
+            f"the context_length {context} of WorkerSet {wset.key}"
+        )
     if wset.reference.hash_format != HASH_FORMAT:
         raise precondition(
             f"token_ids: WorkerSet {wset.key} uses hash format "

@@ -197,7 +197,7 @@ def test_token_ids_of_more_blocks_than_block_hashes_allows_are_refused(router):
     router's loop; token_ids now make at most MAX_BLOCK_HASHES blocks."""
     from kvstore.wire import limits
 
-    router.register_worker("w", card(kv_block_size=1))
+    router.register_worker("w", card(kv_block_size=1, context_length=1 << 20))
     tokens = [1] * (limits.MAX_BLOCK_HASHES + 1)
     with pytest.raises(KVError) as err:
         router.route("llama-8b", token_ids=tokens)
@@ -206,6 +206,22 @@ def test_token_ids_of_more_blocks_than_block_hashes_allows_are_refused(router):
     assert (
         router.route("llama-8b", token_ids=tokens[:-1], track=False).total_blocks == len(tokens) - 1
     )
+
+
+def test_a_prompt_past_the_cards_context_length_is_refused_before_the_draw(router):
+    """Before: routed, and the chosen worker's engine refused it (a prompt longer
+    than its max_model_len). A set that can take it is still drawn."""
+    router.register_worker("short", card(context_length=64))
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", token_ids=list(range(60)), decode_tokens=8)
+    assert err.value.code.name == "INVALID_ARGUMENT", err.value
+    for words in ("token_ids", "60 prompt tokens", "decode_tokens 8", "context_length 64"):
+        assert words in err.value.message, err.value.message
+    assert router.stats().active_requests == 0
+    assert router.route("llama-8b", token_ids=list(range(60)), decode_tokens=4).total_blocks
+    router.register_worker("long", card(context_length=4096, namespace="b"))
+    routed = router.route("llama-8b", token_ids=list(range(100)), track=False)
+    assert routed.worker.ref.name == "long"  # the short set cannot take it
 
 
 def test_a_generated_request_id_never_takes_a_tracked_one(router):
