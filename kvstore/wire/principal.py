@@ -62,9 +62,11 @@ def set_taken(key: object) -> KVError:
 
 
 def check_owner(what: str, owner: str, caller: Principal) -> None:
-    """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``."""
+    """PERMISSION_DENIED unless ``caller`` may act on ``what``, claimed by ``owner``.
+    The owner is not named: one tenant's refusal does not tell it another's
+    identity (an admin, who could read it, is never refused)."""
     if not caller.may_act_for(owner):
-        raise denied(f"{what} belongs to {Principal(owner)}, not to {caller}")
+        raise denied(f"{what} belongs to another identity, not to {caller}")
 
 
 class NodeBinding(NamedTuple):

@@ -98,7 +98,7 @@ def test_a_worker_name_belongs_to_its_admitter_on_every_replica(etcd_config, rep
     wait_until(lambda: all(generations(r) == {"w0": gen} for r in replicas))
     for i in (0, 1):  # a hijack through either replica
         err = refused(b[i].register_worker, "w0", card(address="10.6.6.6:8000"))
-        assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+        assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
     assert worker_keys(etcd_config, "w0")[2] == gen  # nothing written
     for i in (0, 1):
         routed = a[i].route("llama-8b", token_ids=list(range(64)))

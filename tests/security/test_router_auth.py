@@ -33,7 +33,7 @@ def test_worker_name_hijack_is_permission_denied(pki, tls_router):
     attacker = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
     gen = victim.register_worker("w0", card(address="10.0.0.1:8000")).generation
     err = refused(attacker.register_worker, "w0", card(address="10.6.6.6:8000"))
-    assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+    assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
     routed = victim.route("llama-8b", token_ids=list(range(64)))
     assert (routed.worker, routed.address, routed.generation) == ("w0", "10.0.0.1:8000", gen)
     # the owner may re-register it (a restart), under a new generation
@@ -78,7 +78,7 @@ def test_a_tenant_cannot_touch_another_tenants_load_or_requests(pki, tls_router)
     stranger = RouterClient(tls_router.address, tls=pki.issue("tenant-b"))
     owner.register_worker("w0", card())
     err = refused(stranger.report_load, "w0", 1 << 40, 1000)
-    assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+    assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
     routed = owner.route("llama-8b", token_ids=list(range(64)), request_id="q1", track=True)
     assert owner.stats().active_requests == 1 and routed.request_id == "q1"
     stranger.request_started("q1")

@@ -213,7 +213,7 @@ def test_query_leases_are_their_takers_and_capped(pki, tls_store, monkeypatch):
         assert a.query(ns, [103]).prefix_blocks == 1  # a plain query needs no lease
         assert admin.query(ns, [103], lease=True).lease_id  # an admin is not capped
         err = refused(b.release, first.lease_id)
-        assert err.code is Code.PERMISSION_DENIED and "tenant-a" in err.message
+        assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
         assert a.release(first.lease_id) == 2
         assert a.query(ns, [103], lease=True).lease_id  # room again
         assert admin.release(second.lease_id) == 1  # an admin may release any
