@@ -22,7 +22,7 @@ from kvstore.copy.cuda import CudaCopier, DeviceFault, cuda_errors
 from kvstore.copy.geometry import LayerRegion, region_from_tensor
 from kvstore.copy.host import HostCopier, MemoryFault
 from kvstore.copy.plan import Pieces, merge_adjacent, plan, split_pieces
-from kvstore.copy.table import BlockArgs, RegionTable
+from kvstore.copy.table import BlockArgs, Overlap, RegionTable, first_overlap
 from kvstore.wire.devices import Device
 
 __all__ = [
@@ -33,7 +33,9 @@ __all__ = [
     "LayerRegion",
     "MemoryFault",
     "Pieces",
+    "Overlap",
     "RegionTable",
+    "first_overlap",
     "copier_for",
     "cuda_errors",
     "merge_adjacent",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.copy import RegionTable
+from kvstore.copy import RegionTable, first_overlap
 from kvstore.store.block import SlotSet
 from kvstore.store.local_user import CallerUser
 from kvstore.store.memory import MappedRegion
@@ -258,6 +258,7 @@ class Registry:
             try:
                 self._check_owner(reg)
                 self._check_mapped_quota(reg)
+                check_layers_apart(reg)
                 check_device(inst, reg, pools)
             except KVError:
                 reg.retire()  # unmap what was just mapped
@@ -412,3 +413,18 @@ __all__ = [
     "RegistryStats",
     "Seal",
 ]
+
+
+def check_layers_apart(reg: Registration) -> None:
+    """INVALID_ARGUMENT when two of ``reg``'s mapped layers share bytes (a layer
+    listed twice, or two names for one tensor): every Load into them would be
+    refused, so the rank is refused instead (docs/design.md §1)."""
+    overlap = first_overlap(reg.layer_regions())
+    if overlap is None:
+        return
+    a, b = reg.layers[overlap.layer_a], reg.layers[overlap.layer_b]
+    raise invalid(
+        f"layers {a.geometry.name!r} (block {overlap.block_a}) and {b.geometry.name!r} "
+        f"(block {overlap.block_b}) of {reg.where()} share memory: a Load into both "
+        "could not be ordered; register memory several layers share once"
+    )

@@ -245,20 +245,23 @@ def _covered_twice(regions: list[LayerRegion]) -> bool:
     return bool((hits > 1).any())
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    layers=st.lists(
-        st.tuples(
-            st.integers(0, 12).map(lambda x: 8 * x),
-            st.integers(1, 2),
-            st.sampled_from([8, 16]),
-            st.integers(0, 16).map(lambda x: 8 * x),
-        ),
-        min_size=2,
-        max_size=4,
+# Layers of one block stride, at random offsets and K/V shifts: (base, segments,
+# segment bytes, segment stride) each; the interleaved cases of vLLM's layouts.
+INTERLEAVED_LAYERS = st.lists(
+    st.tuples(
+        st.integers(0, 24).map(lambda x: 8 * x),
+        st.integers(1, 2),
+        st.sampled_from([8, 16]),
+        st.integers(0, 16).map(lambda x: 8 * x),
     ),
-    stride=st.sampled_from([32, 48, 64]),
+    min_size=2,
+    max_size=4,
 )
+STRIDES = st.sampled_from([32, 48, 64])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layers=INTERLEAVED_LAYERS, stride=STRIDES)
 def test_paged_disjoint_proof_is_sound(layers, stride):
     """Whatever it proves apart never has a byte in two pieces (layers sharing one
     block stride, offset and K/V-shifted at random: the interleaved cases)."""
@@ -268,6 +271,34 @@ def test_paged_disjoint_proof_is_sound(layers, stride):
     ]
     if RegionTable(regions).paged_disjoint:
         assert not _covered_twice(regions)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layers=INTERLEAVED_LAYERS, stride=STRIDES)
+def test_first_overlap_finds_shared_bytes_exactly(layers, stride):
+    """Layers each apart within themselves (a registration refuses any other):
+    first_overlap names two blocks that share bytes iff some byte is covered
+    twice (brute force), and the blocks it names do share one."""
+    from kvstore.copy import first_overlap
+    from kvstore.copy.table import layer_apart
+
+    regions = [
+        LayerRegion(base, 4, segments, size, stride, shift if segments == 2 else 0)
+        for base, segments, size, shift in layers
+    ]
+    if not all(layer_apart(r) for r in regions):
+        return
+    found = first_overlap(regions)
+    assert (found is not None) == _covered_twice(regions)
+    if found is not None:
+        a, b = regions[found.layer_a], regions[found.layer_b]
+        pair = [
+            LayerRegion(a.base + found.block_a * a.block_stride, 1, a.segments, a.segment_bytes,
+                        a.block_stride, a.segment_stride),
+            LayerRegion(b.base + found.block_b * b.block_stride, 1, b.segments, b.segment_bytes,
+                        b.block_stride, b.segment_stride),
+        ]  # fmt: skip
+        assert found.layer_a != found.layer_b and _covered_twice(pair)
 
 
 @pytest.mark.parametrize("order", ["kv_blocks_layers", "blocks_layers_kv"])

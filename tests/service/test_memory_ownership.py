@@ -105,3 +105,31 @@ def test_one_instance_cannot_register_another_instances_memory(server, shm_name,
     again = register(client, "next", victim_buf.name)
     again.close()
     victim_buf.close()
+
+
+def test_two_layers_on_the_same_bytes_are_refused_at_registration(server):
+    """Two layer names for one tensor (a layer listed twice): before, the rank was
+    registered and sealed, its Saves worked, and every Load was refused (its
+    pieces overlap). Now INVALID_ARGUMENT naming both layers; nothing registered."""
+    shm = shm_empty(SHAPE, torch.bfloat16)
+    client = StoreClient(server.address)
+    try:
+        layers = [
+            KVLayer(f"model.layers.{i}.attn", shm.tensor, LayoutKind.PAGED, "LBHNC/1", shm)
+            for i in (0, 1)
+        ]
+        with pytest.raises(KVError) as err:
+            client.register("twice", "m", layers, block_size=32, hash_format="h")
+        assert err.value.code is Code.INVALID_ARGUMENT, err.value
+        for words in ("model.layers.0.attn", "model.layers.1.attn", "share memory"):
+            assert words in err.value.message, err.value.message
+        assert client.stats().instances == 0
+        half = shm.tensor.view(2, 4, *SHAPE[1:])  # two layers side by side: apart
+        layers = [
+            KVLayer(f"model.layers.{i}.attn", half[i], LayoutKind.PAGED, "LBHNC/1", shm)
+            for i in (0, 1)
+        ]
+        client.register("apart", "m", layers, block_size=32, hash_format="h").close()
+    finally:
+        client.close()
+        shm.close()
