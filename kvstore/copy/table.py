@@ -163,28 +163,24 @@ class Overlap:
     block_b: int
 
 
-def first_overlap(
-    regions: Sequence[LayerRegion], limit: int = MAX_OVERLAP_SEGMENTS
-) -> Overlap | None:
-    """Two layers whose blocks share bytes (a layer listed twice, views of one
-    tensor), found by enumerating every segment of every block; None when
-    ``paged_disjoint`` proves them apart, when none do, or when the layers hold
-    more than ``limit`` segments (not looked for: each Load's pieces are still
-    checked, ``check_disjoint``). Layers each apart within themselves
-    (``layer_apart``, checked at registration) are assumed."""
-    if paged_disjoint(regions):
+def first_overlap(table: RegionTable, limit: int = MAX_OVERLAP_SEGMENTS) -> Overlap | None:
+    """Two of ``table``'s layers whose blocks share bytes (a layer listed twice,
+    views of one tensor), found by enumerating every segment of every block;
+    None when ``table.paged_disjoint`` proves them apart, when none do, or when
+    the layers hold more than ``limit`` segments (not looked for: each Load's
+    pieces are still checked, ``check_disjoint``). Layers each apart within
+    themselves (``layer_apart``, checked at registration) are assumed."""
+    if table.paged_disjoint:
         return None
-    counts = np.array([r.num_blocks * r.segments for r in regions], dtype=np.int64)
+    rows = table.descriptors.astype(np.int64)  # base, strides, bytes, segments, blocks
+    counts = rows[:, 4] * rows[:, 5]
     if int(counts.sum()) > limit:
         return None
-    layer = np.repeat(np.arange(len(regions)), counts)
+    layer = np.repeat(np.arange(len(rows)), counts)
     index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    seg = np.array([r.segments for r in regions], dtype=np.int64)[layer]
+    seg = rows[layer, 4]
     block, part = index // seg, index % seg
-    fields = np.array(
-        [(r.base, r.block_stride, r.segment_stride, r.segment_bytes) for r in regions],
-        dtype=np.int64,
-    ).reshape(len(regions), 4)[layer]
+    fields = rows[layer, :4]
     start = fields[:, 0] + block * fields[:, 1] + part * fields[:, 2]
     order = np.argsort(start, kind="stable")
     start, end = start[order], (start + fields[:, 3])[order]

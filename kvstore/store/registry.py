@@ -419,7 +419,7 @@ def check_layers_apart(reg: Registration) -> None:
     """INVALID_ARGUMENT when two of ``reg``'s mapped layers share bytes (a layer
     listed twice, or two names for one tensor): every Load into them would be
     refused, so the rank is refused instead (docs/design.md §1)."""
-    overlap = first_overlap(reg.layer_regions())
+    overlap = first_overlap(reg.copy_table)
     if overlap is None:
         return
     a, b = reg.layers[overlap.layer_a], reg.layers[overlap.layer_b]

@@ -288,7 +288,7 @@ def test_first_overlap_finds_shared_bytes_exactly(layers, stride):
     ]
     if not all(layer_apart(r) for r in regions):
         return
-    found = first_overlap(regions)
+    found = first_overlap(RegionTable(regions))
     assert (found is not None) == _covered_twice(regions)
     if found is not None:
         a, b = regions[found.layer_a], regions[found.layer_b]
