@@ -92,16 +92,7 @@ def test_a_second_store_given_a_live_stores_node_id_leaves_its_key_until_it_stop
 
         first.stop()  # revokes its lease: the key goes, the second takes it
         first = None
-        assert wait_for(
-            lambda: (held(etcd_config, "twin") or (0, 0, ""))[2] == second.address, timeout=30
-        )
-        now = held(etcd_config, "twin")[0]
-        assert now > generation
-        assert wait_for(
-            lambda: prefix_known(replica.address, blocks.namespace, HASHES, "twin") == 4,
-            timeout=30,
-        )
-        assert replica.call(replica.router.peer_generations).get("twin") == now
+        _took_over(etcd_config, replica, second, blocks.namespace, generation)
         assert wait_for(lambda: records("registered in etcd now", logging.INFO), timeout=30)
     finally:
         if blocks is not None:
@@ -235,16 +226,7 @@ def test_a_registered_store_refused_after_losing_its_lease_pauses_its_feeds_unti
 
         second.stop()  # revokes its lease: the first registers again, and resumes
         second = None
-        assert wait_for(
-            lambda: (held(etcd_config, "twin") or (0, 0, ""))[2] == first.address, timeout=30
-        )
-        ours = held(etcd_config, "twin")[0]
-        assert ours > theirs
-        assert wait_for(
-            lambda: prefix_known(replica.address, blocks.namespace, HASHES, "twin") == 4,
-            timeout=30,
-        )
-        assert replica.call(replica.router.peer_generations).get("twin") == ours
+        ours = _took_over(etcd_config, replica, first, blocks.namespace, theirs)
         assert wait_for(lambda: feeds(first) == [(ours, True, 0)], timeout=30)
     finally:
         if blocks is not None:
@@ -255,3 +237,18 @@ def test_a_registered_store_refused_after_losing_its_lease_pauses_its_feeds_unti
         replica.stop()
     assert len(records("not registered in etcd", logging.ERROR, first)) == 1
     assert len(records("registered in etcd now", logging.INFO, first)) == 1
+
+
+def _took_over(etcd_config, replica, store, namespace: str, before: int) -> int:
+    """``store`` comes to hold ``stores/twin`` under a generation past ``before``; the
+    replica follows it there and indexes its 4 blocks. Its generation."""
+    assert wait_for(
+        lambda: (held(etcd_config, "twin") or (0, 0, ""))[2] == store.address, timeout=30
+    )
+    generation = held(etcd_config, "twin")[0]
+    assert generation > before
+    assert wait_for(
+        lambda: prefix_known(replica.address, namespace, HASHES, "twin") == 4, timeout=30
+    )
+    assert replica.call(replica.router.peer_generations).get("twin") == generation
+    return generation

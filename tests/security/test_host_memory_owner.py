@@ -67,6 +67,17 @@ while True:
 """
 
 
+AS_NOBODY = {"user": NOBODY, "group": NOBODY, "extra_groups": []}  # Popen's arguments
+
+
+def _python(script: str, *args: str, **popen) -> subprocess.Popen:
+    """``script`` run by the system's python (``popen``: further Popen arguments, e.g.
+    AS_NOBODY), its stdout a pipe to read what it prints."""
+    return subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", script, *args], stdout=subprocess.PIPE, cwd="/", **popen
+    )
+
+
 def _can_run_as_nobody() -> str | None:
     if os.geteuid() != 0:
         return "running a process as another user needs root"
@@ -88,14 +99,7 @@ def _relay_to(store: ServerThread) -> Iterator[str]:
     if reason := _can_run_as_nobody():
         pytest.skip(reason)
     host, port = store.address.rsplit(":", 1)
-    proc = subprocess.Popen(
-        [SYSTEM_PYTHON, "-c", RELAY, host, port],
-        stdout=subprocess.PIPE,
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-    )
+    proc = _python(RELAY, host, port, **AS_NOBODY)
     try:
         yield f"127.0.0.1:{int(proc.stdout.readline())}"
     finally:
@@ -175,15 +179,14 @@ def _memfd_held_by(**user) -> Iterator[MemfdKVLayer]:
     os.ftruncate(fd, nbytes)
     mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
     tensor = torch.frombuffer(mm, dtype=torch.float16).view(2, NB, BS, HEADS, HD)
-    child = subprocess.Popen(
-        [SYSTEM_PYTHON, "-c", "import time; time.sleep(120)"], pass_fds=[fd], cwd="/", **user
-    )
+    child = _python("import time; time.sleep(120)", pass_fds=[fd], **user)
     try:
         held = dataclasses.replace(host_fd_of(tensor, [fd]), pid=child.pid)
         yield MemfdKVLayer("model.layers.0.self_attn", tensor, "kv_first", "NHD", host_fd=held)
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
         os.close(fd)  # the mapping goes with the last tensor on it (a failure's traceback)
 
 
@@ -198,7 +201,7 @@ def test_another_users_rank_cannot_name_a_descriptor_of_roots_process(store, rel
 
 
 def test_a_rank_names_a_descriptor_of_its_own_users_process(store, relay):
-    with _memfd_held_by(user=NOBODY, group=NOBODY, extra_groups=[]) as kv:
+    with _memfd_held_by(**AS_NOBODY) as kv:
         _seals(relay, [kv])
 
 
@@ -316,14 +319,7 @@ def _read_only_descriptor_of_roots_shm() -> Iterator[MemfdKVLayer]:
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
         tensor = torch.frombuffer(mm, dtype=torch.float16).view(2, NB, BS, HEADS, HD)
         tensor.fill_(7)
-        child = subprocess.Popen(
-            [SYSTEM_PYTHON, "-c", READ_ONLY_HOLDER, path],
-            stdout=subprocess.PIPE,
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
-            cwd="/",
-        )
+        child = _python(READ_ONLY_HOLDER, path, **AS_NOBODY)
         try:
             child_fd = int(child.stdout.readline())
             held = dataclasses.replace(host_fd_of(tensor, [fd]), pid=child.pid, fd=child_fd)
@@ -375,9 +371,7 @@ def test_a_thread_of_roots_process_running_as_the_caller_does_not_lend_its_fds(s
     if os.uname().machine not in ("x86_64", "aarch64"):
         pytest.skip("setresuid's syscall number is known here for x86_64 and aarch64 only")
     nbytes = 2 * NB * BS * HEADS * HD * 2
-    root = subprocess.Popen(
-        [SYSTEM_PYTHON, "-c", THREAD_AS_NOBODY, str(nbytes)], stdout=subprocess.PIPE, cwd="/"
-    )
+    root = _python(THREAD_AS_NOBODY, str(nbytes))
     try:
         tid, fd = map(int, root.stdout.readline().split())
         assert os.stat(f"/proc/{tid}").st_uid == NOBODY  # the thread runs as the caller
