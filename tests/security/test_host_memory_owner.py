@@ -231,22 +231,49 @@ def relay_any():
 # ---------------------------------------------------------------- the lookup
 
 
-def test_the_user_of_a_loopback_connection_is_read_off_its_socket():
+@pytest.mark.parametrize("netlink", [True, False], ids=["sock_diag", "tables"])
+def test_the_user_of_a_loopback_connection_is_read_off_its_socket(netlink):
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())
         accepted, _ = listener.accept()
         with client, accepted:
             host, port = client.getsockname()
-            assert peer_uid(f"ipv4:{host}:{port}") == os.geteuid()
-            assert peer_uid(f"ipv6:[::ffff:{host}]:{port}") == os.geteuid()  # dual-stack
+            assert peer_uid(f"ipv4:{host}:{port}", netlink=netlink) == os.geteuid()
+            dual_stack = f"ipv6:[::ffff:{host}]:{port}"
+            assert peer_uid(dual_stack, netlink=netlink) == os.geteuid()
+            assert peer_uid(f"ipv4:127.0.0.2:{port}", netlink=netlink) is None  # no such end
+
+
+@pytest.mark.parametrize("netlink", [True, False], ids=["sock_diag", "tables"])
+def test_the_user_of_another_users_socket_is_that_user(netlink):
+    """A connection whose client end belongs to uid 65534 (a child run as it)."""
+    if reason := _can_run_as_nobody():
+        pytest.skip(reason)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        code = (
+            "import socket, sys, time; "
+            f"s = socket.create_connection(('127.0.0.1', {listener.getsockname()[1]})); "
+            "print(s.getsockname()[1], flush=True); time.sleep(30)"
+        )
+        child = _python(code, **AS_NOBODY)
+        try:
+            accepted, _ = listener.accept()
+            with accepted:
+                port = int(child.stdout.readline())
+                assert peer_uid(f"ipv4:127.0.0.1:{port}", netlink=netlink) == NOBODY
+        finally:
+            child.kill()
+            child.wait()
 
 
 def test_a_caller_not_on_this_node_has_no_user_here():
     for peer in ("ipv4:203.0.113.9:40000", "unix:/run/kv.sock", "ipv4:garbage", ""):
         assert peer_uid(peer) is None, peer
+        assert peer_uid(peer, netlink=False) is None, peer
 
 
-def test_ipv6_loopback_connection():
+@pytest.mark.parametrize("netlink", [True, False], ids=["sock_diag", "tables"])
+def test_ipv6_loopback_connection(netlink):
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     try:
@@ -258,8 +285,9 @@ def test_ipv6_loopback_connection():
         accepted, _ = listener.accept()
         with client, accepted:
             port = client.getsockname()[1]
-            assert peer_uid(f"ipv6:[::1]:{port}") == os.geteuid()
-            assert peer_uid(f"ipv6:%5B::1%5D:{port}") == os.geteuid()  # as grpc writes it
+            assert peer_uid(f"ipv6:[::1]:{port}", netlink=netlink) == os.geteuid()
+            as_grpc_writes_it = f"ipv6:%5B::1%5D:{port}"
+            assert peer_uid(as_grpc_writes_it, netlink=netlink) == os.geteuid()
 
 
 def test_the_lookup_is_asked_once_and_a_shortage_is_the_stores():
