@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvstore.wire.errors import KVError
+
 REMIND_S = 300.0  # a peer still down is logged again at most this often
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 15.0
@@ -90,8 +92,11 @@ class Outage:
 
 
 def grpc_reason(exc: BaseException) -> str:
-    """A failure in one line: a gRPC error's status code and details (never its
-    debug string or traceback), else the exception's type and text."""
+    """A failure in one line: a gRPC error's (or a :class:`KVError`'s) status code
+    and details (never its debug string or traceback), else the exception's type
+    and text."""
+    if isinstance(exc, KVError):
+        return str(exc)  # "CODE: message"
     code, details = getattr(exc, "code", None), getattr(exc, "details", None)
     if callable(code) and callable(details):
         name = getattr(code(), "name", code())

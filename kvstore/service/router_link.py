@@ -70,7 +70,7 @@ from kvstore.membership.keeper import LeaseKeeper
 from kvstore.membership.layout import Layout, RouterRecord, StoreRecord
 from kvstore.membership.lease import KeyLease
 from kvstore.membership.relayed import RelayedWorkers
-from kvstore.service.outage import Outage
+from kvstore.service.outage import Outage, grpc_reason
 from kvstore.service.sealed import NOTHING, Snapshot, events_of
 from kvstore.wire.errors import Code, KVError, unavailable
 from kvstore.wire.events import GPU_TIER, StoreEvent
@@ -212,7 +212,7 @@ class RemoteRouterLink:
             if self._refused(exc):
                 return
         if self.advertised:
-            self._outage.failed(f"it lost our advertisement: {_brief(failure)}")
+            self._outage.failed(f"it lost our advertisement: {grpc_reason(failure)}")
             self.advertised = False
         tries = len(self.addresses)  # the current router anew, then the others
         if fresh:  # the current one just failed a fresh advertisement: the others
@@ -227,7 +227,7 @@ class RemoteRouterLink:
                 if self._refused(exc):
                     return
                 self._move_on()
-        self._outage.failed(f"unreachable: {_brief(failure)}")  # logged once an outage
+        self._outage.failed(f"unreachable: {grpc_reason(failure)}")  # logged once an outage
 
     def _refused(self, exc: Exception) -> bool:
         """Whether ``exc`` is the router refusing our node id: another live store
@@ -297,7 +297,7 @@ class RemoteRouterLink:
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
                 self._drop(batch)
                 what = "the snapshot" if batch is None else f"{len(batch)} events"
-                self._outage.failed(f"could not forward {what}: {_brief(exc)}")
+                self._outage.failed(f"could not forward {what}: {grpc_reason(exc)}")
 
     def _drop(self, batch: list[StoreEvent] | None) -> None:
         """Count a batch (None: a snapshot) that did not reach the router."""
@@ -385,6 +385,9 @@ class RouterFeed:
         self.seq = 0  # the last batch number sent
         self.overflows = 0  # times the queue filled and was dropped for a snapshot
         self._snapshot = snapshot
+        self._outage = Outage(
+            log, f"router replica {address}", then="sending a snapshot once it takes one"
+        )
         self._queue: asyncio.Queue[StoreEvent | None] = asyncio.Queue()  # None: resync
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -437,16 +440,14 @@ class RouterFeed:
             try:
                 self.synced = await self._send(batch)
             except Exception as exc:  # noqa: BLE001 -- any failure: resync, keep going
-                log.info(
-                    "router %s: %d events not taken (%s)", self.address, len(batch), _brief(exc)
-                )
+                self._outage.failed(f"{len(batch)} events not taken: {grpc_reason(exc)}")
                 self.synced = False
             if not self.synced:
                 self._queue.put_nowait(None)
 
     async def _resync(self) -> None:
         """Until it succeeds: drop what is queued, send a snapshot."""
-        delay, failures = RETRY_S, 0
+        delay = RETRY_S
         while True:
             drain(self._queue)  # the snapshot covers them
             if not self.generation:  # paused: resync(generation) starts it again
@@ -458,13 +459,12 @@ class RouterFeed:
                     break
                 reason = "it asked for a snapshot again"
             except Exception as exc:  # noqa: BLE001 -- unreachable or not known yet: retry
-                reason = _brief(exc)
-            failures += 1
-            if failures == 5:
-                log.warning("router %s: not taking our events yet (%s)", self.address, reason)
+                reason = grpc_reason(exc)
+            self._outage.failed(reason)  # logged once an outage
             await asyncio.sleep(delay)
             delay = min(delay * 2, REFRESH_S)
         self.synced = True
+        self._outage.recovered()
         log.info(
             "router %s holds our %d sealed-block events (generation %d, seq %d%s)",
             self.address,
@@ -694,11 +694,6 @@ class ClusterRouterLink:
         await self.etcd.close()
         if self._own_keeper:
             await self.keeper.aclose()
-
-
-def _brief(exc: Exception) -> str:
-    details = getattr(exc, "details", None)
-    return details() if callable(details) else str(exc)
 
 
 def next_batch(

@@ -292,6 +292,62 @@ def test_two_stores_given_one_node_id_leave_the_routers_entry_to_the_first(tmp_p
     assert len(warned) == 1 and second in warned[0].getMessage()
 
 
+def test_a_feed_to_an_absent_replica_logs_one_warning_and_one_line_when_it_takes_us(caplog):
+    """A store's feed to one router replica (the etcd path). Before, each batch
+    the replica did not take was an INFO line and a fifth failed snapshot a
+    WARNING, per outage of the feed. Now one WARNING when it is lost, whatever
+    the tries, and one INFO when a replica at that address takes our snapshot."""
+    from kvstore.demo import free_port
+    from kvstore.service.router_link import RouterFeed
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    published = [StoreEvent(STORED, NS, [1], "n1")]
+    snapshots: list[int] = []
+
+    def snapshot() -> Listed:
+        snapshots.append(len(published))
+        return Listed(list(published))
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        feed = RouterFeed(address, "n1", snapshot)  # nothing listens
+        router = None
+        try:
+            feed.resync(generation=7)
+            deadline = loop.time() + 30
+            h = 2
+            while len(snapshots) < 6:  # snapshots tried in vain, batches between them
+                assert loop.time() < deadline, "the feed tried too few times"
+                published.append(StoreEvent(STORED, NS, [h], "n1"))
+                feed.publish(published[-1])
+                h += 1
+                await asyncio.sleep(0.2)
+            router = await asyncio.to_thread(RouterThread, None, port=port)
+            with RouterClient(address, timeout_s=5) as client:
+                generation = 0
+                while not generation:  # grpc's reconnect backoff to the port may last
+                    try:
+                        generation = client.advertise_peer("n1", "127.0.0.1:1", "", [NS])
+                    except KVError:
+                        assert loop.time() < deadline, "the replica never answered"
+                        await asyncio.sleep(0.2)
+                feed.resync(generation)
+                while not client.query_prefix(NS, [h - 1]):  # the snapshot holds them all
+                    assert loop.time() < deadline, "the replica never took our snapshot"
+                    await asyncio.sleep(0.1)
+        finally:
+            await feed.close()
+            if router is not None:
+                await asyncio.to_thread(router.stop)
+
+    warnings, infos = _link_said(caplog, run)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"router replica {address} lost (UNAVAILABLE: "), warnings
+    assert not [m for m in infos if "not taken" in m], infos
+    assert len([m for m in infos if "resumed" in m]) == 1, infos
+
+
 def test_a_router_that_stops_is_logged_once_not_per_batch_and_its_return_once(caplog, monkeypatch):
     """Before, a store whose router died logged a warning per failed event batch
     (70 in 0.7 s under load), then one every keepalive round. Now: one WARNING
@@ -351,12 +407,19 @@ def test_a_router_that_stops_is_logged_once_not_per_batch_and_its_return_once(ca
             if again is not None:
                 await asyncio.to_thread(again.stop)
 
-    with caplog.at_level(logging.INFO, "kvstore.service.router_link"):
-        asyncio.run(run())
-    records = [r for r in caplog.records if r.name == "kvstore.service.router_link"]
-    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    warnings, infos = _link_said(caplog, run)
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"router {address} lost (")
-    resumed = [r.getMessage() for r in records if "resumed" in r.getMessage()]
+    resumed = [m for m in infos if "resumed" in m]
     assert len(resumed) == 1 and resumed[0].startswith(f"router {address} resumed after")
     assert re.search(r"; [1-9]\d* events dropped meanwhile\)$", resumed[0]), resumed[0]
+
+
+def _link_said(caplog, run) -> tuple[list[str], list[str]]:
+    """What the router link logged while ``run()`` ran: its warnings (and
+    worse), its INFO lines."""
+    with caplog.at_level(logging.INFO, "kvstore.service.router_link"):
+        asyncio.run(run())
+    said = [r for r in caplog.records if r.name == "kvstore.service.router_link"]
+    warnings = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+    return warnings, [r.getMessage() for r in said if r.levelno == logging.INFO]
