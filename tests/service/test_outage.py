@@ -54,8 +54,49 @@ def test_an_outage_is_logged_when_lost_reminded_while_down_and_once_when_back(ca
         (logging.INFO, "peer P resumed after 612.5 s (11 failed tries; 3 dropped)")
     ]
     assert not outage.down and outage.delay() == 0
+    clock.now += 60  # up for a minute: settled
     outage.failed("again")  # a new outage: a new first line, backoff from the start
     assert caplog.records[-1].getMessage() == "peer P lost (again); retrying"
+    assert outage.delay() == 0.5
+
+
+def test_a_peer_that_flaps_is_logged_once_a_reminder_and_backs_off_across_returns(caplog):
+    """A stream that opens and is cut at once (a router cut as too slow) logged a
+    lost WARNING and a resumed INFO every cycle, and retried after 0.5 s each
+    time. Now a loss within settle_s of a return is a relapse: logged at most
+    once a remind_s with how many there were, its return with it, and the
+    backoff goes on doubling."""
+    clock = Clock(0.0)
+    log = logging.getLogger("test.outage")
+    outage = Outage(log, "peer P", "retrying", remind_s=300, settle_s=60, clock=clock)
+    caplog.set_level(logging.DEBUG, "test.outage")
+    delays = []
+    while clock.now < 300:  # lost, back after the delay, lost again 1 s later
+        outage.failed("CANCELLED: too slow")
+        delays.append(outage.delay())
+        clock.now += delays[-1]
+        outage.recovered()
+        clock.now += 1
+    assert delays[:7] == [0.5, 1, 2, 4, 8, 15, 15] and len(delays) == 23
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.WARNING, "peer P lost (CANCELLED: too slow); retrying"),
+        (logging.INFO, "peer P resumed after 0.5 s (1 failed tries)"),
+    ]
+    outage.failed("CANCELLED: too slow")  # past remind_s: one line with the count
+    clock.now += 2
+    outage.recovered()  # and its return
+    assert [(r.levelno, r.getMessage()) for r in caplog.records[2:]] == [
+        (
+            logging.WARNING,
+            "peer P lost again (CANCELLED: too slow), 23 times within 60 s of coming "
+            "back since the last line; retrying",
+        ),
+        (logging.INFO, "peer P resumed after 2.0 s (1 failed tries)"),
+    ]
+    clock.now += 60  # up for settle_s: the next loss is a new outage, backoff anew
+    outage.failed("UNAVAILABLE: gone")
+    assert caplog.records[-1].getMessage() == "peer P lost (UNAVAILABLE: gone); retrying"
     assert outage.delay() == 0.5
 
 
