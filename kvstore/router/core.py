@@ -46,6 +46,7 @@ from kvstore.router.routing import (
     RouteResult,
     candidates,
     draw_worker_set,
+    hash_takers,
     hash_tokens,
     route_result,
     token_takers,
@@ -641,8 +642,9 @@ class Router:
         request holds is ALREADY_EXISTS.
         ``decode_tokens`` is checked but not scored: a request's output length
         does not change its own first token. Every refusal comes before the
-        WorkerSet draw (token ids are judged against each matching set, and the
-        draw is among those that can take them): a refused Route changes nothing."""
+        WorkerSet draw (token ids or block hashes are judged against each
+        matching set, and the draw is among those that can take them): a
+        refused Route changes nothing."""
         hashes = check_route(model, token_ids, hashes, request_id, decode_tokens, namespace, role)
         cfg = self.config.scoring
         with self._lock:
@@ -659,6 +661,8 @@ class Router:
             sets = self.admission.resolve(model, namespace, role, caller)
             if token_ids:  # judged on every set before the draw: a refusal draws nothing
                 sets = token_takers(sets, len(token_ids), decode_tokens)
+            elif hashes:
+                sets = hash_takers(sets, len(hashes), decode_tokens)
             wset = draw_worker_set(sets, self.rng)
             if token_ids:
                 hashes = hash_tokens(wset, token_ids)

@@ -3,6 +3,7 @@
 The router core calls these under its lock, in this order:
 
     token_takers      token ids: the sets that can hash them, else the refusal
+    hash_takers       block hashes: the sets they can mean, else the refusal
     draw_worker_set   among the sets a model name resolves to, by member count
     hash_tokens       token ids -> block hashes (native hash format only)
     candidates        per member: prefix depth on its GPU, in its own store, at a peer
@@ -23,7 +24,7 @@ peers.py). One prefix walk per domain and per namespace serves every member.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import eq
@@ -60,10 +61,37 @@ def token_takers(sets: list[WorkerSet], tokens: int, decode_tokens: int = 0) -> 
     ``decode_tokens`` more (see :func:`check_tokens`), to draw among. When none
     can, the refusal: the one set's, or for several the first set's code and
     every set's reason."""
+    return _takers(sets, lambda wset: check_tokens(wset, tokens, decode_tokens))
+
+
+def hash_takers(sets: list[WorkerSet], blocks: int, decode_tokens: int = 0) -> list[WorkerSet]:
+    """The sets among ``sets`` that can take ``blocks`` block hashes and
+    ``decode_tokens`` more (see :func:`check_hashed`), to draw among.
+
+    Block hashes name blocks of one block size in one hash format: in a set of
+    another, they match nothing, and the prompt they stand for has another
+    length. When the sets differ in either, which one the caller hashed for is
+    unknown: FAILED_PRECONDITION (name the namespace or role of one, or send
+    token ids, which the router hashes for each set)."""
+    formats = sorted({(s.reference.kv_block_size, s.reference.hash_format) for s in sets})
+    if len(formats) > 1:
+        named = ", ".join(
+            f"{s.key} ({s.reference.kv_block_size}-token blocks, {s.reference.hash_format})"
+            for s in sets
+        )
+        raise precondition(
+            f"block_hashes: the WorkerSets of this model hash blocks differently ({named}); "
+            "name the namespace or role of the one they were hashed for, or send token_ids"
+        )
+    return _takers(sets, lambda wset: check_hashed(wset, blocks, decode_tokens))
+
+
+def _takers(sets: list[WorkerSet], check: Callable[[WorkerSet], None]) -> list[WorkerSet]:
+    """The sets ``check`` passes; when none, the refusal (see :func:`token_takers`)."""
     takers, refusals = [], []
     for wset in sets:
         try:
-            check_tokens(wset, tokens, decode_tokens)
+            check(wset)
         except KVError as exc:
             refusals.append(exc)
         else:
@@ -92,6 +120,19 @@ def check_tokens(wset: WorkerSet, tokens: int, decode_tokens: int = 0) -> None:
         raise precondition(
             f"token_ids: WorkerSet {wset.key} uses hash format "
             f"{wset.reference.hash_format!r}; send block_hashes"
+        )
+
+
+def check_hashed(wset: WorkerSet, blocks: int, decode_tokens: int = 0) -> None:
+    """INVALID_ARGUMENT when ``blocks`` full blocks of the set's size (the prompt
+    has at least those tokens) and ``decode_tokens`` exceed the context length
+    its card states: its engine would refuse the request, as for token ids."""
+    size, context = wset.reference.kv_block_size, wset.reference.context_length
+    if context and blocks * size + decode_tokens > context:
+        raise invalid(
+            f"block_hashes: {blocks} blocks of {size} tokens ({blocks * size} prompt tokens "
+            f"at least) and decode_tokens {decode_tokens} exceed the context_length {context} "
+            f"of WorkerSet {wset.key}"
         )
 
 

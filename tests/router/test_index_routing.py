@@ -319,8 +319,56 @@ def test_token_ids_go_to_a_set_that_can_hash_them_whatever_the_draw():
     results = [router.route("llama-8b", token_ids=PROMPT, track=False) for _ in range(40)]
     assert {r.worker.name for r in results} == {"native"}
     assert {r.worker_sets for r in results} == {1}
-    # block_hashes still go to either, drawn by member count
+    # block_hashes mean one format: the role names which (see the test below)
     got = Counter(
-        router.route("llama-8b", hashes=HASHES, track=False).worker.name for _ in range(200)
+        router.route("llama-8b", role="prefill", hashes=HASHES, track=False).worker.name
+        for _ in range(20)
     )
-    assert got["native"] > 0 and sum(got.values()) - got["native"] > got["native"]
+    assert set(got) == {"foreign0", "foreign1", "foreign2"}
+
+
+@pytest.mark.parametrize(
+    "other", [card(kv_block_size=32, namespace="b"), card(hash_format="vllm-sha256", namespace="b")]
+)
+def test_block_hashes_for_sets_that_hash_differently_are_refused_before_the_draw(other):
+    """Found by review: a model served by a set of 16-token blocks (holding the
+    whole prefix) and one of 32-token blocks (or another hash format). Before,
+    block_hashes of 16-token blocks were drawn to either set by member count:
+    in the other they matched nothing and stood for a prompt of another length
+    (12 of 20 routes went there, 0/16 cached, 512 uncached tokens, instead of
+    16/16 on the worker that held it). Which set hashes were made for is
+    unknown: FAILED_PRECONDITION naming both, nothing drawn; a namespace picks."""
+    router = seeded_router()
+    w = router.register_worker("b16", card(namespace="a"))
+    router.register_worker("other", other)
+    hashes = block_hashes(list(range(256)), 16)
+    router.apply_worker_events(w.ref, stored(hashes))
+    state = router.rng.getstate()
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", hashes=hashes)
+    assert err.value.code.name == "FAILED_PRECONDITION", err.value
+    for words in ("block_hashes", "llama-8b/a/decode", "llama-8b/b/decode", "namespace"):
+        assert words in err.value.message, err.value.message
+    assert router.rng.getstate() == state and router.stats().active_requests == 0
+    routed = router.route("llama-8b", namespace="a", hashes=hashes, track=False)
+    assert (routed.worker.name, routed.overlap_blocks) == ("b16", 16)
+    # token ids are hashed for each set: no ambiguity
+    assert router.route("llama-8b", token_ids=list(range(256)), track=False).total_blocks
+
+
+def test_block_hashes_past_the_cards_context_length_are_refused_before_the_draw(router):
+    """Found by review: the context check held for token ids only, so 99 block
+    hashes of 16 tokens (1,584 prompt tokens at least) were routed to a worker
+    whose card says 64, which its engine refuses. Now INVALID_ARGUMENT, as for
+    token ids, and a set that can take them is still drawn."""
+    router.register_worker("short", card(context_length=64))
+    with pytest.raises(KVError) as err:
+        router.route("llama-8b", hashes=HASHES[:3], decode_tokens=32)
+    assert err.value.code.name == "INVALID_ARGUMENT", err.value
+    for words in ("block_hashes", "48 prompt tokens", "decode_tokens 32", "context_length 64"):
+        assert words in err.value.message, err.value.message
+    assert router.stats().active_requests == 0
+    assert router.route("llama-8b", hashes=HASHES[:4], track=False).total_blocks == 4
+    router.register_worker("long", card(context_length=4096, namespace="b"))
+    routed = router.route("llama-8b", hashes=HASHES, decode_tokens=100, track=False)
+    assert routed.worker.name == "long"  # the short set cannot take it
