@@ -58,6 +58,12 @@ CHANNEL_OPTIONS = {
     "grpc.min_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 1000,
 }
+# Keys one listing read asks etcd for at first: a listing of any size is pages,
+# all read at the revision of the first. A page over gRPC's 4 MiB answer limit
+# (a few dozen member records of large cards) is asked again with half the keys,
+# and the client keeps the smaller size; one key (etcd holds values of 1.5 MiB
+# at most) always fits.
+LIST_PAGE_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,17 @@ def get(key: str, range_end: str | None = None) -> tx.Get:
     return tx.Get(key.encode(), range_end.encode() if range_end else None)
 
 
+class _KeysOnly(tx.Get):
+    """A get whose entries come without their values (``keys_of``)."""
+
+
+def keys_of(key: str, range_end: str) -> tx.Get:
+    """The keys in ``[key, range_end)`` with their revisions and leases, their
+    values left out (``Entry.value`` is b""): what a transaction needs to count
+    or name keys without reading records of any size."""
+    return _KeysOnly(key.encode(), range_end.encode())
+
+
 def _entry(kv) -> Entry:
     # a key no kvstore wrote may not be UTF-8 (ours are percent-encoded): it
     # reads as one no layout parses, never as an error that stops a follower
@@ -233,6 +250,7 @@ class _Client(aetcd.Client):
     def __init__(self, host: str, port: int, credentials: grpc.ChannelCredentials | None, **kw):
         super().__init__(host, port, **kw)
         self._credentials = credentials
+        self.page_keys = LIST_PAGE_KEYS  # keys a listing page asks for (range_page)
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -250,6 +268,52 @@ class _Client(aetcd.Client):
             rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
         )
         self._connected.set()
+
+    def _ops_to_requests(self, ops):
+        # aetcd's transaction ops carry no keys_only: set it on ours
+        requests = super()._ops_to_requests(ops)
+        for op, request in zip(ops, requests, strict=True):
+            if isinstance(op, _KeysOnly):
+                request.request_range.keys_only = True
+        return requests
+
+    async def latest_page(self, key: bytes, range_end: bytes):
+        """The key of ``[key, range_end)`` written last, without its value."""
+        await self.connect()
+        request = rpc.RangeRequest(
+            key=key,
+            range_end=range_end,
+            limit=1,
+            keys_only=True,
+            sort_order=rpc.RangeRequest.DESCEND,
+            sort_target=rpc.RangeRequest.MOD,
+        )
+        try:
+            return await self.kvstub.Range(request, timeout=self._timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise aetcd.ClientError(exc.details() or exc.code().name) from None
+
+    async def range_page(self, key: bytes, range_end: bytes, revision: int):
+        """The first keys of ``[key, range_end)`` at ``revision`` (0: the latest), in
+        key order, as many as fit one answer (``page_keys`` at most); etcd's
+        RangeResponse (``more``: keys remain)."""
+        await self.connect()
+        while True:
+            request = rpc.RangeRequest(
+                key=key, range_end=range_end, revision=revision, limit=self.page_keys
+            )
+            try:
+                return await self.kvstub.Range(
+                    request, timeout=self._timeout, metadata=self.metadata
+                )
+            except grpc.aio.AioRpcError as exc:  # reported as aetcd's own calls report it
+                code = exc.code()
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED and self.page_keys > 1:
+                    self.page_keys //= 2  # over the answer limit: fewer keys a page
+                    continue
+                if code is grpc.StatusCode.OUT_OF_RANGE:  # that revision was compacted
+                    raise aetcd.RevisionCompactedError(revision) from None
+                raise aetcd.ClientError(exc.details() or code.name) from None
 
 
 class Etcd:
@@ -312,6 +376,8 @@ class Etcd:
             except aetcd.ClientError as exc:
                 if LEASE_NOT_FOUND in str(exc):  # etcd answered: no other endpoint would differ
                     raise lease_gone(endpoint, what) from None
+                if isinstance(exc, aetcd.RevisionCompactedError):  # etcd answered, too
+                    raise _compacted(endpoint, what, exc.compacted_revision) from None
                 self._failed(client)
                 if attempt + 1 == len(self.config.endpoints):
                     raise _unreachable(endpoint, what, exc) from None
@@ -328,9 +394,29 @@ class Etcd:
         return None if kv is None else _entry(kv)
 
     async def list_prefix(self, prefix: str) -> tuple[list[Entry], int]:
-        """Every key under ``prefix`` and the revision they were read at."""
-        got = await self._call(f"list {prefix}", lambda c: c.get_prefix(prefix.encode()))
-        return [_entry(kv) for kv in got], got.header.revision
+        """Every key under ``prefix`` and the revision they were read at: in pages
+        (``LIST_PAGE_KEYS``), each read at the first one's revision (compacted
+        meanwhile: UNAVAILABLE, the caller lists again)."""
+        start, end = prefix.encode(), prefix_end(prefix).encode()
+        entries: list[Entry] = []
+        revision = 0
+        while True:
+            page = await self._call(
+                f"list {prefix}",
+                lambda c, start=start, at=revision: c.range_page(start, end, at),
+            )
+            revision = revision or page.header.revision
+            entries += [_entry(kv) for kv in page.kvs]
+            if not page.more or not page.kvs:
+                return entries, revision
+            start = page.kvs[-1].key + b"\0"
+
+    async def last_modified(self, prefix: str) -> int:
+        """The revision of the latest write still held under ``prefix`` (0: no key),
+        read as one key without its value, however many keys there are."""
+        start, end = prefix.encode(), prefix_end(prefix).encode()
+        page = await self._call(f"latest of {prefix}", lambda c: c.latest_page(start, end))
+        return page.kvs[0].mod_revision if page.kvs else 0
 
     async def txn(self, compare: Sequence, success: Sequence, failure: Sequence = ()) -> TxnResult:
         """One transaction: ``success`` runs when every compare holds, else ``failure``."""

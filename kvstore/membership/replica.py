@@ -212,11 +212,10 @@ class RouterReplica:
         GPU-tier blocks a store relays by worker name land on the workers' current
         generations (``relayed.py``). False when etcd does not answer, or after
         ``timeout_s``."""
-        try:
-            claims, _ = await self.etcd.list_prefix(self.layout.workers)
+        try:  # one key read, not every claim: each store's snapshot asks this
+            latest = await self.etcd.last_modified(self.layout.workers)
         except KVError:
             return False
-        latest = max((claim.mod_revision for claim in claims), default=0)
         return await self.workers.wait(lambda: self.workers.revision >= latest, timeout_s)
 
     def _member_changed(self, name: str, change: Change) -> None:

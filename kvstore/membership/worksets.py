@@ -45,6 +45,7 @@ from kvstore.membership.etcd import (
     Etcd,
     delete,
     get,
+    keys_of,
     modified_at,
     prefix_end,
     put,
@@ -78,7 +79,7 @@ class _SetView:
 
     card: Entry | None
     claim: Entry | None
-    members: list[Entry]
+    members: list[Entry]  # keys only: a set may have thousands of members of large cards
 
 
 class WorkerSets:
@@ -93,7 +94,7 @@ class WorkerSets:
             [
                 get(self.layout.card(set_id)),
                 get(self.layout.worker(name)),
-                get(members, prefix_end(members)),
+                keys_of(members, prefix_end(members)),  # counted, never decoded
             ],
         )
         card, claim, listed = result.reads

@@ -620,3 +620,57 @@ def test_a_member_record_of_wrong_field_types_does_not_stop_a_listing():
         assert mirror.generation("w1") == 11 and mirror.generation("w0") == 0
 
     asyncio.run(go())
+
+
+LARGE = "p" * 60_000  # a prompt_context near its 64 KiB bound: a member record of ~60 KB
+
+
+async def admit_many(replica, names_and_cards) -> None:
+    for name, worker_card in names_and_cards:
+        outcome = await replica.admit(name, worker_card)
+        assert outcome.generation, outcome
+
+
+def test_a_set_of_many_members_with_large_cards_still_admits(etcd_config):
+    """Admission read every member of the set, each with its whole card, in
+    one answer: at about 70 members with a 60 KB prompt_context that answer
+    passed gRPC's 4 MiB and every admission into the set was UNAVAILABLE for
+    good. Now the members are read as keys only."""
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, _):
+            big = card(prompt_context=LARGE)
+            await admit_many(r1, [(f"w{i}", big) for i in range(80)])
+            assert await r2.seen("w79", r1.workers.generation("w79"))
+
+    asyncio.run(go())
+
+
+def test_a_replica_lists_worker_sets_larger_than_one_grpc_message(etcd_config):
+    """worksets/ held ~10 MB (80 members of 120 KB cards in 8 sets): a replica
+    that started then (or listed again after any watch break) read it all in one
+    answer, over gRPC's 4 MiB limit: UNAVAILABLE every time, so it never heard
+    of a worker. Now a listing reads pages at one revision, fewer keys a page
+    while a page is over the limit (64 of these records are)."""
+    from kvstore.membership.etcd import Etcd
+    from kvstore.membership.replica import RouterReplica
+    from kvstore.router.core import Router
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, _, _):
+            big = {"prompt_context": LARGE, "router_config": LARGE}
+            await admit_many(
+                r1, [(f"w{i}", card(display_name=f"m{i % 8}", **big)) for i in range(80)]
+            )
+            etcd, core = Etcd(etcd_config), Router()
+            late = RouterReplica(etcd, etcd_config, core)
+            try:
+                await late.start("127.0.0.1:9")
+                assert await late.listed(5)
+                assert len(core.worker_generations()) == 80
+            finally:
+                await late.close()
+                await etcd.close()
+
+    asyncio.run(go())
