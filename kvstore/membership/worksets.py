@@ -127,11 +127,13 @@ class WorkerSets:
             view = await self._read(set_id, name)
             if unclaimed_only and view.claim is not None:
                 raise precondition(f"worker {name!r} was admitted again while its lease was lost")
-            if view.claim is not None:
-                owner = NameClaim.decode(view.claim.value).owner
-                check_owner(f"worker name {name!r}", owner, caller)
+            claim = _record(NameClaim.decode, view.claim)
+            if claim is not None:
+                check_owner(f"worker name {name!r}", claim.owner, caller)
             others = [m for m in view.members if m.key != mine]
-            fixed = SetCard.decode(view.card.value) if view.card is not None else None
+            # a card that does not decode fixes nothing an empty set must keep:
+            # it is written anew; with members it is refused, naming the key
+            fixed = _record(SetCard.decode, view.card, strict=bool(others))
             if fixed is not None and others and not caller.may_act_for(fixed.owner):
                 raise set_taken(set_id)
             differs = fixed is None or (fixed.checksum, fixed.hash_format) != (
@@ -142,14 +144,14 @@ class WorkerSets:
                 return Refused(fixed.card, fixed.checksum, len(others))
             # An empty set is anyone's: its card (checksum and owner) is written anew.
             owner = set_owner or caller.name
-            refix = differs or (not others and fixed is not None and fixed.owner != owner)
+            refix = differs or (not others and fixed.owner != owner)
             compare = [
                 modified_at(layout.card(set_id), view.card.mod_revision if view.card else 0),
                 modified_at(layout.worker(name), view.claim.mod_revision if view.claim else 0),
             ]
             ops = []
-            if view.claim is not None:
-                before = NameClaim.decode(view.claim.value).set_id
+            if claim is not None:
+                before = claim.set_id
                 if before != set_id:
                     ops.append(delete(layout.member(before, name)))
             if refix:  # fix (or re-fix) the set's checksum and owner: only with no other member
@@ -181,7 +183,7 @@ class WorkerSets:
             claim = await self.etcd.get(self.layout.worker(name))
             if claim is None:
                 return 0
-            held = NameClaim.decode(claim.value)
+            held = _record(NameClaim.decode, claim)
             member = await self.etcd.get(self.layout.member(held.set_id, name))
             if member is None or (generation and member.mod_revision != generation):
                 return 0
@@ -204,3 +206,20 @@ class WorkerSets:
             [version_is(members, 0, prefix_end(members))], [delete(self.layout.card(set_id))]
         )
         return result.succeeded
+
+
+def _record(decode, entry: Entry | None, strict: bool = True):
+    """``entry``'s record (None for no entry). One that does not decode (another
+    tool wrote it, or another kvstore version) is FAILED_PRECONDITION naming the
+    key, or None when not ``strict``: never a ValueError out of admission."""
+    if entry is None:
+        return None
+    try:
+        return decode(entry.value)
+    except ValueError as exc:
+        if not strict:
+            return None
+        raise precondition(
+            f"etcd key {entry.key} holds a record this replica cannot read ({exc}); "
+            "delete it or fix it (etcdctl) to admit or remove this worker"
+        ) from None

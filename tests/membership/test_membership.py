@@ -674,3 +674,32 @@ def test_a_replica_lists_worker_sets_larger_than_one_grpc_message(etcd_config):
                 await etcd.close()
 
     asyncio.run(go())
+
+
+def test_records_that_do_not_decode_are_replaced_or_refused_by_admission(etcd_config):
+    """A set's card and a worker's name claim that do not decode (written by
+    another tool, or another kvstore version). Before, admission raised
+    ValueError out of the replica (UNKNOWN at the edge) for as long as the
+    record stayed: nobody could join that set, or register or remove that name.
+    Now an empty set's card is written anew, and a claim is FAILED_PRECONDITION
+    naming its key, with nothing written."""
+    from kvstore.membership.etcd import put
+    from kvstore.membership.layout import Layout, SetId
+    from kvstore.router.core import Router
+
+    layout = Layout(etcd_config.prefix)
+
+    async def go():
+        async with two_replicas(etcd_config, [Router(), Router()]) as (r1, r2, probe):
+            await probe.txn([], [put(layout.card(SetId.of(card())), b"\xc1 not msgpack")])
+            admitted = await r1.admit("w0", card())
+            assert await r2.seen("w0", admitted.generation)
+            await probe.txn([], [put(layout.worker("w1"), b"\x93\x01\x02\x03")])
+            for attempt in (r1.admit("w1", card()), r1.remove("w1")):
+                with pytest.raises(KVError) as refused:
+                    await attempt
+                assert refused.value.code is Code.FAILED_PRECONDITION
+                assert layout.worker("w1") in refused.value.message
+            assert await probe.get(layout.member(SetId.of(card()), "w1")) is None
+
+    asyncio.run(go())
