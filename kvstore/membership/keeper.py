@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
-from kvstore.membership.etcd import Etcd, EtcdConfig, is_lease_gone
-from kvstore.wire.errors import KVError, unavailable
+from kvstore.membership.etcd import Etcd, EtcdConfig
+from kvstore.wire.errors import KVError
 
 log = logging.getLogger(__name__)
 
@@ -129,29 +129,32 @@ class LeaseKeeper:
                 tick = time.monotonic() + self.interval_s
                 with self._lock:
                     leases = list(self._held)
-                failures = await asyncio.gather(*(self._refresh(etcd, lease) for lease in leases))
-                self._report([f for f in failures if f is not None], len(leases))
+                await self._refresh(etcd, leases)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, tick - time.monotonic())):
                         await self._stop.wait()
         finally:
             await etcd.close()
 
-    async def _refresh(self, etcd: Etcd, lease: int) -> KVError | None:
+    async def _refresh(self, etcd: Etcd, leases: list[int]) -> None:
+        """One round: every lease refreshed over one stream; a lease etcd says is
+        gone is dropped and its holder told; failures are logged (``_report``)."""
         try:
-            ttl = await etcd.refresh(lease)
-        except KVError as exc:
-            if not is_lease_gone(exc):
-                return exc  # unreachable: try again next tick, the lease may still live
-            ttl = 0
+            ttls = await etcd.refresh_all(leases)
+        except KVError as exc:  # unreachable: try again next tick, the leases may still live
+            self._report(len(leases), len(leases), exc.message)
+            return
         except Exception as exc:  # nothing may end the keeper's thread: log, retry
-            log.exception("%s: lease %x keepalive failed", self.what, lease)
-            return unavailable(f"lease keepalive: {exc!r}")
-        if ttl > 0:
-            self.refreshed += 1
-        else:
-            self._lost(lease)
-        return None
+            log.exception("%s: lease keepalives failed", self.what)
+            self._report(len(leases), len(leases), f"lease keepalives: {exc!r}")
+            return
+        for lease, ttl in ttls.items():
+            if ttl > 0:
+                self.refreshed += 1
+            else:
+                self._lost(lease)
+        unanswered = len(leases) - len(ttls)
+        self._report(unanswered, len(leases), f"etcd answered {len(ttls)} of {len(leases)}")
 
     def _lost(self, lease: int) -> None:
         with self._lock:
@@ -161,16 +164,17 @@ class LeaseKeeper:
         with contextlib.suppress(RuntimeError):  # the holder's loop has ended: nobody to tell
             holder.loop.call_soon_threadsafe(holder.on_lost)
 
-    def _report(self, failures: list[KVError], tried: int) -> None:
-        if failures and not self._unreachable:
+    def _report(self, failed: int, tried: int, reason: str) -> None:
+        """Log a round's failures when they begin, and when they end."""
+        if failed and not self._unreachable:
             log.warning(
                 "%s: %d of %d lease keepalives failed (%s); retrying every %.1f s",
                 self.what,
-                len(failures),
+                failed,
                 tried,
-                failures[0].message,
+                reason,
                 self.interval_s,
             )
-        elif not failures and self._unreachable:
+        elif not failed and self._unreachable:
             log.info("%s: lease keepalives answered again", self.what)
-        self._unreachable = bool(failures)
+        self._unreachable = bool(failed)

@@ -271,3 +271,60 @@ def test_gpu_blocks_a_store_relays_survive_the_workers_readmission(etcd_config, 
         assert wait_for(lambda: gpu_blocks() == (again, 8), timeout=10), gpu_blocks()
     finally:
         stores.stop()
+
+
+def _keepalive_streams(config) -> tuple[int, int]:
+    """etcd's own count of LeaseKeepAlive streams opened and of requests received."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{config.endpoints[0]}/metrics", timeout=10).read()
+    counts = []
+    for metric in ("grpc_server_started_total", "grpc_server_msg_received_total"):
+        pattern = rf'^{metric}\{{[^}}]*grpc_method="LeaseKeepAlive"[^}}]*\}} (\S+)$'
+        counts.append(int(float(re.search(pattern, text.decode(), re.M).group(1))))
+    return counts[0], counts[1]
+
+
+def test_a_keeper_of_many_leases_refreshes_them_over_a_few_streams(etcd_config):
+    """A replica holds a lease per worker (up to 4,096 a domain). Before, each
+    round opened one LeaseKeepAlive stream a lease: 3,000 leases took 1.8 s of
+    a 2 s bound on an idle host, and a loaded one failed every round (each
+    lease lapsing, every worker re-admitted). Now a round sends them over one
+    stream per 512 leases (etcd counts the streams), and a lease etcd says is
+    gone among them is told to its holder alone."""
+    from kvstore.membership.etcd import KEEPALIVE_STREAM_LEASES
+
+    count = 1200
+
+    async def go() -> tuple[int, int, list[int], int, int, int]:
+        etcd, keeper = Etcd(etcd_config), LeaseKeeper(etcd_config, "test")
+        leases: list[int] = []
+        lost: list[int] = []
+        try:
+            for _ in range(count // 200):
+                leases += await asyncio.gather(*(etcd.grant(TTL_S) for _ in range(200)))
+            gone = leases[7]
+            await etcd.revoke(gone)
+            before = await asyncio.to_thread(_keepalive_streams, etcd_config)
+            for lease in leases:
+                keeper.hold(lease, lambda lease=lease: lost.append(lease))
+            while keeper.refreshed < 2 * (count - 1) or not lost:  # two rounds at least
+                await asyncio.sleep(0.05)
+            await keeper.aclose()
+            after = await asyncio.to_thread(_keepalive_streams, etcd_config)
+            alive = sum([await etcd.refresh(lease) > 0 for lease in leases])
+            streams, requests = after[0] - before[0], after[1] - before[1]
+            return gone, keeper.refreshed, lost, streams, requests, alive
+        finally:
+            await keeper.aclose()
+            for lease in leases:
+                await etcd.revoke(lease)
+            await etcd.close()
+
+    gone, refreshed, lost, streams, requests, alive = asyncio.run(go())
+    rounds = -(-requests // count)  # each round sends every held lease once
+    assert lost == [gone] and alive == count - 1, lost
+    per_round = -(-count // KEEPALIVE_STREAM_LEASES)
+    assert streams <= per_round * rounds, (streams, rounds)  # was one a lease: >= 2,400
+    assert refreshed >= 2 * (count - 1)
