@@ -176,6 +176,7 @@ class StoreReservation:
     index: BlockIndex
     blocks: list[Block]
     slots: SlotTable
+    adopted: Callable[[int], None] = lambda _n: None  # told how many a commit adopted
     done: bool = False
 
     def keep(self, num_blocks: int) -> None:
@@ -192,6 +193,7 @@ class StoreReservation:
             return
         self.done = True
         kept = self.index.adopt(self.blocks)
+        self.adopted(kept)
         log.debug("fetched %d blocks from a peer (%d already here)", kept, len(self.blocks) - kept)
 
     def abort(self) -> None:
@@ -211,12 +213,19 @@ class StoreSink:
     def __init__(self, index: BlockIndex, registry: Registry):
         self.index = index
         self.registry = registry
+        # blocks commits made visible: not those the index held by then (a Save, or
+        # another fetch of an overlapping prefix, sealed them first: freed instead)
+        self.adopted = 0
 
     def reserve_ahead(self, namespace: str, hashes: list[int]) -> StoreReservation:
         """Slots for every block of ``hashes``, in the namespace's layout."""
         inst = self._instance(namespace)
         made = self.index.reserve(namespace, hashes, inst.seal, inst.devices)
-        return StoreReservation(self.index, made.blocks, slot_table(self.index, *made))
+        table = slot_table(self.index, *made)
+        return StoreReservation(self.index, made.blocks, table, self._count_adopted)
+
+    def _count_adopted(self, n: int) -> None:
+        self.adopted += n
 
     def reserve(
         self, namespace: str, hashes: list[int], slot_sizes: list[list[int]]
@@ -256,7 +265,9 @@ class FetchResult:
 
 @dataclass(frozen=True)
 class FetcherStats:
-    fetched_blocks: int = 0  # committed blocks pulled from peers, each counted once
+    # blocks pulled from peers that a commit made visible, each counted once (not
+    # one a Save or another fetch sealed while it moved: that copy is freed)
+    fetched_blocks: int = 0
     fetches_failed_unavailable: int = 0  # a peer refused, died or could not be reached
     fetches_failed_timeout: int = 0  # a peer did not finish within the fetch timeout
     # This process's UCX worker found wedged and recreated (kvstore.transfer, "Peer death").
@@ -288,13 +299,12 @@ class Fetcher:
         self.rma = rma
         self._failed_rma = 0
         self._running: dict[tuple, asyncio.Future[FetchResult | None]] = {}
-        self._fetched = 0
         # By cause, the most specific first (PeerUnauthenticated is a PeerUnavailable).
         self._failed = {PeerUnauthenticated: 0, PeerUnavailable: 0, PeerTimeout: 0}
 
     def stats(self) -> FetcherStats:
         return FetcherStats(
-            self._fetched,
+            self.sink.adopted,
             self._failed[PeerUnavailable],
             self._failed[PeerTimeout],
             worker_recreations(),
@@ -372,7 +382,6 @@ class Fetcher:
                 )
                 last = err
                 continue
-            self._fetched += n
             log.info("fetched %d/%d blocks of %s from %s", n, len(missing), namespace, peer.node_id)
             return FetchResult(0, n, peer.node_id)
         raise last or unavailable("no peer could serve the fetch")

@@ -263,6 +263,7 @@ class NodeState:
         own_blocks: int = 0,
         callers: int = 1,
         cancel_first_after: float | None = None,
+        saved_meanwhile: int = 0,
     ) -> dict:
         """A real store node (the serving one's layout) whose Fetcher, one-sided where
         allowed, asks ``addresses`` in turn; what it fetched, its stats, bad bytes.
@@ -270,7 +271,9 @@ class NodeState:
         ``own_blocks``: blocks of its own sealed first (32 fill its pool);
         ``callers``: prefetches of ``hashes`` at once, the first cancelled after
         ``cancel_first_after`` seconds when given (each one's prefix, or its error's
-        name, in ``prefixes``; ``fetched`` and ``error`` are the last one's)."""
+        name, in ``prefixes``; ``fetched`` and ``error`` are the last one's);
+        ``saved_meanwhile``: the first that many of ``hashes`` are saved here (the
+        peer's bytes) while the peers are looked up, after the fetch chose them."""
         import dataclasses
 
         from kvstore.store.fetch import Fetcher, StoreSink, slot_table
@@ -294,6 +297,8 @@ class NodeState:
         peers = [PeerPrefix(a, f"node{i}", a, prefix_blocks) for i, a in enumerate(addresses)]
 
         async def find_peers(_namespace: str, _hashes: list[int]) -> list[PeerPrefix]:
+            if saved_meanwhile:
+                await self._save_into(node, self.fetching[1][0], hashes[:saved_meanwhile])
             return peers
 
         reader = RmaReader(rma_endpoint(pool.buffer.numpy()))
@@ -336,13 +341,17 @@ class NodeState:
         }
 
     async def _save_store(self, hashes: list[int]) -> None:
-        rank = self.ranks[0]
+        await self._save_into(self.node, self.ranks[0], hashes)
+
+    @staticmethod
+    async def _save_into(node: Any, rank: Any, hashes: list[int]) -> None:
+        """Save ``hashes`` holding slot_content bytes into ``node`` as TP1 ``rank``."""
         for start in range(0, len(hashes), 16):
             batch = hashes[start : start + 16]
             for i, h in enumerate(batch):
                 for s, t in enumerate(rank.tensors):  # slot s = layer s (TP1)
                     t[:, i] = torch_from(slot_content(h, s, t[:, i].numel())).view(2, -1)
-            await self.node.save(rank.reg.caller_id, [(h, i) for i, h in enumerate(batch)])
+            await node.save(rank.reg.caller_id, [(h, i) for i, h in enumerate(batch)])
 
     async def evict_with(self, hashes: list[int]) -> dict:
         """Save ``hashes`` too, pushing older unpinned blocks out of the pool."""

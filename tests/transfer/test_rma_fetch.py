@@ -442,6 +442,22 @@ def test_callers_asking_at_once_share_one_fetch(nodes):
     assert port(server)["rma_leases"] == 1 and port(server)["requests"] == 1
 
 
+@pytest.mark.parametrize("rma", [True, False], ids=["one-sided", "two-sided"])
+def test_blocks_saved_here_while_they_were_fetched_are_not_counted_fetched(nodes, rma):
+    """Two of the six blocks a fetch chose are saved here before its bytes land:
+    its commit keeps the local copies and frees its own, and fetched_blocks
+    counts the four it made visible (it counted six: each such race, and each
+    fetch of a prefix overlapping another's, counted blocks twice)."""
+    server, client = nodes(), nodes()
+    address, _ = server.call("serve_store", hashes=HASHES[:6], slot_bytes=8 * KIB, rma=rma)
+    out = client.call(
+        "store_fetch", addresses=[address], hashes=HASHES[:6], slot_bytes=8 * KIB, saved_meanwhile=2
+    )
+    assert out["prefixes"] == [6] and out["bad"] == [], out
+    assert out["fetched_blocks"] == 4, out
+    assert out["used_bytes"] == 6 * 2 * 8 * KIB  # the two copies that lost are free
+
+
 def test_a_cancelled_callers_shared_fetch_is_run_again_for_the_others(nodes):
     """The first caller runs the fetch the others wait on; the peer is slow to
     answer it, and the caller is cancelled: its reservation (made ahead) is
