@@ -428,8 +428,12 @@ class BlockIndex:
             self._pinned -= block.pins == 0
 
     def held(self, lease_id: str) -> Lease:
-        """The lease held by id ``lease_id``: NOT_FOUND when unknown or expired."""
+        """The lease held by id ``lease_id``: NOT_FOUND when unknown or expired (one
+        past its expiry that :meth:`expire` has not swept yet is released now)."""
         lease = self._leases.get(lease_id)
+        if lease is not None and lease.expires <= time.monotonic():
+            self.unpin(lease)
+            lease = None
         if lease is None:
             raise not_found(f"lease_id {lease_id[:64]!r} is unknown or expired")
         return lease

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from kvstore.store.node import QueryResult
 from kvstore.testing.store import make_instance, make_store, run
 from kvstore.wire.errors import Code, KVError
+from kvstore.wire.principal import LOCAL
 
 
 def fill(rank, block_id, value):
@@ -339,6 +341,24 @@ def test_expired_lease_and_stale_inflight_are_swept():
     assert lease and node.index.stats().leases == 0
     assert node.index.blocks[(seal.final_namespace, 1)].pins == 0
     assert node.index.stats().inflight_blocks == 0
+
+
+def test_a_lease_past_its_expiry_is_not_found_before_it_is_swept():
+    """The sweep runs every second; before, a Release in between found the expired
+    lease, answered its block count and only then unpinned it."""
+    node = make_store()
+    ranks = make_instance(node.registry, "a")
+    ns = node.registry.instances["a"].seal.final_namespace
+    run(save_all(node, ranks, [(1, 0)]))
+    lease = node.query(ns, [1], lease=True, lease_ms=1).lease_id
+    expires = time.monotonic() + 0.001
+    while time.monotonic() <= expires:  # past its expiry; no sweep ran
+        time.sleep(0.001)
+    with pytest.raises(KVError) as info:
+        node.release(lease)
+    assert info.value.code == Code.NOT_FOUND and "unknown or expired" in info.value.message
+    assert node.index.stats().leases == 0 and node.index.stats().pinned_blocks == 0
+    assert node.index.leases_of(LOCAL.name) == 0 and node.clear(ns) == 1
 
 
 @settings(max_examples=60, deadline=None)
