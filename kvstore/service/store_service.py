@@ -168,6 +168,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -------------------------------------------------------------- blocks
 
     async def Save(self, request, context):
+        await self._end_if_stopping(context, "save again")  # its evictions could free leased slots
         who, refs = codec.caller_id(request), await self._call(context, codec.refs, request)
         saved = await self._call(context, self.node.save, who, refs, request.step)
         return codec.save_response(saved)
@@ -179,6 +180,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return codec.load_response(await self._call(context, self.node.load, who, refs, deadline))
 
     async def Prefetch(self, request, context):
+        await self._end_if_stopping(context, "prefetch again")
         caller = await self._caller(context)
         hashes = await self._call(context, codec.block_hashes, request)
         result = await self._call(context, self.node.prefetch, request.namespace, hashes, caller)

@@ -23,7 +23,7 @@ from kvstore.client import KVLayer, StoreClient, kv_cache_shm
 from kvstore.router.core import Router, RouterConfig
 from kvstore.service.router_server import ServedRouter
 from kvstore.wire.card_proto import card_to_proto
-from kvstore.wire.errors import Code
+from kvstore.wire.errors import Code, KVError
 from tests.conftest import ServerThread, wait_for
 from tests.router.conftest import card
 
@@ -88,3 +88,34 @@ def test_a_stopping_store_ends_registrations_subscriptions_and_worker_sessions(s
         client.close()
         store.loop.call_soon_threadsafe(store.loop.stop)
         store.thread.join(timeout=5)
+
+
+def test_a_stopping_store_takes_no_new_save_or_prefetch(shm):
+    """The store's stop ends its peer port (unpinning the blocks peers were
+    granted to read) before gRPC stops taking calls: a Prefetch let in meanwhile
+    could evict those blocks and write their slots while a peer's one-sided read
+    still lands (store review, LOW), and a rank's Save was told NOT_FOUND (its
+    registration just ended), not why. Once it begins to stop, both are
+    UNAVAILABLE, shutting down, and change nothing."""
+    store = ServerThread(pool_size=16 << 20, device="cpu", slab_bytes=4 << 20, transfer=False)
+    client = StoreClient(store.address)
+    try:
+        layer = KVLayer("model.layers.0.self_attn", shm.tensor, "kv_first", "NHD", shm)
+        session = client.register("engine", "llama", [layer], block_size=16)
+        session.wait_sealed(10)
+        assert session.save([(1, 0)]).sealed == 1
+        stored = client.stats().sealed_blocks
+
+        store.loop.call_soon_threadsafe(store.server.service.end_streams)  # stop's first step
+        for attempt in (
+            lambda: session.save([(2, 1)]),
+            lambda: client.prefetch(session.final_namespace, [2]),
+        ):
+            with pytest.raises(KVError) as refused:
+                attempt()
+            assert refused.value.code is Code.UNAVAILABLE, refused.value
+            assert "shutting down" in refused.value.message
+        assert client.stats().sealed_blocks == stored
+    finally:
+        client.close()
+        store.stop()
