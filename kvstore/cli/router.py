@@ -26,7 +26,13 @@ from kvstore.cli import (
     check_identity_flags,
     etcd_config,
     port_number,
+    positive_int,
     tls_files,
+)
+from kvstore.router.bounds import (
+    BYTES_PER_HELD_BLOCK,
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_MAX_HELD_BLOCKS,
 )
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.endpoints import LOOPBACK, EndpointAllowList
@@ -189,6 +195,26 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         metavar="ADDRESS",
         help="follow a store server's Events stream (repeatable)",
     )
+    parser.add_argument(
+        "--default-capacity-blocks",
+        type=positive_int,
+        default=DEFAULT_CAPACITY_BLOCKS,
+        metavar="N",
+        help="blocks the router indexes for one tier of a worker whose card states no "
+        "capacity_blocks (a card's capacity_blocks bounds its GPU tier; its offload tier "
+        "takes the larger of the two); stored blocks past it are not indexed and count "
+        f"as over_capacity, logged once a worker (default {DEFAULT_CAPACITY_BLOCKS})",
+    )
+    parser.add_argument(
+        "--max-held-blocks",
+        type=positive_int,
+        default=DEFAULT_MAX_HELD_BLOCKS,
+        metavar="N",
+        help="blocks the router indexes in all, summed over workers' tiers and store "
+        f"nodes (a block two hold counts twice; ~{BYTES_PER_HELD_BLOCK} B each); stored "
+        "blocks past it are not indexed and count as index_full, logged once until "
+        f"removals make room (default {DEFAULT_MAX_HELD_BLOCKS}, ~2 GiB)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -206,6 +232,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         IdentityAlgorithm(args.identity),
         ScoringConfig(**values, seed=args.seed),
         EndpointAllowList(args.events_allow or LOOPBACK),
+        default_capacity_blocks=args.default_capacity_blocks,
+        max_held_blocks=args.max_held_blocks,
     )
 
 

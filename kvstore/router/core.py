@@ -12,6 +12,7 @@ State:
     domains     workers' own blocks, one HolderIndex per indexer domain (domains.py)
     peers       store peers and one HolderIndex per final namespace (peers.py)
     relays      which store node relayed GPU-tier events for which worker (relays.py)
+    budget      blocks every index holds together, and its bound (bounds.py)
     loads       per-worker load: workers' reports and routed requests (load.py)
 """
 
@@ -26,7 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvstore.router.admission import Admission, Decided, Worker, WorkerRef, WorkerSetKey
-from kvstore.router.domains import DomainIndexes
+from kvstore.router.bounds import (
+    BYTES_PER_HELD_BLOCK,
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_MAX_HELD_BLOCKS,
+    SETTLED,
+    IndexBudget,
+    Overflows,
+    Refused,
+)
+from kvstore.router.domains import LOCAL_TIERS, DomainIndexes
 from kvstore.router.drops import DropCause, EventDrops
 from kvstore.router.endpoints import EndpointAllowList
 from kvstore.router.identity import IdentityAlgorithm, domain_of
@@ -91,6 +101,10 @@ class RouterConfig:
     # certificate (or an admin) admits workers whose card names it, and a CN
     # bound to some namespaces admits into no other.
     tenancy: Tenancy = field(default_factory=Tenancy)
+    # Blocks indexed per worker tier when its card states no capacity_blocks
+    # (--default-capacity-blocks), and by every holder together (--max-held-blocks).
+    default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    max_held_blocks: int = DEFAULT_MAX_HELD_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,10 @@ class RouterStats:
     hit_blocks_reported: int  # over those: the blocks they hit
     dropped_by: EventDrops  # events_dropped by cause (they add up to it)
     resyncs_requested: int  # store batches answered with "send a snapshot"
+    # blocks indexed per holder, summed (a block two holders hold counts twice),
+    # and their bound (--max-held-blocks): past it, stored blocks are index_full
+    held_blocks: int
+    held_blocks_limit: int
 
 
 WorkerListener = Callable[[Worker | None, Worker | None], None]  # (admitted, removed)
@@ -136,8 +154,10 @@ class Router:
         self.config = config or RouterConfig()
         self.clock = clock
         self.admission = Admission(self.config.identity, self._bound_owner)
-        self.domains = DomainIndexes()
-        self.peers = Peers()
+        self.budget = IndexBudget(self.config.max_held_blocks)
+        self.domains = DomainIndexes(self.budget, self.config.default_capacity_blocks)
+        self.peers = Peers(self.budget)
+        self._overflows = Overflows()
         self.relays = RelayLedger()
         self.loads = LoadTracker()
         self.rng = random.Random(self.config.scoring.seed)
@@ -245,7 +265,7 @@ class Router:
             peer = self.peers.get(node_id)
             if peer is not None:
                 self.peers.await_worker(peer, worker.ref.name)
-        self.domains.forget(worker)
+        self._forget_blocks(worker)
         self.relays.forget_worker(worker.ref)
         self.loads.drop_worker(worker.ref)
 
@@ -292,10 +312,85 @@ class Router:
         # all or nothing: a domain index without room refuses the batch before any of it lands
         tiers = {tier for run in runs for tier, ops in run.tiers.items() if ops.hashes}
         self.domains.check_room((worker, tier) for tier in tiers)
-        self.domains.apply(worker, runs)
+        refused = self.domains.apply(worker, runs)
+        for tier, count in refused.items():
+            self._worker_refused(worker, tier, count)
+        if self._overflows:
+            self._settle(worker)
         self._blocks_ingested += stored
         self._events_applied += events
         return events
+
+    def _forget_blocks(self, worker: Worker, tiers: Sequence[str] = LOCAL_TIERS) -> None:
+        """Drop ``worker``'s blocks in ``tiers``; its overflow episodes there end
+        with them."""
+        self.domains.forget(worker, tiers)
+        for tier in tiers:
+            self._overflows.close((worker.ref, tier))
+
+    def _worker_refused(self, worker: Worker, tier: str, refused: Refused) -> None:
+        """Count ``worker``'s stored blocks of ``tier`` that were not indexed;
+        warn once per episode of each bound."""
+        if refused.over_capacity:
+            self._drops.add(DropCause.OVER_CAPACITY, refused.over_capacity)
+            if self._overflows.refused((worker.ref, tier), refused.over_capacity):
+                log.warning(
+                    "worker %r gen %d %s tier: holds %d indexed blocks, its capacity (%s); "
+                    "stored blocks past it are not indexed (over_capacity, logged once until "
+                    "it is back to %d%%). An engine evicts before it stores past its "
+                    "capacity: check that its removals reach the router (BlockRemoved lost in "
+                    "its publisher's queue or a relaying store) and that capacity_blocks is "
+                    "not below what its engine holds",
+                    worker.ref.name,
+                    worker.ref.generation,
+                    tier,
+                    self.domains.limit_of(worker, tier),
+                    f"its card's capacity_blocks {worker.card.capacity_blocks}"
+                    if worker.card.capacity_blocks
+                    else "--default-capacity-blocks: its card states no capacity_blocks",
+                    SETTLED * 100,
+                )
+        if refused.index_full:
+            self._index_full(f"worker {worker.ref.name!r}", refused.index_full)
+
+    def _index_full(self, holder: str, count: int) -> None:
+        """``count`` stored blocks of ``holder`` met the router-wide bound."""
+        self._drops.add(DropCause.INDEX_FULL, count)
+        if self._overflows.refused(Overflows.INDEX, count):
+            log.warning(
+                "router index full: %d blocks held, its bound (--max-held-blocks %d); stored "
+                "blocks past it are not indexed (index_full, first of %s; logged once until "
+                "it is back to %d%%). Removals make room again: check for holders whose "
+                "removals are lost, or raise --max-held-blocks (~%d B a block)",
+                self.budget.used,
+                self.budget.limit,
+                holder,
+                SETTLED * 100,
+                BYTES_PER_HELD_BLOCK,
+            )
+
+    def _settle(self, worker: Worker | None = None) -> None:
+        """End the overflow episodes (``worker``'s, and the index's) that are back
+        within their bounds: O(1), run after each batch while any is open."""
+        if worker is not None:
+            for tier in LOCAL_TIERS:
+                if self._overflows.is_open((worker.ref, tier)):
+                    fill = self.domains.fill(worker, tier)
+                    what = f"worker {worker.ref.name!r} gen {worker.ref.generation} {tier} tier"
+                    self._settled(what, fill.held, fill.limit, (worker.ref, tier))
+        self._settled("the router index", self.budget.used, self.budget.limit, Overflows.INDEX)
+
+    def _settled(self, what: str, held: int, limit: int, key: object) -> None:
+        refused = self._overflows.settle(key, held, limit)
+        if refused is not None:
+            log.info(
+                "%s is back within its bound: %d of %d blocks indexed (%d stored blocks "
+                "were not indexed while past it)",
+                what,
+                held,
+                limit,
+                refused,
+            )
 
     def apply_named_vllm_batch(self, name: str, batch: VllmBatch) -> int:
         """A batch for whichever generation of worker ``name`` is admitted now
@@ -320,7 +415,7 @@ class Router:
             else:
                 found = self.admission.current(worker)
             if found is not None:
-                self.domains.forget(found)
+                self._forget_blocks(found)
 
     def record_dropped(self, count: int = 1, cause: DropCause = DropCause.UNDECODABLE) -> None:
         """Count events a feed lost or received but could not use (by default:
@@ -463,6 +558,8 @@ class Router:
             if snapshot:
                 self.peers.snapshot_taken(peer)
             applied = sum(self._apply_store_event(peer, e, caller) for e in events)
+            if self._overflows:
+                self._settle()
             return EventsApplied(applied, len(events) - applied)
 
     def _drop_batch(self, count: int, cause: DropCause) -> EventsApplied:
@@ -491,7 +588,7 @@ class Router:
             if worker is None:
                 continue
             if self.may_relay_for(caller, worker, node_id):
-                self.domains.forget(worker, (GPU_TIER,))
+                self._forget_blocks(worker, (GPU_TIER,))
             else:
                 self.relays.record(node_id, ref)
 
@@ -504,7 +601,11 @@ class Router:
         if not self._indexable(peer, event):
             self._drops.add(DropCause.NOT_INDEXABLE)
             return False
-        self._blocks_ingested += self.peers.apply(peer, event)
+        refused = self.peers.apply(peer, event)
+        if refused.index_full:
+            self._index_full(f"store node {peer.node_id!r}", refused.index_full)
+        if event.type == STORED:
+            self._blocks_ingested += len(event.block_hashes)
         self._events_applied += 1
         return True
 
@@ -750,6 +851,8 @@ class Router:
                 self.loads.hits.blocks_reported,
                 replace(self._drops),
                 self._resyncs,
+                self.budget.used,
+                self.budget.limit,
             )
 
     def index_bytes(self) -> int:

@@ -2,7 +2,11 @@
 
 No event is dropped silently (docs/design.md §6): every event the router
 receives and does not index is counted under exactly one cause, and the causes
-add up to ``RouterStats.events_dropped``.
+add up to ``RouterStats.events_dropped``. The two bounds of the index
+(bounds.py) count blocks, not events: a stored event's hashes past a bound are
+dropped one by one (its leading ones may still be indexed), so
+``over_capacity`` and ``index_full`` count the hashes not indexed (one per
+event for vLLM's usual one-block BlockStored).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ class DropCause(StrEnum):
     # a numbered batch of a node that owes a snapshot: a worker it relayed for
     # was admitted anew (Peer.owes_snapshot), so it is answered resync
     SNAPSHOT_OWED = "snapshot_owed"
+    # stored blocks past the bound of the worker tier they were for (its card's
+    # capacity_blocks, else --default-capacity-blocks): removals lost, or a card
+    # that states too little
+    OVER_CAPACITY = "over_capacity"
+    # stored blocks past the router-wide bound on blocks held (--max-held-blocks)
+    INDEX_FULL = "index_full"
 
 
 @dataclass
@@ -45,6 +55,8 @@ class EventDrops:
     no_room: int = 0
     relay_refused: int = 0
     snapshot_owed: int = 0
+    over_capacity: int = 0
+    index_full: int = 0
 
     def add(self, cause: DropCause, count: int = 1) -> None:
         setattr(self, cause.value, getattr(self, cause.value) + count)

@@ -18,6 +18,11 @@ garbage collector, so a full collection never walks the index (a set of 1M
 ints costs every gen-2 collection ~100 ms). An entry costs ~40 bytes; its
 key is usually the mask table's own int object; ``nbytes`` counts it.
 
+Bounds (bounds.py): each holder has a limit on its blocks, and every index of
+a router shares one ``IndexBudget``; a new block past either is not indexed
+and counted in the ``Refused`` a store or update returns. Both are kept as
+counters (one comparison per new block), never found by a scan.
+
 The masks live in 256 dicts chosen by a hash's low byte, not one: a CPython
 dict rebuilds its whole table when churn has used up its free slots, which
 for one 4M-entry dict is a ~250 ms stall under the router lock every ~1.4M
@@ -32,6 +37,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from itertools import accumulate, groupby, repeat, takewhile
 from operator import and_
 
+from kvstore.router.bounds import NONE_REFUSED, UNBOUNDED, IndexBudget, Refused
 from kvstore.wire import limits
 from kvstore.wire.errors import exhausted
 
@@ -39,20 +45,25 @@ from kvstore.wire.errors import exhausted
 class HolderIndex:
     """hash -> holder bitmask, with holder <-> bit number bookkeeping."""
 
-    def __init__(self, max_holders: int = limits.MAX_WORKERS_PER_DOMAIN):
+    def __init__(
+        self, max_holders: int = limits.MAX_WORKERS_PER_DOMAIN, budget: IndexBudget | None = None
+    ):
         self.max_holders = max_holders
+        self.budget = budget if budget is not None else IndexBudget()
         self._shards: list[dict[int, int]] = [{} for _ in range(_SHARDS)]
         self._bit_of: dict[Hashable, int] = {}
         self._holder_of: dict[int, Hashable] = {}
         self._held: list[dict[int, None]] = []
         self._single: list[int] = []  # bit -> the shared ``1 << bit`` int
+        self._limit: list[int] = []  # bit -> the most blocks its holder may hold
         self._free: list[int] = []
         self._assigned = 0  # the bits of every holder, OR-ed
 
     # -- holders -----------------------------------------------------------
 
-    def assign(self, holder: Hashable) -> int:
-        """The holder's bit number, assigned on first use (lowest free one)."""
+    def assign(self, holder: Hashable, limit: int = UNBOUNDED) -> int:
+        """The holder's bit number, assigned on first use (lowest free one); a
+        new holder may hold at most ``limit`` blocks."""
         bit = self._bit_of.get(holder)
         if bit is not None:
             return bit
@@ -65,6 +76,8 @@ class HolderIndex:
                 raise exhausted(f"index already has {self.max_holders} holders")
             self._held.append({})
             self._single.append(1 << bit)
+            self._limit.append(limit)
+        self._limit[bit] = limit
         self._bit_of[holder] = bit
         self._holder_of[bit] = holder
         self._assigned |= self._single[bit]
@@ -84,6 +97,10 @@ class HolderIndex:
         """How many blocks holder ``bit`` holds."""
         return len(self._held[bit])
 
+    def entries(self) -> int:
+        """Blocks held, summed over holders (O(holders); what this index takes of its budget)."""
+        return sum(map(len, self._held))
+
     def release(self, holder: Hashable) -> int:
         """Forget ``holder`` and every entry it had; return how many."""
         bit = self._bit_of.pop(holder, None)
@@ -97,16 +114,35 @@ class HolderIndex:
 
     # -- events ------------------------------------------------------------
 
-    def store(self, bit: int, hashes: Iterable[int]) -> None:
+    def store(self, bit: int, hashes: Iterable[int]) -> Refused:
+        """Holder ``bit`` holds ``hashes``; those past its limit or the budget are not indexed."""
         held = self._held[bit]
+        before = len(held)
+        room = min(self._limit[bit] - before, self.budget.room())
         single, shards, low = self._single[bit], self._shards, _SHARD_MASK
+        refused = 0
         for h in hashes:
             if h in held:
                 continue
+            if room <= 0:
+                refused += 1
+                continue
+            room -= 1
             held[h] = None
             masks = shards[h & low]
             m = masks.get(h)
             masks[h] = single if m is None else m | single
+        self.budget.used += len(held) - before
+        return self._refused(bit, refused)
+
+    def _refused(self, bit: int, count: int) -> Refused:
+        """``count`` new blocks of holder ``bit`` found no room: which bound was met
+        (its own when it is full, else the budget)."""
+        if not count:
+            return NONE_REFUSED
+        if len(self._held[bit]) >= self._limit[bit]:
+            return Refused(over_capacity=count)
+        return Refused(index_full=count)
 
     def remove(self, bit: int, hashes: Iterable[int]) -> int:
         """Drop holder ``bit`` from ``hashes``; return how many it really had."""
@@ -116,15 +152,21 @@ class HolderIndex:
             if h in held:
                 del held[h]
                 self._unset(h, bit)
+        self.budget.used -= before - len(held)
         return before - len(held)
 
-    def update(self, bit: int, hashes: Sequence[int], keeps: Sequence[bool]) -> None:
-        """Apply events in order: ``hashes[i]`` stored (``keeps[i]``) or removed.
+    def update(self, bit: int, hashes: Sequence[int], keeps: Sequence[bool]) -> Refused:
+        """Apply events in order: ``hashes[i]`` stored (``keeps[i]``) or removed;
+        a new block past the holder's limit or the budget is not indexed (a
+        removal earlier in the run makes room for it).
 
         One mask lookup per hash decides; the holder's own table is touched
         only when its membership really changes.
         """
         held = self._held[bit]
+        before = len(held)
+        room = min(self._limit[bit] - before, self.budget.room())
+        refused = 0
         single, unset = self._single[bit], ~self._single[bit]
         shards, low = self._shards, _SHARD_MASK
         for h, keep in zip(hashes, keeps, strict=True):
@@ -132,9 +174,14 @@ class HolderIndex:
             m = masks.get(h, 0)
             if keep:
                 if not m & single:
+                    if room <= 0:
+                        refused += 1
+                        continue
+                    room -= 1
                     held[h] = None
                     masks[h] = m | single if m else single
             elif m & single:
+                room += 1
                 del held[h]
                 m &= unset
                 if not m:
@@ -143,6 +190,8 @@ class HolderIndex:
                     masks[h] = m
                 else:
                     masks[h] = self._single[m.bit_length() - 1]
+        self.budget.used += len(held) - before
+        return self._refused(bit, refused)
 
     def clear(self, bit: int) -> int:
         """Drop every entry of holder ``bit``; return how many there were."""
@@ -150,6 +199,7 @@ class HolderIndex:
         self._held[bit] = {}
         for h in held:
             self._unset(h, bit)
+        self.budget.used -= len(held)
         return len(held)
 
     def _unset(self, h: int, bit: int) -> None:

@@ -25,6 +25,10 @@ A peer's event batches may be numbered (``seq``, per node and generation, one
 more per batch; docs/design.md §6): :meth:`Peer.sequence_fault` says whether a
 batch follows the last one applied, and :meth:`Peers.forget_blocks` empties a
 peer's index when a snapshot replaces it wholesale.
+
+A store advertises no pool size, so its blocks have no bound of their own:
+they count against the router's ``IndexBudget`` (bounds.py), which every
+index shares, and a stored block past it is not indexed.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.router.bounds import NONE_REFUSED, IndexBudget, Refused
 from kvstore.router.drops import DropCause
 from kvstore.router.holders import HolderIndex
 from kvstore.wire import limits
@@ -158,9 +163,10 @@ class Peers:
     """Registry of store peers plus one :class:`HolderIndex` per final namespace.
     Called under the router's lock."""
 
-    def __init__(self):
+    def __init__(self, budget: IndexBudget | None = None):
         self.peers: dict[str, Peer] = {}
         self.indexes: dict[str, HolderIndex] = {}
+        self.budget = budget if budget is not None else IndexBudget()
         # worker name -> node ids of the peers that await it (Peer.awaited), so an
         # admission asks them without a look at every peer
         self._awaiting: dict[str, set[str]] = {}
@@ -367,7 +373,7 @@ class Peers:
             peer.namespaces.add(namespace)
         index = self.indexes.get(namespace)
         if index is None:
-            index = self.indexes[namespace] = HolderIndex(limits.MAX_PEERS * 3)
+            index = self.indexes[namespace] = HolderIndex(limits.MAX_PEERS * 3, self.budget)
         return index
 
     def check_room(self, peer: Peer, events: Sequence[StoreEvent]) -> None:
@@ -384,27 +390,26 @@ class Peers:
                 f"at most {limits.MAX_NAMESPACES_PER_PEER}"
             )
 
-    def apply(self, peer: Peer, event: StoreEvent) -> int:
-        """Index one of ``peer``'s own events; return how many blocks it stored.
-        A removal where the peer holds nothing indexed changes nothing (it makes
-        no index and no namespace for the peer), nor does a stored event naming
-        no block (256 of them took 4 MiB of index and every namespace slot of
-        the peer for nothing)."""
+    def apply(self, peer: Peer, event: StoreEvent) -> Refused:
+        """Index one of ``peer``'s own events; return the stored blocks the
+        router's budget could not take. A removal where the peer holds nothing
+        indexed changes nothing (it makes no index and no namespace for the
+        peer), nor does a stored event naming no block (256 of them took 4 MiB
+        of index and every namespace slot of the peer for nothing)."""
         if event.type == STORED and not event.block_hashes:
-            return 0
+            return NONE_REFUSED
         if event.type == STORED:
             index = self.index_for(peer, event.namespace)
-            index.store(index.assign((peer.node_id, event.tier)), event.block_hashes)
-            return len(event.block_hashes)
+            return index.store(index.assign((peer.node_id, event.tier)), event.block_hashes)
         index = self.indexes.get(event.namespace)
         bit = index.bit_of((peer.node_id, event.tier)) if index is not None else None
         if bit is None:
-            return 0
+            return NONE_REFUSED
         if event.type == REMOVED:
             index.remove(bit, event.block_hashes)
         else:
             index.clear(bit)
-        return 0
+        return NONE_REFUSED
 
     def owned_by(self, name: str) -> bool:
         """Whether principal ``name`` owns a peer here (advertised or published as it)."""
