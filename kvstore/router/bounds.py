@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 # Blocks indexed per worker tier when its card states no capacity_blocks: above
 # any one engine's device cache today (an H200 holds ~70k blocks of 16 tokens of
-# an 8B model), ~130 MiB of index.
-DEFAULT_CAPACITY_BLOCKS = 1 << 20
+# an 8B model, ~1.1M one-token pages of it: SGLang's default page size), ~520 MiB
+# of index at most.
+DEFAULT_CAPACITY_BLOCKS = 1 << 22
 # Blocks indexed by the whole router (a block two holders hold counts twice).
 # Measured by RSS (/proc/self/statm) over 2M random hashes in one HolderIndex:
 # ~127 B a block held by one holder alone, ~99 B with 64 holders overlapping by

@@ -66,11 +66,12 @@ def every_entry(router: Router) -> int:
 
 
 def test_the_reviews_flood_stops_at_the_default_capacity():
-    """The review's reproduction with the default flags: 17 calls of 65,536 blocks
-    index 1,048,576 (the default capacity), and the 17th call's are counted."""
+    """The review's reproduction with the default flags, carried on: 65 calls of
+    65,536 blocks index 4,194,304 (the default capacity), and the 65th call's are
+    counted."""
     router = Router()
     w = router.register_worker("w", card())
-    for i in range(17):
+    for i in range(DEFAULT_CAPACITY_BLOCKS // (1 << 16) + 1):
         store(router, w.ref, blocks(i << 16, 1 << 16))
     stats = router.stats()
     assert stats.held_blocks == DEFAULT_CAPACITY_BLOCKS == held_of(router, "w")
