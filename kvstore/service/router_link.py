@@ -158,6 +158,7 @@ class RemoteRouterLink:
         )
         self.dropped = RouterLinkStats()
         self._dropped_in_outage = 0  # events dropped since the router was lost
+        self._forgotten = asyncio.Event()  # the router answered it knows us not
 
     async def start(self, store_address: str, ucx_address: str, snapshot: Snapshot) -> None:
         """Advertise now if the router answers; else keep trying in the background."""
@@ -274,7 +275,10 @@ class RemoteRouterLink:
 
     async def _keepalive(self) -> None:
         while True:
-            await asyncio.sleep(REFRESH_S)
+            with contextlib.suppress(TimeoutError):  # every REFRESH_S, or when told
+                async with asyncio.timeout(REFRESH_S):
+                    await self._forgotten.wait()
+            self._forgotten.clear()
             await self._advertise_or_warn()
 
     def publish(self, event: StoreEvent) -> None:
@@ -295,6 +299,8 @@ class RemoteRouterLink:
                     self._queue.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
+                if isinstance(exc, KVError) and exc.code is Code.NOT_FOUND:
+                    self._forgotten.set()  # it does not know us (restarted): advertise now
                 self._drop(batch)
                 what = "the snapshot" if batch is None else f"{len(batch)} events"
                 self._outage.failed(f"could not forward {what}: {grpc_reason(exc)}")

@@ -26,7 +26,7 @@ from kvstore.service import malformed, status
 from kvstore.service.tls import PLAINTEXT, Security
 from kvstore.wire import limits
 from kvstore.wire.card_proto import card_from_proto
-from kvstore.wire.errors import KVError, unavailable
+from kvstore.wire.errors import KVError, not_found, unavailable
 from kvstore.wire.events import StoreEvent
 from kvstore.wire.principal import Principal
 
@@ -209,7 +209,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def PublishEvents(self, request, context):
-        return published_reply(await self._publish(request, context))
+        result = await self._publish(request, context)
+        if result.stale:  # answered OK, the store would go on sending into the void
+            await status.abort(
+                context,
+                not_found(
+                    f"node_id {request.node_id!r} generation {request.generation} is not "
+                    "advertised to this router (it restarted, or the peer's lease lapsed): "
+                    "advertise again; its events were dropped"
+                ),
+            )
+        return published_reply(result)
 
     async def _publish(self, request, context, events: list[StoreEvent] | None = None):
         """Apply a PublishEvents request as its caller (``events``: its payloads

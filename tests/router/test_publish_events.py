@@ -316,7 +316,11 @@ def test_every_dropped_event_is_counted_under_its_cause_over_grpc(served):
     client.publish([StoreEvent("stored", NS, HASHES, NODE)] * 2, seq=1)  # stale seq: 2
     client.publish([StoreEvent("stored", NS, HASHES, "someone-else")] * 3)  # not indexable: 3
     client.publish([StoreEvent("stored", NS, HASHES, "ghost", tier="gpu")] * 4)  # unknown: 4
-    client.publish([StoreEvent("stored", NS, HASHES, NODE)] * 5, node_id=NODE, generation=gen + 9)
+    with pytest.raises(KVError) as stale:  # counted, and said: NOT_FOUND
+        client.publish(
+            [StoreEvent("stored", NS, HASHES, NODE)] * 5, node_id=NODE, generation=gen + 9
+        )
+    assert stale.value.code is Code.NOT_FOUND
     router.record_dropped(6)  # a feed message that does not decode
     stats = client.stats()
     assert stats.dropped_by == router_pb2.EventDrops(

@@ -230,10 +230,14 @@ def test_store_client_advertise_publish_query(served):
         "node-b"
     ]
     assert client.query_prefix("tenant.ffffffffffffffff", hashes) == []
-    # A restart (new advertisement) makes the old generation stale.
+    # A restart (new advertisement) makes the old generation stale: said, not
+    # answered OK with the events dropped (the store advertises again at once).
     client.advertise_peer("node-a", "127.0.0.1:50051", "127.0.0.1:13337", [NS])
-    reply = client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen)
-    assert (reply.applied, reply.dropped) == (0, 1)
+    with pytest.raises(KVError) as err:
+        client.publish([StoreEvent("stored", NS, hashes, "node-a")], generation=gen)
+    assert err.value.code == Code.NOT_FOUND
+    assert f"node_id 'node-a' generation {gen} is not advertised" in err.value.message
+    assert router.stats().dropped_by.stale_generation == 1
     with pytest.raises(KVError) as err:
         client.publish([b"\x00not msgpack map"])
     assert err.value.code == Code.INVALID_ARGUMENT and "events[0]" in err.value.message

@@ -7,10 +7,12 @@ import logging
 import re
 import time
 
+import pytest
+
 from kvstore.client.router_client import RouterClient
 from kvstore.service.router_link import REFRESH_S, RemoteRouterLink
 from kvstore.service.sealed import NOTHING, Listed
-from kvstore.wire.errors import KVError
+from kvstore.wire.errors import Code, KVError
 from kvstore.wire.events import STORED, StoreEvent
 from tests.membership.conftest import RouterThread
 
@@ -290,6 +292,54 @@ def test_two_stores_given_one_node_id_leave_the_routers_entry_to_the_first(tmp_p
     assert len(lines(1, "refuses node id")) == 1 and len(lines(1, "accepted node id")) == 1
     warned = [r for r in caplog.records if r.name == "kvstore.router.peers"]
     assert len(warned) == 1 and second in warned[0].getMessage()
+
+
+def test_a_router_that_forgot_the_store_says_so_and_is_advertised_to_at_once(monkeypatch):
+    """A standalone router that no longer knows the store's generation (it
+    restarted between two publishes, or the store's lease lapsed) answered its
+    PublishEvents OK with every event dropped: the store went on sending into the
+    void until its next keepalive round. Now NOT_FOUND naming the node and
+    generation, and the store advertises again at once (the keepalive round is
+    an hour here), its snapshot replaying what was lost."""
+    from kvstore.service import router_link
+
+    monkeypatch.setattr(router_link, "REFRESH_S", 3600.0)
+    router = RouterThread(None)
+    client = RouterClient(router.address, timeout_s=5)
+    published = [StoreEvent(STORED, NS, [1], "n1")]
+
+    def known(h: int) -> bool:
+        return bool(client.query_prefix(NS, [h]))
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        link = RemoteRouterLink(router.address, "n1")
+        await link.start("127.0.0.1:1", "", lambda: Listed(list(published)))
+        try:
+            while not await asyncio.to_thread(known, 1):
+                assert loop.time() < deadline, "the first snapshot never arrived"
+                await asyncio.sleep(0.05)
+            generation = link.client.generation
+            assert router.call(router.router.remove_peer, "n1", generation)  # forgotten
+            with pytest.raises(KVError) as refused:
+                client.publish([published[0]], "n1", generation, 0)
+            assert refused.value.code is Code.NOT_FOUND, refused.value
+            assert f"'n1' generation {generation}" in refused.value.message
+            published.append(StoreEvent(STORED, NS, [2], "n1"))
+            link.publish(published[-1])  # refused: the link advertises anew, replays
+            while not await asyncio.to_thread(known, 2):
+                assert loop.time() < deadline, "the store never advertised again"
+                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(known, 1)
+        finally:
+            await link.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.close()
+        router.stop()
 
 
 def test_a_feed_to_an_absent_replica_logs_one_warning_and_one_line_when_it_takes_us(caplog):
