@@ -184,6 +184,7 @@ class SGLangRank:
         retry_s=5.0,
         timeout_s=5.0,
         prefetch=False,
+        dp_rank=0,
     ):
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -218,6 +219,7 @@ class SGLangRank:
                 is_page_first_layout=layout == "page_first",
                 model_name=model,
                 extra_config=extra,
+                dp_rank=dp_rank,
             )
             backend = StorageBackendFactory.create_backend("dynamic", config, pool)
             backend.register_mem_pool_host(pool)
@@ -557,6 +559,26 @@ def test_tp2_ranks_keep_their_own_bytes(store, ranks, sglang_keys):
         assert e[r].digest(mla, dst) == want0
 
 
+def test_attention_dp_groups_under_one_configured_instance_id_both_cache(store, ranks, sglang_keys):
+    """Before: extra config ``instance_id`` replaced the whole id, dropping the
+    attention-DP group (and DP replica) suffix, yet SGLang hands the one string
+    to every scheduler process and each group numbers its ranks from 0: group
+    1's rank 0 was refused (ALREADY_EXISTS, retried for ever) and that group
+    never saved or loaded a page (found by review). Now the override keeps
+    the group's suffix: both groups register and share pages."""
+    keys = sglang_keys["p"][:2]
+    key = "mha/page_first"
+    pools = [("mha", "page_first")]
+    groups = [ranks(store.address, "m", 0, 1, pools, "adp-engine", dp_rank=g) for g in range(2)]
+    assert groups[0].ready(30)
+    assert groups[1].ready(15), "attention-DP group 1 never registered"
+    assert groups[1].info(key)["instance_id"] == "adp-engine-mha-page_first-adp1"
+    groups[0].fill(key, [1, 2], seed=12)
+    assert groups[0].set(key, keys, [1, 2]) == [True, True]
+    assert groups[1].get(key, keys, [5, 6]) == [True, True]
+    assert groups[1].digest(key, [5, 6]) == groups[0].digest(key, [1, 2])
+
+
 def test_store_down_is_a_miss_then_it_comes_back(workdir, ranks, sglang_keys):
     keys = sglang_keys["q"][:2]
     s = StoreProcess(workdir, "sglang-down")
@@ -706,3 +728,73 @@ def test_server_arguments_that_change_weights_or_kv_change_the_namespace(tmp_pat
         digests[name] = _checkpoint_digest()
     assert len({digests[n] for n in ("production", "dummy", "rope", "fp16")}) == 4
     assert digests["safetensors"] == digests["production"]
+
+
+def _backend_from(extra: dict):
+    """SGLang's dynamic factory building the kvstore backend from ``extra`` (no pool yet)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        extra_config={
+            "backend_name": "kvstore",
+            "module_path": "kvstore.integrations.sglang",
+            "class_name": "KVStoreHiCacheStorage",
+            "allocator": "shm",
+            **extra,
+        },
+    )
+    return StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"adress": "10.0.0.7:50051"}, "'adress'"),  # misspelt: the default store was used
+        ({"io_timeout": 5}, "'io_timeout'"),
+        ({"timeout_s": "fast"}, "timeout_s must be a number"),  # was: "could not convert..."
+        ({"retry_s": 0}, "retry_s must be a number of seconds above 0"),
+        ({"io_timeout_s": -1}, "io_timeout_s must be"),
+        ({"prefetch": "flase"}, "prefetch must be true or false"),  # was: prefetch on
+        ({"address": 50051}, "address must be a string"),
+    ],
+)
+def test_a_bad_extra_config_key_is_refused_at_start_naming_it(extra, named):
+    """Before: the backend read its keys with ``extra.get`` and ignored the rest,
+    so a misspelt key ran the engine on the default (another store, a minute's
+    deadline) without a word, ``"prefetch": "flase"`` turned prefetch on, a zero
+    retry_s spun, and a non-number failed naming no key (found by review). Now
+    SGLang's factory raises a ValueError naming the key, and SGLang's own keys
+    and every kvstore key are accepted."""
+    from tests.engines.conftest import need
+
+    need("sglang")
+    with pytest.raises(ValueError, match=named):
+        _backend_from(extra)
+    good = {
+        "address": "127.0.0.1:1",
+        "interface_v1": 1,
+        "prefetch_threshold": 256,
+        "hicache_storage_pass_prefix_keys": False,
+        "seal_timeout_s": "30",
+        "retry_s": 0.5,
+        "prefetch": "off",
+        "kv_cache_dtype": "fp8_e4m3",
+    }
+    backend = _backend_from(good)
+    try:
+        assert backend.settings.address == "127.0.0.1:1"
+        assert backend.settings.seal_timeout_s == 30 and backend.settings.retry_s == 0.5
+        assert backend.settings.prefetch is False
+    finally:
+        backend.close()

@@ -103,19 +103,28 @@ def instance_id(
     process. ``engine_port`` (the engine's NCCL port, where SGLang's runtime
     context tells it) keeps apart two engines one process started, and two
     containers whose hostname and launcher pid agree. ``override`` (extra
-    config ``instance_id``) replaces it all.
+    config ``instance_id``, one string SGLang hands every scheduler process)
+    replaces the host, pid, port and pool, but keeps the replica and
+    attention-DP suffixes: those groups' ranks number from 0 alike, and under
+    one id the second group's ranks were refused for good (ALREADY_EXISTS).
     """
     if override:
-        return override
+        return override + _groups(replica, dp_rank)
     host = _UNSAFE_ID.sub("-", socket.gethostname())[:64] or "host"
     value = f"sglang-{host}-{os.getppid()}"
     if engine_port:
         value += f"-p{engine_port}"
+    return f"{value}{_groups(replica, dp_rank)}-{_UNSAFE_ID.sub('-', pool)}"
+
+
+def _groups(replica: int | None, dp_rank: int) -> str:
+    """The id's suffix naming a DP replica and an attention-DP group ('' for neither)."""
+    value = ""
     if replica is not None:
         value += f"-r{replica}"
     if dp_rank:
         value += f"-adp{dp_rank}"
-    return f"{value}-{_UNSAFE_ID.sub('-', pool)}"
+    return value
 
 
 @dataclass(frozen=True)

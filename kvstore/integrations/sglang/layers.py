@@ -58,7 +58,8 @@ _LAYER_DIM = {
 
 SHM_HINT = (
     'add "allocator": "shm" to --hicache-storage-backend-extra-config so SGLang '
-    "allocates its host KV pool in shared memory (memfd) the store can map"
+    "allocates its host KV pool in shared memory (memfd) the store can map; give the "
+    "extra config as inline JSON, not @file (SGLang 0.5.23 reads the allocator only there)"
 )
 
 

@@ -41,6 +41,8 @@ Extra config keys read here (all optional but ``allocator``):
                      SGLang asks which pages are stored (false)
     tls_ca, tls_cert, tls_key   PEM files for mutual TLS to the store server (all
                      three or none; the certificate's CN is this engine's tenant)
+A key neither kvstore nor SGLang reads, or a value of the wrong kind, fails the
+backend's construction with a ValueError naming it (:mod:`.settings`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.client.store_client import StoreClient
 from kvstore.integrations.checkpoint import checkpoint_digest, variant_of
-from kvstore.integrations.extra import flag
 from kvstore.integrations.sglang.identity import (
     RankIdentity,
     client_namespace,
@@ -69,11 +70,10 @@ from kvstore.integrations.sglang.identity import (
 )
 from kvstore.integrations.sglang.layers import UnsupportedPool, kv_format, pool_layers
 from kvstore.integrations.sglang.link import RankLink
+from kvstore.integrations.sglang.settings import read_settings
 from kvstore.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
-
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def _replica() -> int | None:
@@ -108,21 +108,21 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if cfg.extra_config is None:
             cfg.extra_config = {}
         extra = cfg.extra_config
+        settings = read_settings(extra)  # ValueError naming a misspelt key or a bad value
         if not extra.get("interface_v1"):
             # SGLang reads this from the same dict right after building the backend:
             # it selects batch_get_v1/batch_set_v1 (zero copy) over the copying calls.
             extra["interface_v1"] = 1
             log.info("kvstore: zero-copy HiCache interface on (interface_v1=1)")
         self.config = cfg
-        self.address = str(extra.get("address", DEFAULT_ADDRESS))
-        self.retry_s = float(extra.get("retry_s", 5))
-        self.seal_timeout_s = float(extra.get("seal_timeout_s", 60))
-        self.io_timeout_s = float(extra.get("io_timeout_s", 60))
-        self.prefetch = flag(extra.get("prefetch", False))
-        tls = TlsFiles.of(
-            extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
-        )
-        self.client = StoreClient(self.address, timeout=float(extra.get("timeout_s", 5)), tls=tls)
+        self.settings = settings
+        self.address = settings.address
+        self.retry_s = settings.retry_s
+        self.seal_timeout_s = settings.seal_timeout_s
+        self.io_timeout_s = settings.io_timeout_s
+        self.prefetch = settings.prefetch
+        tls = TlsFiles.of(settings.tls_ca, settings.tls_cert, settings.tls_key)
+        self.client = StoreClient(self.address, timeout=settings.timeout_s, tls=tls)
         self.replica = _replica()
         self.instance_id = ""  # known once the pool is
         self.identity: RankIdentity | None = None
@@ -152,7 +152,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         cfg = self.config
         fp8 = kv_format(
             mem_pool_host,
-            lambda: cfg.extra_config.get("kv_cache_dtype") or _server_arg("kv_cache_dtype"),
+            lambda: self.settings.kv_cache_dtype or _server_arg("kv_cache_dtype"),
         )
         layers = pool_layers(mem_pool_host, cfg.is_mla_model, fp8)
         self.page_size = int(mem_pool_host.page_size)
@@ -160,7 +160,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             f"{'mla' if cfg.is_mla_model else 'mha'}-{mem_pool_host.layout}",
             dp_rank=cfg.dp_rank,
             replica=self.replica,
-            override=cfg.extra_config.get("instance_id"),
+            override=self.settings.instance_id,
             engine_port=_server_arg("nccl_port"),
         )
         self.identity = rank_identity(
@@ -168,8 +168,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             namespace=client_namespace(
                 cfg.model_name,
                 mem_pool_host.layout,
-                cfg.extra_config.get("namespace"),
-                cfg.extra_config.get("model_digest") or _checkpoint_digest(),
+                self.settings.namespace,
+                self.settings.model_digest or _checkpoint_digest(),
             ),
             page_size=self.page_size,
             tp_rank=cfg.tp_rank,
