@@ -16,6 +16,7 @@ server can map them; CUDA tensors are shared by IPC handle
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -123,6 +124,9 @@ def kv_cache_shm(
 # The store answers a registration once it has checked and mapped the layers:
 # well under a second as a rule, and a hung server must not hang the engine.
 ACCEPT_TIMEOUT_S = 60.0
+# How long a Load waits past its timeout for a copy the store began in time: far
+# beyond any copy's length at the pace the store assumes when it begins one.
+LATE_COPY_S = 30.0
 
 
 @dataclass
@@ -243,15 +247,33 @@ class RankSession:
         return call(self.stub.Save, request, timeout)
 
     def load(self, blocks: list[tuple[int, int]], timeout: float = 60.0) -> pb.LoadResponse:
-        """Copy stored blocks into this rank's (block_hash, block_id) pairs (docs/design.md §2)."""
+        """Copy stored blocks into this rank's (block_hash, block_id) pairs (docs/design.md §2).
+
+        The store begins no copy that might not end within ``timeout``; a copy it
+        began is waited for past it (up to ``LATE_COPY_S`` more), since its bytes
+        land in these blocks whether or not anyone waits: a caller told the load
+        failed reuses them. Only a store silent past that too leaves the blocks
+        maybe still being written (DEADLINE_EXCEEDED, saying so)."""
         request = pb.LoadRequest(
             instance_id=self.instance_id,
             rank=self.rank,
             session=self.session,
             block_hashes=[h for h, _ in blocks],
             block_ids=[i for _, i in blocks],
+            start_within_ms=max(1, round(timeout * 1000)),
         )
-        return call(self.stub.Load, request, timeout)
+        began = time.monotonic()
+        try:
+            return call(self.stub.Load, request, timeout + LATE_COPY_S)
+        except KVError as exc:
+            silent = time.monotonic() - began >= timeout + LATE_COPY_S  # not the store's refusal
+            if exc.code is not Code.DEADLINE_EXCEEDED or not silent:
+                raise
+            raise KVError(
+                Code.DEADLINE_EXCEEDED,
+                f"Load: the store did not answer within {timeout:g} s and {LATE_COPY_S:g} s "
+                "more for a copy it may have begun: it may still write these blocks' memory",
+            ) from None
 
     def close(self) -> None:
         """End the registration; the server removes it and unseals the instance."""

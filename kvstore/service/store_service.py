@@ -176,6 +176,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Load(self, request, context):
         who, refs = codec.caller_id(request), await self._call(context, codec.refs, request)
         left = context.time_remaining()  # None: the caller set no deadline
+        if request.start_within_ms:  # the caller waits past it for a copy begun
+            left = (
+                request.start_within_ms / 1000
+                if left is None
+                else min(left, request.start_within_ms / 1000)
+            )
         deadline = None if left is None else time.monotonic() + left
         return codec.load_response(await self._call(context, self.node.load, who, refs, deadline))
 

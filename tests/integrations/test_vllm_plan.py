@@ -473,10 +473,15 @@ def test_an_answer_half_its_lease_old_is_asked_again(server, rank):
     assert client.stats().leases == 0
 
 
-def test_a_store_that_stops_answering_costs_one_deadline_not_one_a_step(server):
+def test_a_store_that_stops_answering_costs_one_deadline_not_one_a_step(server, monkeypatch):
     """A store holding its connections but answering nothing (its loop stuck):
     every step's Load and Save waited out the worker's deadline (60 s each).
-    After one timeout the rank leaves the store alone for retry_s."""
+    After one timeout the rank leaves the store alone for retry_s. (A Load
+    waits LATE_COPY_S past its deadline for a copy the store may have begun:
+    0.5 s here, where the store stays stuck for 30.)"""
+    from kvstore.client import store_client
+
+    monkeypatch.setattr(store_client, "LATE_COPY_S", 0.5)
     worker, _, _, pool = engine_rank(server, seal_timeout=10, retry_s=60, rpc_timeout=0.5)
     stuck = threading.Event()
     try:

@@ -1,38 +1,89 @@
-"""A Load whose copy might outlive the caller's deadline is not begun: a copy goes
-on once started, and one the caller stopped waiting for would write into pages
-its engine has reused."""
+"""A Load's timeout never leaves the store writing into memory its caller reused.
+
+A copy the store has begun cannot be stopped: its bytes land in the rank's
+blocks whether or not anyone still waits. Before, the client's Load timeout was
+the gRPC deadline: a copy slowed past it (a stalled store) was given up on, the
+engine told the load failed, and it recomputed into those same blocks while the
+store went on writing them. Now the timeout bounds when the store may begin a
+copy (``start_within_ms``), and the client waits past it for one begun.
+
+A real ``kvstore serve`` process, SIGSTOPped while it copies a Load into this
+process's shared memory.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
-import kvstore.store.node as store_node
-from kvstore.testing.worker import WorkerRank, WorkerSpec
+import pytest
+import torch
+
+from kvstore.client import KVLayer, kv_cache_shm
+from kvstore.demo import free_port
 from kvstore.wire.errors import Code, KVError
+from tests.service.test_peer_fetch import ready
+
+BLOCKS = 256  # saved, then loaded into as many other blocks: 256 MiB a Load
 
 
 @pytest.fixture
-def rank(server):
-    spec = WorkerSpec(server.address, "i", "m", 0, 1, layers=2, heads=2, head_dim=16,
-                      block_size=4, num_blocks=8)  # fmt: skip
-    r = WorkerRank(spec)
-    r.wait_sealed(10)
-    yield r
-    r.close()
+def store():
+    port = free_port()
+    args = ["serve", "--port", str(port), "--device", "cpu", "--pool-size", "320MiB"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", *args, "--no-router", "--no-transfer"],
+        stderr=subprocess.DEVNULL,
+    )
+    client = ready(f"127.0.0.1:{port}", proc)
+    yield proc, client
+    client.close()
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait(timeout=10)
 
 
-def test_a_load_without_time_for_its_copy_copies_nothing(rank, monkeypatch):
-    rank.fill([(7, 0), (8, 1)])
-    rank.save([(70, 0), (80, 1)])
-    want = rank.digest([0, 1])
-    rank.clear([4, 5])
-    before = rank.digest([4, 5])
-    # as if the copier moved 1 byte a second: this copy would take hours, its caller waits 60 s
-    monkeypatch.setattr(store_node, "MIN_COPY_BYTES_PER_S", 1.0)
-    with pytest.raises(KVError, match=r"deadline left, and copying .* nothing copied") as err:
-        rank.session.load([(70, 4), (80, 5)], timeout=60)
-    assert err.value.code is Code.DEADLINE_EXCEEDED
-    assert rank.digest([4, 5]) == before
-    monkeypatch.undo()
-    rank.session.load([(70, 4), (80, 5)], timeout=60)
-    assert rank.digest([4, 5]) == want
+def test_a_load_stalled_past_its_timeout_is_waited_for_not_left_writing(store):
+    proc, client = store
+    shm = kv_cache_shm("kv_first", 2 * BLOCKS, 64, 32, 128)  # 1 MiB a block
+    try:
+        cache = shm.tensor
+        cache[:, :BLOCKS].copy_(torch.randn_like(cache[:, :BLOCKS]))
+        layer = KVLayer("model.layers.0.self_attn", cache, "kv_first", "NHD", shm)
+        session = client.register("engine", "llama", [layer], block_size=64)
+        session.wait_sealed(10)
+        session.save([(1000 + i, i) for i in range(BLOCKS)], timeout=60)
+        targets = [(1000 + i, BLOCKS + i) for i in range(BLOCKS)]
+        with pytest.raises(KVError) as short:  # the store's refusal, not the call's deadline
+            session.load(targets, timeout=0.001)
+        assert "of the caller's deadline left" in short.value.message, short.value
+        outcome: list = []
+
+        def load() -> None:
+            try:
+                outcome.append(session.load(targets, timeout=1.0))
+            except KVError as exc:
+                outcome.append(exc)
+            outcome.append(cache[:, BLOCKS:].clone())  # what the blocks hold on return
+
+        caller = threading.Thread(target=load)
+        caller.start()
+        time.sleep(0.03)  # the store has the call and is copying (~0.1-0.3 s here)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)  # past the load's timeout
+        os.kill(proc.pid, signal.SIGCONT)
+        caller.join(60)
+        answer, on_return = outcome
+        time.sleep(0.5)  # a copy still going on would change them now
+        assert torch.equal(cache[:, BLOCKS:], on_return), "bytes landed after the Load returned"
+        if isinstance(answer, KVError):  # stopped before the copy began: refused, none copied
+            assert answer.code is Code.DEADLINE_EXCEEDED, answer
+            assert "deadline" in answer.message and not on_return.any()
+        else:
+            assert torch.equal(on_return, cache[:, :BLOCKS])
+    finally:
+        shm.close()
