@@ -56,3 +56,14 @@ def no_leftover_vllm_shm():
     for name in set(os.listdir("/dev/shm")) - before:
         if name.startswith("vllm_dist_"):
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+# Extra configs either connector refuses at start, and what its ValueError names
+BAD_EXTRA_CONFIG = [
+    ({"adress": "10.0.0.7:50051"}, "'adress'"),  # misspelt: the default store was used
+    ({"io_timeout": 5}, "'io_timeout'"),
+    ({"timeout_s": "fast"}, "timeout_s must be a number"),  # was: "could not convert..."
+    ({"retry_s": 0}, "retry_s must be a number of seconds above 0"),
+    ({"prefetch": "flase"}, "prefetch must be true or false"),  # was: prefetch on
+    ({"address": 50051}, "address must be a string"),
+]

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from kvstore.testing.engines import StoreProcess
+from tests.engines.conftest import BAD_EXTRA_CONFIG
 
 PAGE = 4  # tokens per page
 HEADS, HEAD_DIM, LAYERS, MLA_DIM = 4, 8, 3, 24  # HEADS in total: each TP rank holds HEADS / tp
@@ -759,15 +760,7 @@ def _backend_from(extra: dict):
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [
-        ({"adress": "10.0.0.7:50051"}, "'adress'"),  # misspelt: the default store was used
-        ({"io_timeout": 5}, "'io_timeout'"),
-        ({"timeout_s": "fast"}, "timeout_s must be a number"),  # was: "could not convert..."
-        ({"retry_s": 0}, "retry_s must be a number of seconds above 0"),
-        ({"io_timeout_s": -1}, "io_timeout_s must be"),
-        ({"prefetch": "flase"}, "prefetch must be true or false"),  # was: prefetch on
-        ({"address": 50051}, "address must be a string"),
-    ],
+    [*BAD_EXTRA_CONFIG, ({"io_timeout_s": -1}, "io_timeout_s must be")],
 )
 def test_a_bad_extra_config_key_is_refused_at_start_naming_it(extra, named):
     """Before: the backend read its keys with ``extra.get`` and ignored the rest,

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvstore.testing.engines import Engine, StoreProcess
+from tests.engines.conftest import BAD_EXTRA_CONFIG
 
 BLOCK = 32
 MAX_TOKENS = 8
@@ -222,16 +223,9 @@ def test_ranks_without_pythonhashseed_agree_on_one_unshared_hash_format(vllm_rea
     assert none_hash_seed("xxhash", "engine-1") == "7"
 
 
-@pytest.mark.parametrize(
-    "option", ["decode_context_parallel_size", "prefill_context_parallel_size"]
-)
-def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
-    """With context parallelism vLLM's scheduler blocks span several cache blocks:
-    the connector loaded blocks at positions off by that factor (silently wrong
-    output). It now refuses to start, naming the setting."""
+def _vllm_config(extra: dict | None = None):
+    """The parts of a VllmConfig the connector's Settings read."""
     from types import SimpleNamespace
-
-    from kvstore.integrations.vllm.connector import Settings
 
     parallel = SimpleNamespace(
         data_parallel_size=1,
@@ -239,8 +233,8 @@ def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
         decode_context_parallel_size=1,
         prefill_context_parallel_size=1,
     )
-    config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, engine_id="e"),
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}, engine_id="e"),
         model_config=SimpleNamespace(
             served_model_name="m",
             model="/nonexistent/m",
@@ -253,7 +247,50 @@ def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
         parallel_config=parallel,
         cache_config=SimpleNamespace(block_size=32, prefix_caching_hash_algo="sha256"),
     )
+
+
+@pytest.mark.parametrize(
+    "option", ["decode_context_parallel_size", "prefill_context_parallel_size"]
+)
+def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
+    """With context parallelism vLLM's scheduler blocks span several cache blocks:
+    the connector loaded blocks at positions off by that factor (silently wrong
+    output). It now refuses to start, naming the setting."""
+    from kvstore.integrations.vllm.connector import Settings
+
+    config = _vllm_config({"namespace": "m.0123456789abcdef"})
     assert Settings.from_vllm(config).block_size == 32
-    setattr(parallel, option, 2)
+    setattr(config.parallel_config, option, 2)
     with pytest.raises(ValueError, match=option):
         Settings.from_vllm(config)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [*BAD_EXTRA_CONFIG, ({"lease_ms": 1.5}, "lease_ms must be a whole number")],
+)
+def test_a_bad_extra_config_key_is_refused_at_start_naming_it(vllm_ready, extra, named):
+    """Before: the connector read its keys with ``extra.get`` and ignored the
+    rest, so a misspelt key ran the engine on the default (another store, a
+    minute's deadline) without a word, ``"prefetch": "flase"`` turned prefetch
+    on, and a non-number failed naming no key (found by the SGLang review, which
+    fixed the same there). Now a ValueError naming the key, at start; every
+    kvstore key is accepted."""
+    from kvstore.integrations.vllm.connector import Settings
+
+    with pytest.raises(ValueError, match=named):
+        Settings.from_vllm(_vllm_config({"namespace": "m.0123456789abcdef", **extra}))
+    good = {
+        "address": "127.0.0.1:1",
+        "namespace": "m.0123456789abcdef",
+        "lease_ms": "30000",
+        "prefetch": "on",
+        "seal_timeout_s": "30",
+        "retry_s": 0.5,
+        "io_timeout_s": 10,
+        "recompute_failed_loads": False,
+    }
+    settings = Settings.from_vllm(_vllm_config(good))
+    assert (settings.address, settings.lease_ms, settings.prefetch) == ("127.0.0.1:1", 30000, True)
+    assert settings.seal_timeout_s == 30 and settings.retry_s == 0.5
+    assert settings.recompute_failed_loads is False

@@ -10,11 +10,12 @@ naming the key, which SGLang raises at start-up.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from kvstore.integrations.extra import DEFAULT_ADDRESS, read_extra
+
+OWNER = "kvstore HiCache backend"  # what the engine's log shows refusing a key
 
 # Keys SGLang itself reads from, or leaves in, a dynamic backend's extra config
 # (0.5.23: the factory, the shm allocator, the zero-copy switch, the prefetch
@@ -45,8 +46,6 @@ _TEXT = {
 }
 _SECONDS = {"seal_timeout_s": 60.0, "retry_s": 5.0, "timeout_s": 5.0, "io_timeout_s": 60.0}
 _FLAGS = {"prefetch": False}
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
-KVSTORE_KEYS = frozenset(_TEXT) | frozenset(_SECONDS) | frozenset(_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -71,48 +70,4 @@ class BackendSettings:
 def read_settings(extra: dict[str, Any]) -> BackendSettings:
     """kvstore's settings of ``extra``; ValueError naming the key for a key neither
     kvstore nor SGLang reads, or a value of the wrong kind."""
-    unknown = sorted(str(k) for k in extra if k not in KVSTORE_KEYS | SGLANG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"kvstore HiCache backend: unknown key(s) {', '.join(map(repr, unknown))} in "
-            "--hicache-storage-backend-extra-config; kvstore reads "
-            f"{', '.join(sorted(KVSTORE_KEYS))} (SGLang: {', '.join(sorted(SGLANG_KEYS))})"
-        )
-    values: dict[str, Any] = {}
-    for key, default in _TEXT.items():
-        values[key] = _text(key, extra.get(key, default))
-    for key, default in _SECONDS.items():
-        values[key] = _seconds(key, extra.get(key, default))
-    for key, default in _FLAGS.items():
-        values[key] = _flag(key, extra.get(key, default))
-    return BackendSettings(**values)
-
-
-def _text(key: str, value: Any) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ValueError(f"kvstore HiCache backend: {key} must be a string, got {value!r}")
-    return value
-
-
-def _seconds(key: str, value: Any) -> float:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
-            f"kvstore HiCache backend: {key} must be a number of seconds above 0, got {value!r}"
-        )
-    return seconds
-
-
-def _flag(key: str, value: Any) -> bool:
-    if isinstance(value, bool) or value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"kvstore HiCache backend: {key} must be true or false, got {value!r}")
+    return BackendSettings(**read_extra(OWNER, extra, _TEXT, _SECONDS, _FLAGS, others=SGLANG_KEYS))

@@ -16,7 +16,8 @@ supported: the hybrid KV cache manager (HMA), layer-wise loading, context
 parallelism (decode or prefill; refused at start), KV-cache layouts that split
 a layer's block (LHBNC, BHLNC; refused in register_kv_caches, at start).
 
-``kv_connector_extra_config`` keys (all optional):
+``kv_connector_extra_config`` keys (all optional; any other key, or a value of
+the wrong kind, is a ValueError naming it at start):
     address          store server, host:port (127.0.0.1:50051)
     namespace        the client namespace; default: model name + checkpoint digest
     model_digest     the digest part of the default namespace
@@ -48,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.checkpoint import variant_of
-from kvstore.integrations.extra import flag
+from kvstore.integrations.extra import DEFAULT_ADDRESS, read_extra
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
@@ -60,7 +61,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+OWNER = "KVStoreConnector"  # what the engine's log shows refusing a key
+# kvstore's keys of the extra config, by kind, with their defaults
+_TEXT = {
+    "address": DEFAULT_ADDRESS,
+    "namespace": "",
+    "model_digest": "",
+    "tls_ca": "",
+    "tls_cert": "",
+    "tls_key": "",
+}
+_SECONDS = {"seal_timeout_s": 120.0, "retry_s": 5.0, "timeout_s": 2.0, "io_timeout_s": 60.0}
+_FLAGS = {"prefetch": False, "recompute_failed_loads": True}
+_COUNTS = {"lease_ms": 60_000}
 
 
 @dataclass
@@ -90,6 +103,8 @@ class Settings:
     def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
         """ValueError, naming the setting, for what the connector does not support."""
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        # a misspelt key or a value of the wrong kind is refused, not run on a default
+        given = read_extra(OWNER, extra, _TEXT, _SECONDS, _FLAGS, _COUNTS)
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -103,31 +118,29 @@ class Settings:
         if parallel.data_parallel_size > 1:
             instance += f"-dp{parallel.data_parallel_rank}"
         return cls(
-            address=str(extra.get("address", DEFAULT_ADDRESS)),
+            address=given["address"],
             instance_id=instance,
             client_namespace=client_namespace(
                 model.served_model_name or model.model,
                 model.model,
                 revision=model.revision,
                 quantization=model.quantization,
-                override=extra.get("namespace"),
-                model_digest=extra.get("model_digest"),
+                override=given["namespace"],
+                model_digest=given["model_digest"],
                 variant=variant_of(
                     vllm_config.load_config.load_format, model.hf_overrides, model.dtype
                 ),
             ),
             block_size=vllm_config.cache_config.block_size,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-            lease_ms=int(extra.get("lease_ms", 60_000)),
-            prefetch=flag(extra.get("prefetch", False)),
-            seal_timeout_s=float(extra.get("seal_timeout_s", 120)),
-            retry_s=float(extra.get("retry_s", 5)),
-            timeout_s=float(extra.get("timeout_s", 2)),
-            io_timeout_s=float(extra.get("io_timeout_s", 60)),
-            recompute_failed_loads=flag(extra.get("recompute_failed_loads", True)),
-            tls=TlsFiles.of(
-                extra.get("tls_ca", ""), extra.get("tls_cert", ""), extra.get("tls_key", "")
-            ),
+            lease_ms=given["lease_ms"],
+            prefetch=given["prefetch"],
+            seal_timeout_s=given["seal_timeout_s"],
+            retry_s=given["retry_s"],
+            timeout_s=given["timeout_s"],
+            io_timeout_s=given["io_timeout_s"],
+            recompute_failed_loads=given["recompute_failed_loads"],
+            tls=TlsFiles.of(given["tls_ca"], given["tls_cert"], given["tls_key"]),
         )
 
 
