@@ -65,6 +65,7 @@ class Lease:
     expires: float = math.inf
     owner: str = ""  # the principal that holds it by id
     released: bool = False
+    pool_bytes: int = 0  # pool bytes of its blocks, counted against its owner (by id only)
 
     @property
     def hashes(self) -> list[int]:
@@ -154,6 +155,19 @@ def _by_namespace(keys: list[Key]) -> dict[str, list[int]]:
     return out
 
 
+def pool_bytes_of(blocks: list[Block]) -> int:
+    """Pool bytes the slots of ``blocks`` take (each slot rounded as the pool
+    rounds it); blocks of one layout share one slot array: summed once."""
+    sizes: dict[int, int] = {}  # id(slot_bytes) -> one block's pool bytes
+    total = 0
+    for block in blocks:
+        size = sizes.get(id(block.slot_bytes))
+        if size is None:
+            size = sizes[id(block.slot_bytes)] = sum(map(round_size, block.slot_bytes.tolist()))
+        total += size
+    return total
+
+
 class BlockIndex:
     """All blocks of one node, over one slot pool per device."""
 
@@ -173,6 +187,7 @@ class BlockIndex:
         self._evictions = 0
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
         self._leases_of: Counter[str] = Counter()  # owner -> leases it holds by id
+        self._leased_bytes_of: Counter[str] = Counter()  # owner -> pool bytes its leases pin
 
     # --------------------------------------------------------------- look-ups
 
@@ -412,6 +427,8 @@ class BlockIndex:
             lease.expires = time.monotonic() + ttl_ms / 1000
             self._leases[lease.lease_id] = lease
             self._leases_of[owner] += 1
+            lease.pool_bytes = pool_bytes_of(blocks)
+            self._leased_bytes_of[owner] += lease.pool_bytes
         return lease
 
     def unpin(self, lease: Lease) -> None:
@@ -423,6 +440,9 @@ class BlockIndex:
             self._leases_of[lease.owner] -= 1
             if not self._leases_of[lease.owner]:
                 del self._leases_of[lease.owner]
+            self._leased_bytes_of[lease.owner] -= lease.pool_bytes
+            if not self._leased_bytes_of[lease.owner]:
+                del self._leased_bytes_of[lease.owner]
         for block in lease.blocks:
             block.pins -= 1
             self._pinned -= block.pins == 0
@@ -441,6 +461,14 @@ class BlockIndex:
     def leases_of(self, owner: str) -> int:
         """How many leases ``owner`` holds by id."""
         return self._leases_of[owner]
+
+    def leased_bytes_of(self, owner: str) -> int:
+        """Pool bytes the leases ``owner`` holds by id pin (a block in two counts twice)."""
+        return self._leased_bytes_of[owner]
+
+    def pool_bytes(self) -> int:
+        """Bytes of every device's pool together."""
+        return sum(pool.pool_bytes for pool in self._pools.values())
 
     # --------------------------------------------------------------- detached
 

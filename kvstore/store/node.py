@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.copy import DeviceFault, MemoryFault
 from kvstore.store.block import Block, SlotSet
-from kvstore.store.blocks import BlockIndex, IndexStats, Writer
+from kvstore.store.blocks import BlockIndex, IndexStats, Writer, pool_bytes_of
 from kvstore.store.copying import LOAD, SAVE, CopyJob, run_job
 from kvstore.store.fetch import Fetcher, FetcherStats, FetchResult, SourceStats, StoreSource
 from kvstore.store.pool import PoolStats, round_size
@@ -36,7 +36,7 @@ from kvstore.store.registry import (
 from kvstore.store.tenants import Tenants
 from kvstore.store.validation import check_instance_id
 from kvstore.wire import limits
-from kvstore.wire.errors import Code, KVError, invalid, not_found, precondition
+from kvstore.wire.errors import Code, KVError, exhausted, invalid, not_found, precondition
 from kvstore.wire.limits import (
     DEFAULT_LEASE_MS,
     MAX_BLOCKS_PER_REQUEST,
@@ -45,6 +45,7 @@ from kvstore.wire.limits import (
 )
 from kvstore.wire.names import MAX_FINAL_NAMESPACE_LEN, check_final_namespace
 from kvstore.wire.principal import LOCAL, Principal, Tenancy, check_owner, check_quota
+from kvstore.wire.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -316,12 +317,31 @@ class StoreNode:
         if leased:  # each pins up to MAX_BLOCKS_PER_REQUEST blocks for up to MAX_LEASE_MS
             owned = self.index.leases_of(caller.name)
             check_quota("query leases", owned, limits.MAX_LEASES_PER_PRINCIPAL, caller)
+            self._check_leased_bytes(blocks, caller)
         self.counters.hits += len(blocks)
         self.counters.misses += len(hashes) - len(blocks)
         if not leased:
             return QueryResult(len(blocks))
         held = self.index.pin(blocks, ttl_ms=lease_ms or DEFAULT_LEASE_MS, owner=caller.name)
         return QueryResult(len(blocks), held.lease_id)
+
+    def _check_leased_bytes(self, blocks: list[Block], caller: Principal) -> None:
+        """RESOURCE_EXHAUSTED when leasing ``blocks`` would have ``caller`` (not an
+        admin) pin more than MAX_LEASED_POOL_FRACTION of the pool by query leases:
+        pinned blocks are never evicted, so one tenant leasing the whole pool
+        would leave every other tenant's saves no room."""
+        if caller.admin:
+            return
+        held = self.index.leased_bytes_of(caller.name)
+        more = pool_bytes_of(blocks)
+        limit = int(self.index.pool_bytes() * limits.MAX_LEASED_POOL_FRACTION)
+        if held + more > limit:
+            raise exhausted(
+                f"lease: {caller} pins {format_size(held)} by query leases and this one "
+                f"would pin {format_size(more)} more: at most {format_size(limit)} a "
+                "certificate (half this store's pool, so that others' saves find room); "
+                "release leases or lease a shorter prefix. Nothing was leased"
+            )
 
     def release(self, lease_id: str, caller: Principal = LOCAL) -> int:
         """Release a query lease; the number of blocks it held. Only the

@@ -15,6 +15,9 @@ MAX_SHM_NAME_LEN = 200
 MAX_LEASE_MS = 10 * 60 * 1000
 DEFAULT_LEASE_MS = 30_000  # a Query's lease when it asks for one with lease_ms 0
 MAX_LEASES_PER_PRINCIPAL = 16384  # query leases one (non-admin) certificate may hold
+# of a store's pool bytes, what one (non-admin) certificate's query leases may pin together:
+# the rest stays evictable, so no tenant can leave another's saves no room
+MAX_LEASED_POOL_FRACTION = 0.5
 MAX_EVENT_STREAMS_PER_PRINCIPAL = 64  # Events streams one (non-admin) certificate may hold
 MAX_WAIT_MS = 60 * 1000  # GetInstance waits for a seal at most this long
 
