@@ -143,14 +143,15 @@ class Tenancy:
 
     def check(self, field_name: str, namespace: str, caller: Principal) -> None:
         """PERMISSION_DENIED, naming ``field_name``, when ``caller`` may not
-        claim client namespace ``namespace``."""
+        claim client namespace ``namespace``. Another tenant's CN is not named
+        (see :func:`check_owner`); the caller's own bindings are."""
         if caller.admin:
             return
         owner = self._owners.get(namespace)
         if owner is not None and owner != caller.name:
             raise denied(
-                f"{field_name} {namespace!r} is bound to certificate {owner!r} "
-                f"(--tenant {owner}={namespace}), not to {caller}"
+                f"{field_name} {namespace!r} is bound to another certificate (--tenant), "
+                f"not to {caller}"
             )
         mine = self._namespaces.get(caller.name)
         if owner is None and mine:

@@ -30,7 +30,8 @@ def test_a_bound_namespace_is_its_tenants_before_it_claims_it(pki, bound_store):
     """Before: a client namespace (store) and a WorkerSet (router) were their
     first claimer's: tenant-b, registering first in tenant-a's namespace, kept
     tenant-a out of it. Now tenant-b is PERMISSION_DENIED there from the start,
-    naming the field and the binding; tenant-a claims it and no other."""
+    naming the field and the binding but not tenant-a's CN (a refusal names no
+    other tenant: before, it did); tenant-a claims it and no other."""
     store = callers(pki, bound_store.address)
     routers = {
         cn: RouterClient(bound_store.address, tls=pki.issue(cn))
@@ -38,10 +39,12 @@ def test_a_bound_namespace_is_its_tenants_before_it_claims_it(pki, bound_store):
     }
     err = refused(Rank, store.b, "squat", "a-ns")
     assert err.code is Code.PERMISSION_DENIED
-    assert "client_namespace 'a-ns' is bound to certificate 'tenant-a'" in err.message
+    assert "client_namespace 'a-ns' is bound to another certificate (--tenant)" in err.message
+    assert "tenant-a" not in err.message  # a refusal names no other tenant
     err = refused(routers["tenant-b"].register_worker, "squat", card(namespace="a-ns"))
     assert err.code is Code.PERMISSION_DENIED
-    assert "card.namespace 'a-ns' is bound to certificate 'tenant-a'" in err.message
+    assert "card.namespace 'a-ns' is bound to another certificate (--tenant)" in err.message
+    assert "tenant-a" not in err.message  # a refusal names no other tenant
     assert routers["tenant-b"].stats().workers == 0
     # tenant-a is confined to its namespace
     err = refused(Rank, store.a, "elsewhere", "b-ns")
