@@ -25,8 +25,8 @@ import math
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,7 +65,6 @@ class Lease:
     expires: float = math.inf
     owner: str = ""  # the principal that holds it by id
     released: bool = False
-    pool_bytes: int = 0  # pool bytes of its blocks, counted against its owner (by id only)
 
     @property
     def hashes(self) -> list[int]:
@@ -168,6 +167,35 @@ def pool_bytes_of(blocks: list[Block]) -> int:
     return total
 
 
+@dataclass
+class OwnerPins:
+    """The blocks one owner's id leases pin, each counted once however many of
+    its leases hold it (a shared prompt leased by every request), and their
+    pool bytes."""
+
+    leases: dict[int, int] = field(default_factory=dict)  # id(block) -> leases holding it
+    pool_bytes: int = 0
+
+    def unpinned(self, blocks: Sequence[Block]) -> list[Block]:
+        """Those of ``blocks`` none of this owner's leases holds yet."""
+        return [block for block in blocks if id(block) not in self.leases]
+
+    def add(self, blocks: list[Block]) -> None:
+        self.pool_bytes += pool_bytes_of(self.unpinned(blocks))
+        for block in blocks:
+            self.leases[id(block)] = self.leases.get(id(block), 0) + 1
+
+    def remove(self, blocks: list[Block]) -> None:
+        freed = []
+        for block in blocks:
+            held = self.leases.pop(id(block)) - 1
+            if held:
+                self.leases[id(block)] = held
+            else:
+                freed.append(block)
+        self.pool_bytes -= pool_bytes_of(freed)
+
+
 class BlockIndex:
     """All blocks of one node, over one slot pool per device."""
 
@@ -187,7 +215,7 @@ class BlockIndex:
         self._evictions = 0
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
         self._leases_of: Counter[str] = Counter()  # owner -> leases it holds by id
-        self._leased_bytes_of: Counter[str] = Counter()  # owner -> pool bytes its leases pin
+        self._pins_of: dict[str, OwnerPins] = {}  # owner -> what its id leases pin
 
     # --------------------------------------------------------------- look-ups
 
@@ -427,8 +455,7 @@ class BlockIndex:
             lease.expires = time.monotonic() + ttl_ms / 1000
             self._leases[lease.lease_id] = lease
             self._leases_of[owner] += 1
-            lease.pool_bytes = pool_bytes_of(blocks)
-            self._leased_bytes_of[owner] += lease.pool_bytes
+            self._pins_of.setdefault(owner, OwnerPins()).add(blocks)
         return lease
 
     def unpin(self, lease: Lease) -> None:
@@ -440,9 +467,10 @@ class BlockIndex:
             self._leases_of[lease.owner] -= 1
             if not self._leases_of[lease.owner]:
                 del self._leases_of[lease.owner]
-            self._leased_bytes_of[lease.owner] -= lease.pool_bytes
-            if not self._leased_bytes_of[lease.owner]:
-                del self._leased_bytes_of[lease.owner]
+            pins = self._pins_of[lease.owner]
+            pins.remove(lease.blocks)
+            if not pins.leases:
+                del self._pins_of[lease.owner]
         for block in lease.blocks:
             block.pins -= 1
             self._pinned -= block.pins == 0
@@ -462,9 +490,11 @@ class BlockIndex:
         """How many leases ``owner`` holds by id."""
         return self._leases_of[owner]
 
-    def leased_bytes_of(self, owner: str) -> int:
-        """Pool bytes the leases ``owner`` holds by id pin (a block in two counts twice)."""
-        return self._leased_bytes_of[owner]
+    def leased_bytes_of(self, owner: str, more: Sequence[Block] = ()) -> int:
+        """Pool bytes the leases ``owner`` holds by id pin (a block two of them hold
+        counts once), with ``more`` leased too."""
+        pins = self._pins_of.get(owner, OwnerPins())
+        return pins.pool_bytes + pool_bytes_of(pins.unpinned(more))
 
     def pool_bytes(self) -> int:
         """Bytes of every device's pool together."""

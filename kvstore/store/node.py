@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.copy import DeviceFault, MemoryFault
 from kvstore.store.block import Block, SlotSet
-from kvstore.store.blocks import BlockIndex, IndexStats, Writer, pool_bytes_of
+from kvstore.store.blocks import BlockIndex, IndexStats, Writer
 from kvstore.store.copying import LOAD, SAVE, CopyJob, run_job
 from kvstore.store.fetch import Fetcher, FetcherStats, FetchResult, SourceStats, StoreSource
 from kvstore.store.pool import PoolStats, round_size
@@ -333,7 +333,7 @@ class StoreNode:
         if caller.admin:
             return
         held = self.index.leased_bytes_of(caller.name)
-        more = pool_bytes_of(blocks)
+        more = self.index.leased_bytes_of(caller.name, blocks) - held
         limit = int(self.index.pool_bytes() * limits.MAX_LEASED_POOL_FRACTION)
         if held + more > limit:
             raise exhausted(

@@ -35,7 +35,9 @@ def test_one_tenants_query_leases_cannot_pin_the_whole_pool(pki, small_store):
     was RESOURCE_EXHAUSTED ('pool ... cannot hold') for as long as a cared to
     renew. Now one certificate's leases pin at most half the store's pool: the
     lease past it is RESOURCE_EXHAUSTED naming the lease and pins nothing, and
-    tenant-b's saves find room (evicting a's unleased blocks)."""
+    tenant-b's saves find room (evicting a's unleased blocks). Blocks two of a
+    certificate's leases hold count once: a prompt every request shares and
+    leases is not a reason to refuse the next request's lease."""
     a, b, admin = callers(pki, small_store.address)
     hog, victim = Rank(a, "hog", "a-ns"), Rank(b, "victim", "b-ns")
     try:
@@ -53,7 +55,9 @@ def test_one_tenants_query_leases_cannot_pin_the_whole_pool(pki, small_store):
         assert (after.leases, after.hits) == (before.leases, before.hits)  # it changed nothing
         assert victim.session.save([(7000 + i, i) for i in range(8)]).written == 8
         assert a.query(ns, hashes[:512]).prefix_blocks == 512  # the leased half stayed
-        assert refused(a.query, ns, hashes[:1], lease=True).code is Code.RESOURCE_EXHAUSTED
+        assert refused(a.query, ns, hashes[-1:], lease=True).code is Code.RESOURCE_EXHAUSTED
+        again = a.query(ns, hashes[:512], lease=True)  # the leased half: each block counts once
+        assert again.lease_id and a.release(again.lease_id) == 512  # (a shared prompt a request)
         ops = admin.query(ns, hashes[:512], lease=True)  # an admin is not capped
         assert ops.lease_id and admin.release(ops.lease_id) == 512
         assert a.release(half.lease_id) == 512
