@@ -651,9 +651,9 @@ class Router:
         owners = self.config.node_owners
         owner = owners.get(node_id)
         if owner is not None and owner != caller.name:
-            raise denied(
-                f"{call}: node_id {node_id!r} is bound to certificate {owner!r} "
-                f"(--store-node {owner}={node_id}), not to {caller}"
+            raise denied(  # the owner unnamed: a refusal tells no other identity's name
+                f"{call}: node_id {node_id!r} is bound to another certificate "
+                f"(--store-node), not to {caller}"
             )
         if owner is None and caller.name in owners.values():
             mine = sorted(n for n, cn in owners.items() if cn == caller.name)

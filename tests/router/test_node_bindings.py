@@ -57,7 +57,8 @@ def gpu_depth(router: Router, name: str, hashes) -> int:
 
 def test_a_bound_store_cannot_take_another_nodes_id_and_relay_for_its_workers(router):
     msg = refused(router.advertise_peer, "node-b", "127.0.0.1:9", "", [NS], caller=STORE_A)
-    assert "node_id 'node-b' is bound to certificate 'store-b'" in msg
+    assert "node_id 'node-b' is bound to another certificate (--store-node)" in msg
+    assert "store-b" not in msg  # a refusal names no other identity
     assert router.peers.get("node-b") is None  # nothing claimed
     relay = [StoreEvent("stored", NS, [1, 2], "b0", tier="gpu")]
     msg = refused(router.apply_store_events, "node-b", 1, relay, STORE_A)
