@@ -88,20 +88,24 @@ class ServedRouter:
         self._subscriptions: Subscriptions | None = None
         self._service: RouterService | None = None
 
-    def start(self, server: grpc.aio.Server, security: Security = PLAINTEXT) -> None:
+    def start(
+        self, server: grpc.aio.Server, security: Security = PLAINTEXT, claims: Tenancy | None = None
+    ) -> None:
         """Add the Router service to ``server`` and start the feeds.
 
         ``security``: the server's TLS and admins (who callers are; the store
         feeds present the same credentials); its store CNs (``--store-cn``) join
         the core's trusted stores, which may relay GPU-tier events for any
         tenant's workers attached to the node they publish as; its tenant
-        bindings (``--tenant``) join the core's. Call it from inside the
-        running event loop (the feeds are tasks on it).
+        bindings (``--tenant``) join the core's, or ``claims`` (a store's
+        embedded router: the store's claims, bindings included) stand in for
+        them. Call it from inside the running event loop (the feeds are tasks
+        on it).
         """
         config = self.router.config
         config.store_cns = config.store_cns | frozenset(security.stores)
         config.node_owners = config.node_owners | node_owners(security.store_nodes)
-        config.tenancy = Tenancy([*config.tenancy.bindings, *security.tenants])
+        config.tenancy = claims or Tenancy([*config.tenancy.bindings, *security.tenants])
         if self.etcd_config is None:
             service = RouterService(self.router, security)
         else:

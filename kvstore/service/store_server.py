@@ -34,6 +34,7 @@ from kvstore.store.fetch import Fetcher, StoreSink, StoreSource
 from kvstore.store.node import StoreNode
 from kvstore.store.pool import DEFAULT_SLAB_BYTES, SlotPool
 from kvstore.store.registry import Registry
+from kvstore.store.tenants import NodeClaims
 from kvstore.transfer import PeerServer, rma
 from kvstore.transfer.handshake import PeerSecret
 from kvstore.transfer.onesided import RmaReader
@@ -238,7 +239,8 @@ class StoreServer:
         add_to_server(self.service, self.server)  # a request that does not parse: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.embedded_router is not None:
-            self.embedded_router.start(self.server, security)
+            # its admissions claim client namespaces with the store's ranks: one owner each
+            self.embedded_router.start(self.server, security, NodeClaims(self.node.tenants))
         self.port = security.bind(self.server, host_port(self.config.host, self.config.port))
         if not self.config.node_id:
             self.node_id = f"{socket.gethostname()}:{self.port}"

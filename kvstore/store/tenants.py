@@ -21,13 +21,19 @@ class Tenants:
         self.tenancy = tenancy or Tenancy()
         self._owners: dict[str, str] = {}  # client namespace -> principal name
 
-    def check_register(self, client_namespace: str, caller: Principal) -> None:
-        """PERMISSION_DENIED when ``client_namespace`` is bound (``--tenant``) to,
-        or was claimed by, another principal."""
-        self.tenancy.check("client_namespace", client_namespace, caller)
+    def check_register(
+        self, client_namespace: str, caller: Principal, field_name: str = "client_namespace"
+    ) -> None:
+        """PERMISSION_DENIED, naming ``field_name``, when ``client_namespace`` is
+        bound (``--tenant``) to, or was claimed by, another principal."""
+        self.tenancy.check(field_name, client_namespace, caller)
         owner = self._owners.get(client_namespace)
         if owner is not None:
-            check_owner(f"client_namespace {client_namespace!r}", owner, caller)
+            check_owner(f"{field_name} {client_namespace!r}", owner, caller)
+
+    def owner(self, client_namespace: str) -> str | None:
+        """The principal ``client_namespace`` is bound to or was first claimed by."""
+        return self.tenancy.owner(client_namespace) or self._owners.get(client_namespace)
 
     def claim(self, client_namespace: str, caller: Principal) -> None:
         """``caller`` registered in ``client_namespace``: it owns it if nobody did
@@ -56,3 +62,28 @@ class Tenants:
                 f"{field_name} {final_namespace!r}: {caller} has registered no instance "
                 "in its client namespace"
             )
+
+
+class NodeClaims(Tenancy):
+    """A store's client namespace claims as its embedded router sees them.
+
+    The router alone knows only ``--tenant`` bindings, so over mutual TLS a
+    tenant could admit a worker whose card names another tenant's client
+    namespace (and that tenant's final namespace) and learn from its Routes
+    which of the other's prefixes the store holds. Through this, a card's
+    namespace is checked against the store's first claims as a rank's
+    registration is, and claims it when nobody has: one claim a namespace on
+    the node, whichever of a rank and a worker comes first (binding it with
+    ``--tenant`` is still the operator's remedy against a stranger first).
+    """
+
+    def __init__(self, tenants: Tenants):
+        super().__init__(tenants.tenancy.bindings)
+        self.tenants = tenants
+
+    def owner(self, namespace: str) -> str | None:
+        return self.tenants.owner(namespace)
+
+    def check(self, field_name: str, namespace: str, caller: Principal) -> None:
+        self.tenants.check_register(namespace, caller, field_name)
+        self.tenants.claim(namespace, caller)

@@ -120,3 +120,40 @@ def test_an_admins_store_registration_claims_no_namespace(pki, tls_store):
             rank.close()
         for client in store:
             client.close()
+
+
+def test_a_store_and_its_router_share_first_claims_of_a_namespace(pki):
+    """Without --tenant, a store's namespaces were its ranks' first claimers' but
+    the router it embeds checked bindings only: over mutual TLS tenant-a admitted
+    a worker whose card named tenant-b's client namespace and final namespace,
+    and its Routes told which of b's prefixes the store held (remote_blocks 8 for
+    b's hashes, 0 for others; tenant review, MEDIUM). Now the embedded router's
+    admissions check and claim client namespaces with the store's ranks: a card
+    in b's namespace is PERMISSION_DENIED (naming no tenant), and a namespace a
+    worker claimed first is refused to another's ranks."""
+    s = tls_store_thread(pki, ServedRouter(Router(RouterConfig())))
+    store = callers(pki, s.address)
+    routers = {
+        cn: RouterClient(s.address, tls=pki.issue(cn)) for cn in ("tenant-a", "tenant-b", ADMIN)
+    }
+    victim = Rank(store.b, "b0", "b-ns")
+    try:
+        final = victim.session.wait_sealed(10).final_namespace
+        victim.session.save([(100 + i, i % 8) for i in range(8)])
+        spy = card(namespace="b-ns", final_namespace=final, display_name="spy-model")
+        err = refused(routers["tenant-a"].register_worker, "spy", spy)
+        assert err.code is Code.PERMISSION_DENIED, err
+        assert "card.namespace 'b-ns'" in err.message and "tenant-b" not in err.message
+        assert routers[ADMIN].stats().workers == 0
+        routers["tenant-b"].register_worker("w-b", card(namespace="b-ns", final_namespace=final))
+        routers["tenant-a"].register_worker("w-a", card(namespace="c-ns"))  # a's claim, first
+        err = refused(Rank, store.b, "b1", "c-ns")
+        assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
+        Rank(store.a, "a0", "c-ns").close()  # its own claim
+        routers[ADMIN].register_worker("w-ops", card(namespace="b-ns", final_namespace=final))
+        assert routers[ADMIN].stats().workers == 3
+    finally:
+        victim.close()
+        for client in (*store, *routers.values()):
+            client.close()
+        s.stop()
