@@ -78,16 +78,17 @@ def seconds(owner: str, key: str, value: Any) -> float:
     return number
 
 
-def count(owner: str, key: str, value: Any) -> int:
-    """A whole number above 0 (a number or its text)."""
+def count(owner: str, key: str, value: Any, most: int | None = None) -> int:
+    """A whole number above 0 (a number or its text), at most ``most`` when given."""
     try:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError
         number = int(value)
     except (TypeError, ValueError, OverflowError):
         number = 0
-    if number <= 0:
-        raise ValueError(f"{owner}: {key} must be a whole number above 0, got {value!r}")
+    if number <= 0 or (most is not None and number > most):
+        bound = "" if most is None else f" and at most {most}"
+        raise ValueError(f"{owner}: {key} must be a whole number above 0{bound}, got {value!r}")
     return number
 
 

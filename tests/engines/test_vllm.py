@@ -267,7 +267,13 @@ def test_context_parallelism_is_refused_at_start_naming_it(vllm_ready, option):
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [*BAD_EXTRA_CONFIG, ({"lease_ms": 1.5}, "lease_ms must be a whole number")],
+    [
+        *BAD_EXTRA_CONFIG,
+        ({"lease_ms": 1.5}, "lease_ms must be a whole number"),
+        # past the store's bound every leased Query was refused; past 2^32 protobuf raised
+        ({"lease_ms": 600_001}, "lease_ms must be a whole number above 0 and at most 600000"),
+        ({"lease_ms": 1 << 32}, "at most 600000"),
+    ],
 )
 def test_a_bad_extra_config_key_is_refused_at_start_naming_it(vllm_ready, extra, named):
     """Before: the connector read its keys with ``extra.get`` and ignored the

@@ -66,3 +66,9 @@ def test_a_value_of_the_wrong_kind_is_refused_naming_its_key(read, value):
         ValueError, match=rf"^test connector: k must be .*got {re.escape(repr(value))}$"
     ):
         read(OWNER, "k", value)
+
+
+def test_a_count_past_its_bound_is_refused_naming_the_bound():
+    assert count(OWNER, "k", 600_000, most=600_000) == 600_000
+    with pytest.raises(ValueError, match=r"k must be a whole number above 0 and at most 600000"):
+        count(OWNER, "k", 600_001, most=600_000)

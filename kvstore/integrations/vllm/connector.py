@@ -49,10 +49,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client.store_client import RankSpec, StoreClient
 from kvstore.integrations.checkpoint import variant_of
-from kvstore.integrations.extra import DEFAULT_ADDRESS, read_extra
+from kvstore.integrations.extra import DEFAULT_ADDRESS, count, read_extra
 from kvstore.integrations.vllm.identity import client_namespace, hash_format, none_hash_seed
 from kvstore.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.integrations.vllm.worker import SharedMemoryKVPool, WorkerSide, paged_layers
+from kvstore.wire.limits import MAX_LEASE_MS
 from kvstore.wire.tls import TlsFiles
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class Settings:
             ),
             block_size=vllm_config.cache_config.block_size,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-            lease_ms=given["lease_ms"],
+            lease_ms=count(OWNER, "lease_ms", given["lease_ms"], most=MAX_LEASE_MS),
             prefetch=given["prefetch"],
             seal_timeout_s=given["seal_timeout_s"],
             retry_s=given["retry_s"],
