@@ -174,6 +174,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return codec.save_response(saved)
 
     async def Load(self, request, context):
+        await self._end_if_stopping(context, "load again")  # its peer fetch could evict
         who, refs = codec.caller_id(request), await self._call(context, codec.refs, request)
         left = context.time_remaining()  # None: the caller set no deadline
         if request.start_within_ms:  # the caller waits past it for a copy begun

@@ -90,13 +90,14 @@ def test_a_stopping_store_ends_registrations_subscriptions_and_worker_sessions(s
         store.thread.join(timeout=5)
 
 
-def test_a_stopping_store_takes_no_new_save_or_prefetch(shm):
+def test_a_stopping_store_takes_no_new_save_load_or_prefetch(shm):
     """The store's stop ends its peer port (unpinning the blocks peers were
     granted to read) before gRPC stops taking calls: a Prefetch let in meanwhile
     could evict those blocks and write their slots while a peer's one-sided read
-    still lands (store review, LOW), and a rank's Save was told NOT_FOUND (its
-    registration just ended), not why. Once it begins to stop, both are
-    UNAVAILABLE, shutting down, and change nothing."""
+    still lands (store review, LOW), as could a Load's peer fetch, and a rank's
+    Save or Load was told NOT_FOUND (its registration just ended), not why.
+    Once it begins to stop, each is UNAVAILABLE, shutting down, and changes
+    nothing."""
     store = ServerThread(pool_size=16 << 20, device="cpu", slab_bytes=4 << 20, transfer=False)
     client = StoreClient(store.address)
     try:
@@ -109,6 +110,7 @@ def test_a_stopping_store_takes_no_new_save_or_prefetch(shm):
         store.loop.call_soon_threadsafe(store.server.service.end_streams)  # stop's first step
         for attempt in (
             lambda: session.save([(2, 1)]),
+            lambda: session.load([(1, 1)]),
             lambda: client.prefetch(session.final_namespace, [2]),
         ):
             with pytest.raises(KVError) as refused:
