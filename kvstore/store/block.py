@@ -58,6 +58,8 @@ class Block:
     copying: int = 0  # saves whose copy into its slots has not ended (a claim each)
     # (instance, engine step) of the writer that began it: see BlockIndex.claim
     origin: tuple[str, int] = NO_ORIGIN
+    # the tenant charged with it once sealed: its namespace's owner ("" for none)
+    owner: str = ""
 
     def placed(self, tp_rank: int, device: str) -> tuple[str | None, ...]:
         """``devices`` with ``tp_rank``'s slots on ``device``."""

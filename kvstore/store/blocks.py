@@ -4,7 +4,8 @@ slots in the pools, LRU eviction and pins (docs/design.md §2).
 * A save *claims* the caller's slots of *inflight* blocks, and *finishes* the
   claim once its bytes are in; a block whose every slot is written is
   *sealed*: visible to queries, loads and peers, and evictable (LRU, whole
-  blocks). An inflight block is dropped, never shown, when a writer leaves,
+  blocks; tenants over a fair share of the pool first: kvstore.store.shares).
+  An inflight block is dropped, never shown, when a writer leaves,
   its copy fails, or it is still incomplete after ``INFLIGHT_TIMEOUT_S``.
 * A :class:`Lease` *pins* sealed blocks (a load's copy, a client's query
   lease, a peer's fetch): a pinned block is never evicted or cleared. It is the
@@ -44,6 +45,7 @@ from kvstore.store.block import (
 )
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
+from kvstore.store.shares import Excess, OwnerShares, Saver, pool_bytes_of
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.limits import MAX_HASHES_PER_EVENT
@@ -154,19 +156,6 @@ def _by_namespace(keys: list[Key]) -> dict[str, list[int]]:
     return out
 
 
-def pool_bytes_of(blocks: list[Block]) -> int:
-    """Pool bytes the slots of ``blocks`` take (each slot rounded as the pool
-    rounds it); blocks of one layout share one slot array: summed once."""
-    sizes: dict[int, int] = {}  # id(slot_bytes) -> one block's pool bytes
-    total = 0
-    for block in blocks:
-        size = sizes.get(id(block.slot_bytes))
-        if size is None:
-            size = sizes[id(block.slot_bytes)] = sum(map(round_size, block.slot_bytes.tolist()))
-        total += size
-    return total
-
-
 @dataclass
 class OwnerPins:
     """The blocks one owner's id leases pin, each counted once however many of
@@ -216,6 +205,19 @@ class BlockIndex:
         self._pinned = 0  # blocks with pins > 0 (Stats reads it; walking them is O(blocks))
         self._leases_of: Counter[str] = Counter()  # owner -> leases it holds by id
         self._pins_of: dict[str, OwnerPins] = {}  # owner -> what its id leases pin
+        self._shares = OwnerShares()  # sealed blocks by owner: fair shares when evicting
+        self._owner_of: Callable[[str], str] = lambda _namespace: ""
+
+    def charge_to(self, owner_of: Callable[[str], str]) -> None:
+        """Charge each block sealed from now on to ``owner_of(its namespace)``, the
+        tenant owning it: a save that must evict takes first from tenants over a
+        fair share of the pools (kvstore.store.shares). Until then every block is
+        the one owner ""'s and eviction is the plain LRU."""
+        self._owner_of = owner_of
+
+    def held_bytes_of(self, owner: str) -> int:
+        """Pool bytes of the sealed blocks charged to ``owner``."""
+        return self._shares.held(owner)
 
     # --------------------------------------------------------------- look-ups
 
@@ -316,7 +318,7 @@ class BlockIndex:
         else:
             new = iter(made.blocks)
             blocks, rows = [b if b is not None else next(new) for b in found], None
-        self._allocate(blocks, slots, by.device, rows)
+        self._allocate(blocks, slots, by.device, rows, self._owner_of(namespace))
         mine = self._writers.setdefault(by.session, set())
         keys = [(namespace, h) for h in fresh]
         self.blocks.update(zip(keys, made.blocks, strict=True))
@@ -450,6 +452,7 @@ class BlockIndex:
             block.pins += 1
             if refresh:
                 self._lru.move_to_end(block.key)
+                self._shares.touch(block)
         if ttl_ms:
             lease.lease_id = secrets.token_hex(12)
             lease.expires = time.monotonic() + ttl_ms / 1000
@@ -508,10 +511,11 @@ class BlockIndex:
         """Blocks with every slot allocated (tp_rank r's on ``devices[r]``) but kept
         out of the index until :meth:`adopt`; :meth:`discard` frees them."""
         made = new_blocks(namespace, hashes, shape, time.monotonic(), devices=tuple(devices))
+        owner = self._owner_of(namespace)
         try:
             for tp_rank, device in enumerate(devices):
                 slots = tp_rank_slots(shape.slot_bytes, shape.tp_size, tp_rank)
-                self._allocate(made.blocks, slots, device, made.offsets)
+                self._allocate(made.blocks, slots, device, made.offsets, owner)
         except BaseException:
             self.discard(made.blocks)
             raise
@@ -580,20 +584,31 @@ class BlockIndex:
             mine = self._writers.get(session)
             if mine is not None:
                 mine.difference_update(keys)
+        namespace, owner = None, ""
         for block in blocks:
             block.sealed = True
             block.writers = ()
+            if block.key[0] is not namespace:  # a run of one namespace, as a rule
+                namespace = block.key[0]
+                owner = self._owner_of(namespace)
+            block.owner = owner
         self._lru.update(zip(keys, blocks))
+        self._shares.add(blocks)
         for namespace, hashes in _by_namespace(keys).items():
             self._emit(STORED, namespace, hashes)
 
     def _allocate(
-        self, blocks: list[Block], slots: SlotSet, device: str, rows: np.ndarray | None = None
+        self,
+        blocks: list[Block],
+        slots: SlotSet,
+        device: str,
+        rows: np.ndarray | None = None,
+        owner: str = "",
     ) -> None:
         """Give ``slots`` of every block an offset in ``device``'s pool, evicting LRU
         blocks as needed. All or nothing: on failure every offset taken is returned.
         ``rows``: the blocks' offsets as one array (row i is block i's), when they
-        have it.
+        have it; ``owner``: the tenant the blocks will be charged to.
 
         Slots are laid out block after block, each block's in ascending slot index
         (layer id major, whatever order the caller registered its layers in): the
@@ -602,13 +617,15 @@ class BlockIndex:
         pool = self._pools[device]
         taken: list[tuple[int, np.ndarray]] = []
         checked = False
+        brought = sum(round_size(run.size) * len(run.cells) for run in slots.runs)
+        saver = Saver(owner, brought * len(blocks))
         try:
             for run in slots.runs:
                 count = len(run.cells) * len(blocks)
                 if not checked and not pool.can_alloc(run.size, count):
                     _check_fits(pool, slots, len(blocks))  # else it would evict for nothing
                     checked = True
-                offsets = self._alloc_or_evict(pool, run.size, count)
+                offsets = self._alloc_or_evict(pool, run.size, count, saver)
                 taken.append((run.size, offsets))
                 _place(blocks, run.where, offsets.reshape(len(blocks), len(run.cells)), rows)
         except BaseException:
@@ -621,25 +638,22 @@ class BlockIndex:
                     block.offsets[slots.slots] = -1
             raise
 
-    def _alloc_or_evict(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
-        """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction).
-        The same-size victims' slots are handed over as they are (a full pool in
+    def _alloc_or_evict(self, pool: SlotPool, size: int, count: int, saver: Saver) -> np.ndarray:
+        """``count`` slots of ``size``, evicting by bytes (kvstore.store.eviction):
+        first from tenants over their fair share (kvstore.store.shares), then,
+        unless the saver itself would stay over, from everyone's LRU. The
+        same-size victims' slots are handed over as they are (a full pool in
         steady state frees and takes nothing); the rest come from the pool."""
         handed = _NO_SLOTS
         if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
-            frees = SlotFrees()
-            need = pool.shortfall(size, count)
-            self._evict(same_size_victims(self._lru.values(), pool, size, need), frees)
-            handed = frees.take(pool.device, size, count)
-            frees.apply(self._pools)
-            tried: set[int] = set()
-            while not pool.can_alloc(size, count - len(handed)):
-                others = (b for b in self.blocks.values() if not b.sealed)
-                found = slab_victims(pool, list(self._lru.values()), others, tried)
-                if found is None:
-                    break
-                tried.add(found[0])
-                self._evict(found[1])
+            over = self._shares.over(self.pool_bytes(), saver)
+            if over:
+                handed = self._evict_over_share(pool, size, count, over, saver)
+                if not pool.can_alloc(size, count - len(handed)):
+                    self._check_saver_within_share(pool, size, handed, saver)
+            if not pool.can_alloc(size, count - len(handed)):
+                more = self._evict_lru(pool, size, count - len(handed))
+                handed = np.concatenate((handed, more)) if len(handed) else more
         if len(handed) == count:
             return handed
         offsets = pool.alloc(size, count - len(handed))
@@ -652,6 +666,72 @@ class BlockIndex:
                 "a load, a lease or a save in flight"
             )
         return np.concatenate((handed, offsets)) if len(handed) else offsets
+
+    def _evict_lru(self, pool: SlotPool, size: int, count: int) -> np.ndarray:
+        """Room for ``count`` slots of ``size`` from the global LRU: same-size
+        victims (their slots returned, to be reused as they are), then slabs."""
+        frees = SlotFrees()
+        need = pool.shortfall(size, count)
+        self._evict(same_size_victims(self._lru.values(), pool, size, need), frees)
+        handed = frees.take(pool.device, size, count)
+        frees.apply(self._pools)
+        tried: set[int] = set()
+        while not pool.can_alloc(size, count - len(handed)):
+            others = (b for b in self.blocks.values() if not b.sealed)
+            found = slab_victims(pool, list(self._lru.values()), others, tried)
+            if found is None:
+                break
+            tried.add(found[0])
+            self._evict(found[1])
+        return handed
+
+    def _evict_over_share(
+        self, pool: SlotPool, size: int, count: int, over: list[Excess], saver: Saver
+    ) -> np.ndarray:
+        """Room for ``count`` slots of ``size`` from tenants over their share, most
+        over first, each down to its share: its oldest same-size blocks (their
+        slots returned), then slabs only over-share tenants' blocks hold."""
+        frees = SlotFrees()
+        for excess in over:
+            need = pool.shortfall(size, count) - frees.count(pool.device, size)
+            if need <= 0:
+                break
+            oldest = self._shares.oldest(excess.owner)
+            self._evict(same_size_victims(oldest, pool, size, need, excess.nbytes), frees)
+        handed = frees.take(pool.device, size, count)
+        frees.apply(self._pools)
+        tried: set[int] = set()
+        while not pool.can_alloc(size, count - len(handed)):
+            over = self._shares.over(self.pool_bytes(), saver)
+            # a slab whose every slot an over-share tenant's unpinned block holds
+            # (another's, a pinned or an inflight block's slots make it not empty)
+            held = [b for excess in over for b in self._shares.oldest(excess.owner)]
+            found = slab_victims(pool, held, (), tried) if held else None
+            if found is None:
+                break
+            tried.add(found[0])
+            self._evict(found[1])
+        return handed
+
+    def _check_saver_within_share(
+        self, pool: SlotPool, size: int, handed: np.ndarray, saver: Saver
+    ) -> None:
+        """RESOURCE_EXHAUSTED when the rest of the room a save needs would come from
+        tenants within their share while the saver, with what it brings, holds
+        more than its own: nobody's blocks within a fair share go for that."""
+        for excess in self._shares.over(self.pool_bytes(), saver):
+            if excess.owner != saver.owner:
+                continue
+            if len(handed):
+                pool.free(size, handed)  # all or nothing: the victims stay evicted
+            raise exhausted(
+                f"no room on {pool.device} within a fair share of the pool: "
+                f"{format_size(self._shares.held(saver.owner))} held and "
+                f"{format_size(saver.nbytes)} this save brings is "
+                f"{format_size(excess.nbytes)} over a share (the pool over the tenants "
+                "holding blocks), and the rest of the pool is other tenants' within "
+                "theirs: save fewer blocks at a time"
+            )
 
     def _evict(self, blocks: list[Block], frees: SlotFrees | None = None) -> None:
         """Drop unpinned sealed blocks: one free per slot size, one event per
@@ -676,6 +756,7 @@ class BlockIndex:
         for key in keys:
             del index[key]
             del lru[key]
+        self._shares.remove(blocks)
         if frees is None:
             SlotFrees.free(blocks, self._pools)
         else:
@@ -693,7 +774,8 @@ class BlockIndex:
         a save still copies into it, once the last such copy ended."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
-            self._lru.pop(block.key, None)
+            if self._lru.pop(block.key, None) is not None:
+                self._shares.remove([block])
         for session in block.writers:
             self._writers.get(session, set()).discard(block.key)
         self._free_slots(block)

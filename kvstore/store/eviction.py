@@ -19,6 +19,7 @@ each other. Plain functions over blocks; the block index applies the result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -40,30 +41,39 @@ def slots_on(block: Block, device: str) -> np.ndarray:
     return idx[block.offsets[idx] >= 0]
 
 
-def same_size_victims(lru: Iterable[Block], pool: SlotPool, nbytes: int, need: int) -> list[Block]:
+def same_size_victims(
+    lru: Iterable[Block], pool: SlotPool, nbytes: int, need: int, budget: int | None = None
+) -> list[Block]:
     """The oldest unpinned blocks holding slots of ``nbytes`` (rounded) in ``pool``,
-    just enough of them to free ``need`` such slots (fewer when there are not)."""
+    just enough of them to free ``need`` such slots (fewer when there are not);
+    with ``budget``, no more once their pool bytes (every slot) reach it."""
     size, device = round_size(nbytes), pool.device
-    counts: dict[tuple, int] = {}  # (slot sizes, devices) -> slots of size on device
+    counts: dict[tuple, tuple[int, int]] = {}  # (slot sizes, devices) -> slots of size, bytes
     out: list[Block] = []
-    freed = 0
-    last: tuple = (None, None)  # (slot sizes, devices) of the block before, and its count
-    count = 0
+    freed = taken = 0
+    weigh, budget = budget is not None, math.inf if budget is None else budget
+    last: tuple = (None, None)  # (slot sizes, devices) of the block before
+    count = block_bytes = 0
     for block in lru:
-        if freed >= need:
+        if freed >= need or taken >= budget:
             break
         if block.pins:
             continue
         if block.slot_bytes is not last[0] or block.devices is not last[1]:  # else: as before
             last = (block.slot_bytes, block.devices)
             key = (id(block.slot_bytes), block.devices)
-            count = counts.get(key)
-            if count is None:
+            known = counts.get(key)
+            if known is None:
                 runs = device_slots(block, device).runs
-                count = counts[key] = sum(len(r.cells) for r in runs if round_size(r.size) == size)
+                known = counts[key] = (
+                    sum(len(r.cells) for r in runs if round_size(r.size) == size),
+                    sum(map(round_size, block.slot_bytes.tolist())) if weigh else 0,
+                )
+            count, block_bytes = known
         if count:
             out.append(block)
             freed += count
+            taken += block_bytes
     return out
 
 
@@ -150,6 +160,15 @@ class SlotFrees:
                     cells = np.sort(cells, axis=1)
                 cells = cells.ravel()
                 self._offsets.setdefault((device, run.size), []).append(cells[cells >= 0])
+
+    def count(self, device: str, nbytes: int) -> int:
+        """How many gathered slots on ``device`` round as ``nbytes`` does."""
+        size = round_size(nbytes)
+        return sum(
+            sum(map(len, parts))
+            for (on, part_size), parts in self._offsets.items()
+            if on == device and round_size(part_size) == size
+        )
 
     def take(self, device: str, nbytes: int, count: int) -> np.ndarray:
         """Up to ``count`` of the gathered slots on ``device`` whose size rounds as

@@ -125,6 +125,7 @@ class StoreNode:
         self.source = source
         self.counters = Counters()
         self.tenants = Tenants(tenancy)
+        self.index.charge_to(self.tenants.owner_of)  # fair shares of the pool (design §2)
         self._device_faults: dict[str, int] = {}  # CUDA errors under copies, by device
 
     # ---------------------------------------------------------- registration

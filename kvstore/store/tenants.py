@@ -46,6 +46,11 @@ class Tenants:
         if owner:
             self._owners.setdefault(client_namespace, owner)
 
+    def owner_of(self, final_namespace: str) -> str:
+        """The principal owning final namespace ``final_namespace``'s client
+        namespace ("" when none does: no TLS, or only an admin registered there)."""
+        return self._owners.get(client_namespace_of(final_namespace), "")
+
     def may_see(self, final_namespace: str, caller: Principal) -> bool:
         """May ``caller`` see (query, clear, watch) final namespace ``final_namespace``?"""
         return caller.admin or self._owners.get(client_namespace_of(final_namespace)) == (

@@ -67,3 +67,42 @@ def test_one_tenants_query_leases_cannot_pin_the_whole_pool(pki, small_store):
         victim.close()
         for client in (a, b, admin):
             client.close()
+
+
+def test_one_tenants_saves_evict_its_own_blocks_not_another_tenants_within_its_share(
+    pki, small_store
+):
+    """Before: one LRU for the whole pool: tenant-b saved 8 blocks, tenant-a saved
+    1,024 (the pool's worth) and b's query found a prefix of 0. Now a save that
+    must evict takes from tenants over their fair share first (the pool over the
+    tenants holding blocks): a's one Save of the whole pool is RESOURCE_EXHAUSTED
+    (it would put a over its half only at b's expense) and evicts nothing; a
+    saving the pool twice over in 64-block Saves evicts its own oldest blocks;
+    b, within its share, keeps its 8 and its next Save evicts a's."""
+    a, b, admin = callers(pki, small_store.address)
+    hog, victim = Rank(a, "hog", "a-ns"), Rank(b, "victim", "b-ns")
+    try:
+        a_ns = hog.session.wait_sealed(10).final_namespace
+        b_ns = victim.session.wait_sealed(10).final_namespace
+        mine = [7000 + i for i in range(8)]
+        assert victim.session.save([(h, i) for i, h in enumerate(mine)]).written == 8
+        err = refused(hog.session.save, [(h, h % 8) for h in range(1000, 2024)])
+        assert err.code is Code.RESOURCE_EXHAUSTED and "fair share" in err.message
+        assert "tenant-b" not in err.message
+        assert b.query(b_ns, mine).prefix_blocks == 8 and admin.stats().evictions == 0
+        hashes = list(range(10_000, 12_048))
+        for start in range(0, len(hashes), 64):
+            batch = hashes[start : start + 64]
+            assert hog.session.save([(h, h % 8) for h in batch]).written == 64
+        assert b.query(b_ns, mine).prefix_blocks == 8
+        assert a.query(a_ns, hashes[-1016:]).prefix_blocks == 1016  # the rest of the pool
+        assert a.query(a_ns, hashes[:1]).prefix_blocks == 0
+        more = [8000 + i for i in range(8)]
+        assert victim.session.save([(h, i) for i, h in enumerate(more)]).written == 8
+        assert b.query(b_ns, mine + more).prefix_blocks == 16
+        assert a.query(a_ns, hashes[-1008:]).prefix_blocks == 1008
+    finally:
+        hog.close()
+        victim.close()
+        for client in (a, b, admin):
+            client.close()
