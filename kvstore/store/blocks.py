@@ -215,8 +215,15 @@ class BlockIndex:
         the one owner ""'s and eviction is the plain LRU."""
         self._owner_of = owner_of
 
+    def _split_shares(self) -> None:
+        """Keep per-owner books from now on (a tenant other than "" saves)."""
+        if not self._shares.split:
+            self._shares.split_from(list(self._lru.values()))
+
     def held_bytes_of(self, owner: str) -> int:
         """Pool bytes of the sealed blocks charged to ``owner``."""
+        if not self._shares.split:  # every block is ""'s
+            return pool_bytes_of(list(self._lru.values())) if owner == "" else 0
         return self._shares.held(owner)
 
     # --------------------------------------------------------------- look-ups
@@ -452,7 +459,8 @@ class BlockIndex:
             block.pins += 1
             if refresh:
                 self._lru.move_to_end(block.key)
-                self._shares.touch(block)
+                if self._shares.split:
+                    self._shares.touch(block)
         if ttl_ms:
             lease.lease_id = secrets.token_hex(12)
             lease.expires = time.monotonic() + ttl_ms / 1000
@@ -584,16 +592,19 @@ class BlockIndex:
             mine = self._writers.get(session)
             if mine is not None:
                 mine.difference_update(keys)
-        namespace, owner = None, ""
+        namespace, owner, tenants = None, "", self._shares.split
         for block in blocks:
             block.sealed = True
             block.writers = ()
             if block.key[0] is not namespace:  # a run of one namespace, as a rule
                 namespace = block.key[0]
                 owner = self._owner_of(namespace)
+                tenants = tenants or owner != ""
             block.owner = owner
+        if tenants:
+            self._split_shares()
+            self._shares.add(blocks)
         self._lru.update(zip(keys, blocks))
-        self._shares.add(blocks)
         for namespace, hashes in _by_namespace(keys).items():
             self._emit(STORED, namespace, hashes)
 
@@ -646,6 +657,8 @@ class BlockIndex:
         steady state frees and takes nothing); the rest come from the pool."""
         handed = _NO_SLOTS
         if round_size(size) <= pool.slab_bytes and not pool.can_alloc(size, count):
+            if saver.owner:
+                self._split_shares()
             over = self._shares.over(self.pool_bytes(), saver)
             if over:
                 handed = self._evict_over_share(pool, size, count, over, saver)
@@ -756,7 +769,8 @@ class BlockIndex:
         for key in keys:
             del index[key]
             del lru[key]
-        self._shares.remove(blocks)
+        if self._shares.split:
+            self._shares.remove(blocks)
         if frees is None:
             SlotFrees.free(blocks, self._pools)
         else:
@@ -774,7 +788,7 @@ class BlockIndex:
         a save still copies into it, once the last such copy ended."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
-            if self._lru.pop(block.key, None) is not None:
+            if self._lru.pop(block.key, None) is not None and self._shares.split:
                 self._shares.remove([block])
         for session in block.writers:
             self._writers.get(session, set()).discard(block.key)

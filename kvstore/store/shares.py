@@ -64,11 +64,21 @@ def _by_owner(blocks: list[Block]) -> dict[str, list[Block]]:
 
 class OwnerShares:
     """Per owner: its sealed blocks, least recently used first, and their pool
-    bytes. The block index keeps it in step with its own LRU."""
+    bytes. The block index keeps it in step with its own LRU once ``split``:
+    until a block of an owner other than "" seals (no TLS: never), every block
+    is ""'s, the index's LRU is ""'s, and no books are kept (a save pays
+    nothing for them)."""
 
     def __init__(self) -> None:
         self._lru: dict[str, OrderedDict[Key, Block]] = {}
         self._bytes: dict[str, int] = {}
+        self.split = False
+
+    def split_from(self, everyone: list[Block]) -> None:
+        """Start keeping books, ``everyone`` being every sealed block (all ""'s),
+        least recently used first."""
+        self.split = True
+        self.add(everyone)
 
     def add(self, blocks: list[Block]) -> None:
         """Sealed ``blocks`` (their owner set) join their owners' LRU, newest."""

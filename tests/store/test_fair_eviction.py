@@ -108,3 +108,14 @@ def test_a_new_size_empties_the_over_share_tenants_slab_not_an_older_one():
     assert held(index, "b") == [1, 2, 3]
     assert held(index, "a") == [10, 15]
     index.pool("cpu").check()
+
+
+def test_blocks_of_no_owner_sealed_before_a_tenant_came_count_as_one_tenants():
+    index = tenants_index(lambda ns: "" if ns == "x" else ns[0])  # x: an admin's, say
+    save(index, "x", [1, 2])  # no books kept yet: every block is ""'s
+    for h in range(10, 16):
+        save(index, "a", [h])
+    save(index, "a", [16])
+    assert held(index, "x") == [1, 2] and held(index, "a") == list(range(11, 17))
+    assert index.held_bytes_of("") == 32 << 10
+    index.pool("cpu").check()
