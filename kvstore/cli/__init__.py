@@ -77,8 +77,9 @@ STORE_METRICS = (
     "failures by cause, and the embedded router's (if any)"
 )
 ROUTER_METRICS = (
-    "the router's stats: workers, sets, peers, indexed blocks, events applied and dropped "
-    "by cause, active requests, load and hit reports, resyncs"
+    "the router's stats: workers, sets, peers, indexed blocks, held blocks and their bound "
+    "(--max-held-blocks), events applied and dropped by cause, active requests, load and "
+    "hit reports, resyncs"
 )
 
 

@@ -33,6 +33,7 @@ from kvstore.router.bounds import (
     BYTES_PER_HELD_BLOCK,
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_MAX_HELD_BLOCKS,
+    SETTLED,
 )
 from kvstore.router.core import Router, RouterConfig
 from kvstore.router.endpoints import LOOPBACK, EndpointAllowList
@@ -45,6 +46,7 @@ from kvstore.wire.principal import NodeBinding, node_owners
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50061
+SETTLED_PERCENT = round(SETTLED * 100)  # an overflow episode ends back at this share of its bound
 ZMQ_ENDPOINT = re.compile(r"tcp://\S+:\d{1,5}|ipc://\S+")  # what a vLLM publisher binds
 
 
@@ -120,10 +122,10 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         )
         parser.add_argument(
             "--log-level",
-            default="INFO",
-            type=str.upper,
-            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-            help="logging level (INFO; any case)",
+            default="info",
+            type=str.lower,
+            choices=["debug", "info", "warning", "error"],
+            help="log verbosity (info; any case); debug applies to kvstore's own loggers",
         )
         add_metrics(parser, ROUTER_METRICS)
         add_etcd(parser)
@@ -203,7 +205,8 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         help="blocks the router indexes for one tier of a worker whose card states no "
         "capacity_blocks (a card's capacity_blocks bounds its GPU tier; its offload tier "
         "takes the larger of the two); stored blocks past it are not indexed and count "
-        f"as over_capacity, logged once a worker (default {DEFAULT_CAPACITY_BLOCKS})",
+        f"as over_capacity, logged once per worker tier until it is back to {SETTLED_PERCENT}%% "
+        f"of its bound (default {DEFAULT_CAPACITY_BLOCKS})",
     )
     parser.add_argument(
         "--max-held-blocks",
@@ -213,7 +216,8 @@ def add_router_arguments(parser: argparse.ArgumentParser, embedded: bool = False
         help="blocks the router indexes in all, summed over workers' tiers and store "
         f"nodes (a block two hold counts twice; ~{BYTES_PER_HELD_BLOCK} B each); stored "
         "blocks past it are not indexed and count as index_full, logged once until "
-        f"removals make room (default {DEFAULT_MAX_HELD_BLOCKS}, ~2 GiB)",
+        f"removals bring it back to {SETTLED_PERCENT}%% of its bound "
+        f"(default {DEFAULT_MAX_HELD_BLOCKS}, ~2 GiB)",
     )
 
 
