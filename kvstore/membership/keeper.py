@@ -137,8 +137,9 @@ class LeaseKeeper:
             await etcd.close()
 
     async def _refresh(self, etcd: Etcd, leases: list[int]) -> None:
-        """One round: every lease refreshed over one stream; a lease etcd says is
-        gone is dropped and its holder told; failures are logged (``_report``)."""
+        """One round: every lease refreshed (``Etcd.refresh_all``: a stream per
+        KEEPALIVE_STREAM_LEASES leases); a lease etcd says is gone is dropped and
+        its holder told; failures are logged (``_report``)."""
         try:
             ttls = await etcd.refresh_all(leases)
         except KVError as exc:  # unreachable: try again next tick, the leases may still live
