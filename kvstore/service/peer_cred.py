@@ -9,8 +9,8 @@ against that user (docs/design.md §1), so that it maps only what the caller
 could have opened itself.
 
 The kernel is asked through netlink (``sock_diag``), with a filter on the
-caller's port run in the kernel: about 20 ms with 10,000 sockets on the node,
-where reading and parsing ``/proc/net/tcp`` took about 110 ms on the store's
+caller's port run in the kernel: about 10 ms with 10,000 sockets on the node,
+where reading and parsing ``/proc/net/tcp`` took about 100 ms on the store's
 event loop. Where netlink is refused (a sandbox), the tables are read instead.
 """
 
