@@ -630,6 +630,10 @@ class BlockIndex:
         checked = False
         brought = sum(round_size(run.size) * len(run.cells) for run in slots.runs)
         saver = Saver(owner, brought * len(blocks))
+        if owner and any(
+            not pool.can_alloc(r.size, len(r.cells) * len(blocks)) for r in slots.runs
+        ):
+            self._check_within_share(pool, saver)  # before anything is evicted
         try:
             for run in slots.runs:
                 count = len(run.cells) * len(blocks)
@@ -662,8 +666,6 @@ class BlockIndex:
             over = self._shares.over(self.pool_bytes(), saver)
             if over:
                 handed = self._evict_over_share(pool, size, count, over, saver)
-                if not pool.can_alloc(size, count - len(handed)):
-                    self._check_saver_within_share(pool, size, handed, saver)
             if not pool.can_alloc(size, count - len(handed)):
                 more = self._evict_lru(pool, size, count - len(handed))
                 handed = np.concatenate((handed, more)) if len(handed) else more
@@ -726,25 +728,23 @@ class BlockIndex:
             self._evict(found[1])
         return handed
 
-    def _check_saver_within_share(
-        self, pool: SlotPool, size: int, handed: np.ndarray, saver: Saver
-    ) -> None:
-        """RESOURCE_EXHAUSTED when the rest of the room a save needs would come from
-        tenants within their share while the saver, with what it brings, holds
-        more than its own: nobody's blocks within a fair share go for that."""
-        for excess in self._shares.over(self.pool_bytes(), saver):
-            if excess.owner != saver.owner:
-                continue
-            if len(handed):
-                pool.free(size, handed)  # all or nothing: the victims stay evicted
-            raise exhausted(
-                f"no room on {pool.device} within a fair share of the pool: "
-                f"{format_size(self._shares.held(saver.owner))} held and "
-                f"{format_size(saver.nbytes)} this save brings is "
-                f"{format_size(excess.nbytes)} over a share (the pool over the tenants "
-                "holding blocks), and the rest of the pool is other tenants' within "
-                "theirs: save fewer blocks at a time"
-            )
+    def _check_within_share(self, pool: SlotPool, saver: Saver) -> None:
+        """RESOURCE_EXHAUSTED, before anything is evicted, when a save that must
+        evict brings more than a fair share of the pool (the pools over the
+        tenants holding blocks, its own counted): even every block of its tenant
+        evicted would leave it over, and the rest would be other tenants' within
+        theirs. A save within its share evicts tenants over theirs first (its own
+        oldest when it is), then the LRU."""
+        self._split_shares()
+        share = self._shares.share(self.pool_bytes(), saver)
+        if share is None or saver.nbytes <= share:
+            return
+        raise exhausted(
+            f"no room on {pool.device} within a fair share of the pool: this save "
+            f"brings {format_size(saver.nbytes)}, more than a tenant's share of "
+            f"{format_size(share)} (the pool over the tenants holding blocks): save "
+            "fewer blocks at a time. Nothing was evicted"
+        )
 
     def _evict(self, blocks: list[Block], frees: SlotFrees | None = None) -> None:
         """Drop unpinned sealed blocks: one free per slot size, one event per

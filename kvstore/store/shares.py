@@ -113,14 +113,18 @@ class OwnerShares:
         """``owner``'s sealed blocks, least recently used first."""
         return iter(self._lru.get(owner, {}).values())
 
-    def over(self, pool_bytes: int, saver: Saver) -> list[Excess]:
-        """Tenants holding more than ``pool_bytes`` over the tenants holding
-        blocks (``saver`` counted, with what it brings), most over first; none
-        while one tenant alone holds blocks and saves."""
+    def share(self, pool_bytes: int, saver: Saver) -> int | None:
+        """A fair share: ``pool_bytes`` over the tenants holding blocks, ``saver``
+        counted; None while one tenant alone holds blocks and saves."""
         holders = len(self._lru) + (saver.owner not in self._lru)
-        if holders == 1:
+        return None if holders == 1 else pool_bytes // holders
+
+    def over(self, pool_bytes: int, saver: Saver) -> list[Excess]:
+        """Tenants holding more than a fair share (``saver`` with what it brings),
+        most over first; none while one tenant alone holds blocks and saves."""
+        share = self.share(pool_bytes, saver)
+        if share is None:
             return []
-        share = pool_bytes // holders
         held = dict(self._bytes)
         held[saver.owner] = held.get(saver.owner, 0) + saver.nbytes
         out = [Excess(owner, n - share) for owner, n in held.items() if n > share]

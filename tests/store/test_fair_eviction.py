@@ -77,6 +77,30 @@ def test_a_save_that_would_put_its_tenant_over_its_share_is_refused_not_paid_by_
     index.pool("cpu").check()
 
 
+def test_a_refused_save_evicts_nothing_of_anyone_its_own_blocks_included():
+    """Found by the final read: the refusal came after the over-share eviction,
+    so a refused save of a had already evicted a's two blocks and two of c's."""
+    index = tenants_index()
+    save(index, "b", [1, 2])
+    save(index, "a", [10, 11])
+    save(index, "c", [20, 21, 22, 23])  # the pool is full; a share is a third of it
+    with pytest.raises(KVError) as info:
+        save(index, "a", list(range(12, 17)))  # 80 KiB, over a share of ~43 KiB
+    assert (
+        info.value.code is Code.RESOURCE_EXHAUSTED and "Nothing was evicted" in info.value.message
+    )
+    assert index.stats().evictions == 0
+    assert (held(index, "a"), held(index, "b"), held(index, "c")) == (
+        [10, 11],
+        [1, 2],
+        [20, 21, 22, 23],
+    )
+    save(index, "a", [12, 13])  # within a share: a's own oldest go first
+    assert held(index, "b") == [1, 2] and held(index, "c") == [20, 21, 22, 23]
+    assert held(index, "a") == [12, 13]
+    index.pool("cpu").check()
+
+
 def test_pinned_blocks_of_a_tenant_over_its_share_stay_and_the_lru_gives_the_room():
     index = tenants_index()
     save(index, "b", [1, 2])
