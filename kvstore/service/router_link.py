@@ -290,6 +290,7 @@ class RemoteRouterLink:
             if not self.advertised:
                 self._drop(batch)  # the snapshot replays them once the router is back
                 continue
+            sent_as = self.client.generation
             try:
                 if batch is None:
                     in_sequence = await self._send_snapshot()
@@ -298,9 +299,14 @@ class RemoteRouterLink:
                 if not in_sequence:
                     self._queue.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 -- any RPC failure: resync, keep pumping
+                forgotten = isinstance(exc, KVError) and exc.code is Code.NOT_FOUND
+                if forgotten and sent_as != self.client.generation:
+                    self._drop(batch)  # sent under the generation just replaced: its
+                    continue  # snapshot, queued by that advertisement, covers the batch
                 self._failed_publishes += 1  # the next keepalive re-advertises, replays all
-                if isinstance(exc, KVError) and exc.code is Code.NOT_FOUND:
-                    self._forgotten.set()  # it does not know us (restarted): advertise now
+                if forgotten:  # it does not know us (restarted): advertise now, not later
+                    self.advertised = False
+                    self._forgotten.set()
                 self._drop(batch)
                 what = "the snapshot" if batch is None else f"{len(batch)} events"
                 self._outage.failed(f"could not forward {what}: {grpc_reason(exc)}")
