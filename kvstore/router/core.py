@@ -216,6 +216,7 @@ class Router:
                 return current
             decided = Decided(generation, set_owner) if generation else None
             worker, old = self.admission.admit(name, card, caller, decided)
+            self.config.tenancy.claim(card.namespace, caller)  # admitted: now it claims
             if old is not None:
                 self._forget(old)
             owing = self.peers.admitted(name)

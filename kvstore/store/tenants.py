@@ -77,7 +77,7 @@ class NodeClaims(Tenancy):
     namespace (and that tenant's final namespace) and learn from its Routes
     which of the other's prefixes the store holds. Through this, a card's
     namespace is checked against the store's first claims as a rank's
-    registration is, and claims it when nobody has: one claim a namespace on
+    registration is, and an admission claims it when nobody has: one claim a namespace on
     the node, whichever of a rank and a worker comes first (binding it with
     ``--tenant`` is still the operator's remedy against a stranger first).
     """
@@ -91,4 +91,6 @@ class NodeClaims(Tenancy):
 
     def check(self, field_name: str, namespace: str, caller: Principal) -> None:
         self.tenants.check_register(namespace, caller, field_name)
-        self.tenants.claim(namespace, caller)
+
+    def claim(self, namespace: str, caller: Principal) -> None:
+        self.tenants.claim(namespace, caller)  # once admitted: a refusal claims nothing

@@ -141,6 +141,10 @@ class Tenancy:
         """The CN ``namespace`` is bound to, or None."""
         return self._owners.get(namespace)
 
+    def claim(self, namespace: str, caller: Principal) -> None:
+        """``caller`` was admitted into client namespace ``namespace`` (after
+        :meth:`check` passed): bindings claim nothing; a store's claims do."""
+
     def check(self, field_name: str, namespace: str, caller: Principal) -> None:
         """PERMISSION_DENIED, naming ``field_name``, when ``caller`` may not
         claim client namespace ``namespace``. Another tenant's CN is not named

@@ -150,6 +150,9 @@ def test_a_store_and_its_router_share_first_claims_of_a_namespace(pki):
         err = refused(Rank, store.b, "b1", "c-ns")
         assert err.code is Code.PERMISSION_DENIED and "tenant-a" not in err.message
         Rank(store.a, "a0", "c-ns").close()  # its own claim
+        err = refused(routers["tenant-a"].register_worker, "w-b", card(namespace="d-ns"))
+        assert err.code is Code.PERMISSION_DENIED  # the worker name is b's
+        Rank(store.b, "b2", "d-ns").close()  # and a's refused admission claimed nothing
         routers[ADMIN].register_worker("w-ops", card(namespace="b-ns", final_namespace=final))
         assert routers[ADMIN].stats().workers == 3
     finally:
