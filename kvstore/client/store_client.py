@@ -127,6 +127,7 @@ ACCEPT_TIMEOUT_S = 60.0
 # How long a Load waits past its timeout for a copy the store began in time: far
 # beyond any copy's length at the pace the store assumes when it begins one.
 LATE_COPY_S = 30.0
+MAX_START_WITHIN_MS = (1 << 32) - 1  # the field's range: a longer timeout is "this long"
 
 
 @dataclass
@@ -260,7 +261,7 @@ class RankSession:
             session=self.session,
             block_hashes=[h for h, _ in blocks],
             block_ids=[i for _, i in blocks],
-            start_within_ms=max(1, round(timeout * 1000)),
+            start_within_ms=min(MAX_START_WITHIN_MS, max(1, round(timeout * 1000))),
         )
         began = time.monotonic()
         try:
