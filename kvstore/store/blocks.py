@@ -511,6 +511,12 @@ class BlockIndex:
         """Bytes of every device's pool together."""
         return sum(pool.pool_bytes for pool in self._pools.values())
 
+    def fair_share(self, owner: str) -> int:
+        """The pools' bytes over the tenants holding sealed blocks, ``owner``
+        counted (every byte while one tenant alone holds blocks)."""
+        share = self._shares.share(self.pool_bytes(), Saver(owner)) if self._shares.split else None
+        return self.pool_bytes() if share is None else share
+
     # --------------------------------------------------------------- detached
 
     def reserve(

@@ -328,20 +328,23 @@ class StoreNode:
 
     def _check_leased_bytes(self, blocks: list[Block], caller: Principal) -> None:
         """RESOURCE_EXHAUSTED when leasing ``blocks`` would have ``caller`` (not an
-        admin) pin more than MAX_LEASED_POOL_FRACTION of the pool by query leases:
-        pinned blocks are never evicted, so one tenant leasing the whole pool
-        would leave every other tenant's saves no room."""
+        admin) pin by query leases more than MAX_LEASED_POOL_FRACTION of the pool,
+        or more than a fair share of it when that is less (the pool over the
+        tenants holding blocks): pinned blocks are never evicted, so tenants
+        leasing all the pool between them would leave another's saves no room."""
         if caller.admin:
             return
         held = self.index.leased_bytes_of(caller.name)
         more = self.index.leased_bytes_of(caller.name, blocks) - held
-        limit = int(self.index.pool_bytes() * limits.MAX_LEASED_POOL_FRACTION)
+        fraction = limits.MAX_LEASED_POOL_FRACTION
+        limit = min(int(self.index.pool_bytes() * fraction), self.index.fair_share(caller.name))
         if held + more > limit:
             raise exhausted(
                 f"lease: {caller} pins {format_size(held)} by query leases and this one "
                 f"would pin {format_size(more)} more: at most {format_size(limit)} a "
-                "certificate (half this store's pool, so that others' saves find room); "
-                "release leases or lease a shorter prefix. Nothing was leased"
+                f"certificate ({fraction:.0%} of this store's pool, or a fair share of it "
+                "between the tenants holding blocks if less, so that others' saves find "
+                "room); release leases or lease a shorter prefix. Nothing was leased"
             )
 
     def release(self, lease_id: str, caller: Principal = LOCAL) -> int:

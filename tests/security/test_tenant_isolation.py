@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.client import StoreClient
 from kvstore.wire.errors import Code
 from tests.conftest import ServerThread
 from tests.security.conftest import ADMIN
@@ -105,4 +106,29 @@ def test_one_tenants_saves_evict_its_own_blocks_not_another_tenants_within_its_s
         hog.close()
         victim.close()
         for client in (a, b, admin):
+            client.close()
+
+
+def test_one_tenants_leases_pin_at_most_a_fair_share_when_that_is_less_than_half(pki, small_store):
+    """Found by the final read: each certificate could pin half the pool, so two
+    tenants leasing between them pinned all of it and a third's saves found no
+    room. With three tenants holding blocks, a's leases pin at most a third."""
+    a, b, admin = callers(pki, small_store.address)
+    c = StoreClient(small_store.address, tls=pki.issue("tenant-c"))
+    ranks = [Rank(a, "a0", "a-ns"), Rank(b, "b0", "b-ns"), Rank(c, "c0", "c-ns")]
+    try:
+        ns = ranks[0].session.wait_sealed(10).final_namespace
+        for rank in ranks[1:]:
+            rank.session.wait_sealed(10)
+        hashes = list(range(1000, 1400))  # 400 KiB: under half the pool, over a third
+        assert ranks[0].session.save([(h, h % 8) for h in hashes]).written == 400
+        for i, rank in enumerate(ranks[1:]):
+            assert rank.session.save([(5000 + 10 * i + j, j) for j in range(8)]).written == 8
+        err = refused(a.query, ns, hashes, lease=True)
+        assert err.code is Code.RESOURCE_EXHAUSTED and "fair share" in err.message
+        assert a.query(ns, hashes[:300], lease=True).lease_id  # 300 KiB: within a third
+    finally:
+        for rank in ranks:
+            rank.close()
+        for client in (a, b, c, admin):
             client.close()
