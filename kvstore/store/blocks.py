@@ -27,7 +27,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from kvstore.store.block import (
 )
 from kvstore.store.eviction import SlotFrees, same_size_victims, slab_victims
 from kvstore.store.pool import PoolStats, SlotPool, round_size
-from kvstore.store.shares import Excess, OwnerShares, Saver, pool_bytes_of
+from kvstore.store.shares import Excess, OwnerPins, OwnerShares, Saver, pool_bytes_of
 from kvstore.wire.errors import exhausted, not_found
 from kvstore.wire.events import CLEARED, REMOVED, STORE_TIER, STORED, StoreEvent
 from kvstore.wire.limits import MAX_HASHES_PER_EVENT
@@ -154,35 +154,6 @@ def _by_namespace(keys: list[Key]) -> dict[str, list[int]]:
             hashes = out.setdefault(ns, [])
         hashes.append(block_hash)
     return out
-
-
-@dataclass
-class OwnerPins:
-    """The blocks one owner's id leases pin, each counted once however many of
-    its leases hold it (a shared prompt leased by every request), and their
-    pool bytes."""
-
-    leases: dict[int, int] = field(default_factory=dict)  # id(block) -> leases holding it
-    pool_bytes: int = 0
-
-    def unpinned(self, blocks: Sequence[Block]) -> list[Block]:
-        """Those of ``blocks`` none of this owner's leases holds yet."""
-        return [block for block in blocks if id(block) not in self.leases]
-
-    def add(self, blocks: list[Block]) -> None:
-        self.pool_bytes += pool_bytes_of(self.unpinned(blocks))
-        for block in blocks:
-            self.leases[id(block)] = self.leases.get(id(block), 0) + 1
-
-    def remove(self, blocks: list[Block]) -> None:
-        freed = []
-        for block in blocks:
-            held = self.leases.pop(id(block)) - 1
-            if held:
-                self.leases[id(block)] = held
-            else:
-                freed.append(block)
-        self.pool_bytes -= pool_bytes_of(freed)
 
 
 class BlockIndex:
@@ -710,8 +681,9 @@ class BlockIndex:
         self, pool: SlotPool, size: int, count: int, over: list[Excess], saver: Saver
     ) -> np.ndarray:
         """Room for ``count`` slots of ``size`` from tenants over their share, most
-        over first, each down to its share: its oldest same-size blocks (their
-        slots returned), then slabs only over-share tenants' blocks hold."""
+        over first: its oldest same-size blocks, each tenant down to its share
+        (their slots returned), then whole slabs only over-share tenants' blocks
+        hold (a slab may take a tenant below its share)."""
         frees = SlotFrees()
         for excess in over:
             need = pool.shortfall(size, count) - frees.count(pool.device, size)

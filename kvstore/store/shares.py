@@ -1,6 +1,7 @@
 """Each tenant's part of the pools: which sealed blocks it holds, least recently
 used first, their pool bytes, and who holds more than a fair share when a save
-must evict (docs/design.md §2, §8).
+must evict (docs/design.md §2, §8); and what its query leases pin
+(:class:`OwnerPins`, against its lease bound).
 
 A sealed block is charged to its *owner*, the principal owning its client
 namespace (``Tenants.owner_of``; "" when none: no TLS, or an admin's). A
@@ -14,8 +15,8 @@ same one) nobody is ever over and eviction is the plain global LRU.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from kvstore.store.block import Block, Key
 from kvstore.store.pool import round_size
@@ -129,3 +130,32 @@ class OwnerShares:
         held[saver.owner] = held.get(saver.owner, 0) + saver.nbytes
         out = [Excess(owner, n - share) for owner, n in held.items() if n > share]
         return sorted(out, key=lambda e: -e.nbytes)
+
+
+@dataclass
+class OwnerPins:
+    """The blocks one owner's id leases pin, each counted once however many of
+    its leases hold it (a shared prompt leased by every request), and their
+    pool bytes."""
+
+    leases: dict[int, int] = field(default_factory=dict)  # id(block) -> leases holding it
+    pool_bytes: int = 0
+
+    def unpinned(self, blocks: Sequence[Block]) -> list[Block]:
+        """Those of ``blocks`` none of this owner's leases holds yet."""
+        return [block for block in blocks if id(block) not in self.leases]
+
+    def add(self, blocks: list[Block]) -> None:
+        self.pool_bytes += pool_bytes_of(self.unpinned(blocks))
+        for block in blocks:
+            self.leases[id(block)] = self.leases.get(id(block), 0) + 1
+
+    def remove(self, blocks: list[Block]) -> None:
+        freed = []
+        for block in blocks:
+            held = self.leases.pop(id(block)) - 1
+            if held:
+                self.leases[id(block)] = held
+            else:
+                freed.append(block)
+        self.pool_bytes -= pool_bytes_of(freed)
