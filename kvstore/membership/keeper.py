@@ -141,7 +141,7 @@ class LeaseKeeper:
         KEEPALIVE_STREAM_LEASES leases); a lease etcd says is gone is dropped and
         its holder told; failures are logged (``_report``)."""
         try:
-            ttls = await etcd.refresh_all(leases)
+            refreshed = await etcd.refresh_all(leases)
         except KVError as exc:  # unreachable: try again next tick, the leases may still live
             self._report(len(leases), len(leases), exc.message)
             return
@@ -149,13 +149,14 @@ class LeaseKeeper:
             log.exception("%s: lease keepalives failed", self.what)
             self._report(len(leases), len(leases), f"lease keepalives: {exc!r}")
             return
-        for lease, ttl in ttls.items():
+        for lease, ttl in refreshed.ttls.items():
             if ttl > 0:
                 self.refreshed += 1
             else:
                 self._lost(lease)
-        unanswered = len(leases) - len(ttls)
-        self._report(unanswered, len(leases), f"etcd answered {len(ttls)} of {len(leases)}")
+        answered = len(refreshed.ttls)
+        why = f"; {refreshed.failure.message}" if refreshed.failure is not None else ""
+        self._report(len(leases) - answered, len(leases), f"etcd answered {answered}{why}")
 
     def _lost(self, lease: int) -> None:
         with self._lock:
