@@ -310,29 +310,8 @@ class SGLangRank:
 
     def unshared_pool_error(self) -> str:
         """register_mem_pool_host of a pool from SGLang's default (non-shm) allocator."""
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
         pool = _pool_classes()[0]("page_first", HEADS, "default")
-        extra = {
-            "backend_name": "kvstore",
-            "module_path": "kvstore.integrations.sglang",
-            "class_name": "KVStoreHiCacheStorage",
-        }
-        config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=False,
-            enable_storage_metrics=False,
-            is_page_first_layout=True,
-            model_name="m",
-            extra_config=extra,
-        )
-        backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        backend = _backend_from({}, pool, allocator=None)
         try:
             backend.register_mem_pool_host(pool)
         except ValueError as err:
@@ -731,8 +710,10 @@ def test_server_arguments_that_change_weights_or_kv_change_the_namespace(tmp_pat
     assert digests["safetensors"] == digests["production"]
 
 
-def _backend_from(extra: dict):
-    """SGLang's dynamic factory building the kvstore backend from ``extra`` (no pool yet)."""
+def _backend_from(extra: dict, pool=None, allocator: str | None = "shm"):
+    """SGLang's dynamic factory building the kvstore backend from ``extra`` over
+    ``pool`` (None: no pool yet); ``allocator``: the extra config's (None: SGLang's
+    default allocator, whose pools are not shared)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -751,11 +732,11 @@ def _backend_from(extra: dict):
             "backend_name": "kvstore",
             "module_path": "kvstore.integrations.sglang",
             "class_name": "KVStoreHiCacheStorage",
-            "allocator": "shm",
+            **({} if allocator is None else {"allocator": allocator}),
             **extra,
         },
     )
-    return StorageBackendFactory.create_backend("dynamic", config, None)
+    return StorageBackendFactory.create_backend("dynamic", config, pool)
 
 
 @pytest.mark.parametrize(
